@@ -1,0 +1,190 @@
+"""State codecs: how one state tensor (an Adam moment, Lion's momentum) is stored in a page.
+
+A codec owns a region of a page's bytes for ``capacity`` elements and turns a segment of it into fp32
+values (:meth:`decode`) and back (:meth:`encode`). Update rules never see the encoding.
+
+* :class:`Float32Codec` stores fp32 values as they are; decoding returns a view, so updates are in place.
+* :class:`Blockwise8bitCodec` stores one 8-bit code per element and one fp32 scale per block of
+  ``block_size`` elements (the block's largest magnitude). A code ``q`` stands for the value
+
+  .. math::
+      x = s \\cdot \\operatorname{sign}(q) \\, \\left(\\frac{|q|}{q_{max}}\\right)^{p}
+
+  with ``q`` an int8 in [-127, 127] for a signed state (first moments: ``p = 2``) and a uint8 in
+  [0, 255] for a non-negative state (second moments: ``p = 4``). The power map spends its codes where
+  the values are dense: near zero for momenta, over many orders of magnitude for squared gradients.
+  Encoding rounds to the nearest code in the ``|x / s| ** (1/p)`` domain, and a positive value of a
+  non-negative state never rounds to zero (a zero second moment under a non-zero first moment would
+  make Adam's step explode). A block whose values are all zero has scale zero and decodes to zeros.
+
+A state's bytes per element are ``1 + 4 / block_size``: 2.03125 bytes per parameter for AdamW's two
+moments with blocks of 256.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+EncodedSegment = tuple[torch.Tensor, ...]
+"""The arrays of one segment's encoded state: views into a page buffer."""
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class Float32Codec:
+    """State stored as fp32 values, 4 bytes per element."""
+
+    alignment: int = 1
+    fields: tuple[str, ...] = ("",)
+
+    def nbytes(self, capacity: int) -> int:
+        """Bytes of a region holding ``capacity`` elements."""
+        return 4 * capacity
+
+    def arrays(self, region: torch.Tensor, capacity: int) -> EncodedSegment:
+        """Typed views of a region's bytes: the fp32 values."""
+        return (region.view(torch.float32),)
+
+    def select(self, arrays: EncodedSegment, offset: int, length: int) -> EncodedSegment:
+        """The views of ``length`` elements from element ``offset`` of a region."""
+        (values,) = arrays
+        return (values[offset : offset + length],)
+
+    def decode(self, encoded: EncodedSegment, length: int) -> torch.Tensor:
+        """fp32 values of a segment (here a view: updating it updates the page)."""
+        return encoded[0]
+
+    def encode(self, values: torch.Tensor, encoded: EncodedSegment) -> None:
+        """Store fp32 ``values`` into a segment."""
+        if values.data_ptr() != encoded[0].data_ptr():
+            encoded[0].copy_(values)
+
+    def field_lengths(self, length: int) -> tuple[int, ...]:
+        """Elements of each saved field for a segment of ``length`` elements."""
+        return (length,)
+
+    def field_offsets(self, start: int) -> tuple[int, ...]:
+        """Where a segment starting at element ``start`` of its parameter begins in each saved field."""
+        return (start,)
+
+    def field_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (torch.float32,)
+
+
+@dataclass(frozen=True)
+class Blockwise8bitCodec:
+    """State stored as 8-bit codes with an fp32 scale per block of ``block_size`` elements."""
+
+    block_size: int
+    signed: bool
+    fields: tuple[str, ...] = ("codes", "scales")
+
+    @property
+    def alignment(self) -> int:
+        return self.block_size
+
+    @property
+    def power(self) -> int:
+        return 2 if self.signed else 4
+
+    @property
+    def max_code(self) -> int:
+        return 127 if self.signed else 255
+
+    @property
+    def code_dtype(self) -> torch.dtype:
+        return torch.int8 if self.signed else torch.uint8
+
+    def nbytes(self, capacity: int) -> int:
+        return capacity + 4 * (capacity // self.block_size)
+
+    def arrays(self, region: torch.Tensor, capacity: int) -> EncodedSegment:
+        codes = region[:capacity].view(self.code_dtype)
+        scales = region[capacity : capacity + 4 * (capacity // self.block_size)].view(torch.float32)
+        return codes, scales
+
+    def select(self, arrays: EncodedSegment, offset: int, length: int) -> EncodedSegment:
+        codes, scales = arrays
+        blocks = -(-length // self.block_size)
+        first = offset // self.block_size
+        return codes[offset : offset + blocks * self.block_size], scales[first : first + blocks]
+
+    def decode(self, encoded: EncodedSegment, length: int) -> torch.Tensor:
+        codes, scales = encoded
+        normalized = codes.view(-1, self.block_size).float() / self.max_code
+        if self.signed:
+            magnitude = normalized * normalized.abs()
+        else:
+            squared = normalized * normalized
+            magnitude = squared * squared
+        return (magnitude * scales.unsqueeze(1)).view(-1)[:length]
+
+    def encode(self, values: torch.Tensor, encoded: EncodedSegment) -> None:
+        codes, scales = encoded
+        padding = codes.numel() - values.numel()
+        blocks = F.pad(values, (0, padding)).view(-1, self.block_size)
+        block_scales = blocks.abs().amax(dim=1)
+        inverse = torch.where(block_scales > 0, block_scales.reciprocal(), torch.zeros_like(block_scales))
+        normalized = blocks * inverse.unsqueeze(1)
+        if self.signed:
+            quantized = torch.round(normalized.abs().sqrt() * self.max_code) * normalized.sign()
+        else:
+            quantized = torch.round(normalized.sqrt().sqrt() * self.max_code)
+            quantized = torch.maximum(quantized, (normalized > 0).to(quantized.dtype))
+        codes.copy_(quantized.view(-1))
+        scales.copy_(block_scales)
+
+    def field_lengths(self, length: int) -> tuple[int, ...]:
+        return length, -(-length // self.block_size)
+
+    def field_offsets(self, start: int) -> tuple[int, ...]:
+        return start, start // self.block_size
+
+    def field_dtypes(self) -> tuple[torch.dtype, ...]:
+        return self.code_dtype, torch.float32
+
+
+Codec = Float32Codec | Blockwise8bitCodec
+
+
+@dataclass(frozen=True)
+class PageFormat:
+    """The codecs of a page's states, one region each, in the order the update rule takes them."""
+
+    codecs: tuple[Codec, ...]
+
+    @property
+    def alignment(self) -> int:
+        return max(codec.alignment for codec in self.codecs)
+
+    def region_offsets(self, capacity: int) -> list[int]:
+        """Byte offset of each codec's region, each aligned to 64 bytes, and the total at the end."""
+        offsets = [0]
+        for codec in self.codecs:
+            offsets.append(_round_up(offsets[-1] + codec.nbytes(capacity), 64))
+        return offsets
+
+    def nbytes(self, capacity: int) -> int:
+        """Bytes of a page holding ``capacity`` elements."""
+        return self.region_offsets(capacity)[-1]
+
+    def capacity_for(self, page_bytes: int) -> int:
+        """The most elements (a multiple of the alignment) whose page fits in ``page_bytes``."""
+        per_element = sum(codec.nbytes(self.alignment) for codec in self.codecs) / self.alignment
+        capacity = _round_up(int(page_bytes / per_element) + self.alignment, self.alignment)
+        while capacity > 0 and self.nbytes(capacity) > page_bytes:
+            capacity -= self.alignment
+        return capacity
+
+    def arrays(self, buffer: torch.Tensor, capacity: int) -> list[EncodedSegment]:
+        """Each codec's typed views of a page buffer."""
+        offsets = self.region_offsets(capacity)
+        return [
+            codec.arrays(buffer[offsets[i] : offsets[i + 1]], capacity) for i, codec in enumerate(self.codecs)
+        ]

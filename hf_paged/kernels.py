@@ -1,0 +1,72 @@
+"""Per-segment update kernels: decode the state, apply an update rule in fp32, encode, write the parameter.
+
+The composition is plain PyTorch, so it runs eagerly on every device. With ``compiled=True`` it is
+handed to :func:`torch.compile`, which fuses decode, update and encode into one kernel per segment
+shape family (``dynamic=True``: segment lengths and the per-step scalars do not cause recompiles).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .codecs import Codec, EncodedSegment
+
+UpdateRule = Callable[..., None]
+"""An update rule: ``rule(param, grad, *states, **scalars)`` updating fp32 tensors in place."""
+
+
+def update_segment(
+    rule: UpdateRule,
+    codecs: Sequence[Codec],
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    encoded: Sequence[EncodedSegment],
+    scalars: dict[str, float],
+) -> None:
+    """Update one segment: ``param`` and ``grad`` are its flat element ranges, ``encoded`` its state views."""
+    param32 = param.float()
+    states = [codec.decode(segment, param.numel()) for codec, segment in zip(codecs, encoded)]
+    rule(param32, grad.float(), *states, **scalars)
+    for codec, state, segment in zip(codecs, states, encoded):
+        codec.encode(state, segment)
+    if param32 is not param:
+        param.copy_(param32)
+
+
+def compile_available(device: torch.device) -> bool:
+    """Whether :func:`torch.compile` can build kernels for ``device`` on this machine."""
+    if device.type == "cpu":
+        return shutil.which(os.environ.get("CXX", "c++")) is not None or shutil.which("gcc") is not None
+    if device.type in ("cuda", "xpu"):
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return False
+        return True
+    return False
+
+
+def resolve_compiled(compiled: bool | None, device: torch.device) -> bool:
+    """The ``compiled`` setting in force: the argument, else ``HF_PAGED_COMPILE`` (0/1), else availability."""
+    if compiled is None:
+        setting = os.environ.get("HF_PAGED_COMPILE", "").strip().lower()
+        if setting in ("0", "false", "no", "off"):
+            return False
+        if setting not in ("", "1", "true", "yes", "on"):
+            raise ValueError(f"HF_PAGED_COMPILE={setting!r} is not allowed: use 0 or 1")
+        compiled = compile_available(device)
+    return compiled
+
+
+@functools.cache
+def segment_kernel(rule: UpdateRule, compiled: bool) -> Callable[..., None]:
+    """The segment update for ``rule``: :func:`update_segment` bound to it, compiled or eager."""
+    kernel = functools.partial(update_segment, rule)
+    if compiled:
+        return torch.compile(kernel, dynamic=True)
+    return kernel

@@ -1,0 +1,218 @@
+r"""AdamW with paged state: :class:`PagedAdamW` (fp32 moments) and :class:`PagedAdamW8bit` (8-bit moments).
+
+For a parameter :math:`\theta` with gradient :math:`g_t` at step :math:`t` (decoupled weight decay,
+Loshchilov and Hutter, as ``torch.optim.AdamW``):
+
+.. math::
+    \theta_t &= \theta_{t-1} (1 - \gamma \lambda) \\
+    m_t &= \beta_1 m_{t-1} + (1 - \beta_1) g_t \\
+    v_t &= \beta_2 v_{t-1} + (1 - \beta_2) g_t^2 \\
+    \theta_t &= \theta_t - \frac{\gamma}{1 - \beta_1^t} \,
+        \frac{m_t}{\sqrt{v_t} / \sqrt{1 - \beta_2^t} + \epsilon}
+
+with learning rate :math:`\gamma`, weight decay :math:`\lambda`, and the state ``exp_avg`` (:math:`m`)
+and ``exp_avg_sq`` (:math:`v`). The update is computed in fp32 for fp32, bf16 and fp16 parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ..codecs import Float32Codec
+from ..store import Page, Segment
+from .base import DEFAULT_PAGE_SIZE, PagedOptimizer, check_betas, check_eps, check_lr, check_weight_decay
+
+
+def adamw_update_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    lr: float,
+    weight_decay: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    step_size: float,
+    bias_correction2_sqrt: float,
+) -> None:
+    """One AdamW update of fp32 tensors in place; the scalars come from :func:`adamw_scalars`."""
+    param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def adamw_scalars(group: dict[str, Any], step: float) -> dict[str, float]:
+    """The scalar arguments of :func:`adamw_update_` for ``group``'s hyperparameters at ``step``."""
+    lr = float(group["lr"])
+    beta1, beta2 = group["betas"]
+    return {
+        "lr": lr,
+        "weight_decay": group["weight_decay"],
+        "beta1": beta1,
+        "beta2": beta2,
+        "eps": group["eps"],
+        "step_size": lr / (1 - beta1**step),
+        "bias_correction2_sqrt": math.sqrt(1 - beta2**step),
+    }
+
+
+def adamw_update_multi_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    *,
+    lr: float,
+    weight_decay: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+) -> None:
+    """:func:`adamw_update_` on lists of fp32 tensors in one call of PyTorch's fused AdamW kernel.
+
+    ``steps`` are the step counts (fp32 scalar tensors on the tensors' device) after this update.
+    """
+    torch._fused_adamw_(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        steps,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=weight_decay,
+        eps=eps,
+        amsgrad=False,
+        maximize=False,
+    )
+
+
+class _PagedAdamWBase(PagedOptimizer):
+    state_names = ("exp_avg", "exp_avg_sq")
+    signed_states = (True, False)
+
+    def check_group(self, group: dict[str, Any]) -> None:
+        check_lr(group["lr"])
+        check_betas(group["betas"])
+        check_eps(group["eps"])
+        check_weight_decay(group["weight_decay"])
+
+    @staticmethod
+    def update_rule():
+        return adamw_update_
+
+    def rule_scalars(self, group: dict[str, Any], step: float) -> dict[str, float]:
+        return adamw_scalars(group, step)
+
+    def update_page_fast(self, page: Page, work: list[tuple[Segment, torch.Tensor, torch.Tensor, float, dict]]) -> bool:
+        """fp32 parameters with fp32 state on CPU or CUDA: PyTorch's fused AdamW kernel, one call per page."""
+        device = page.device.device
+        if (
+            device.type not in ("cpu", "cuda")
+            or not all(isinstance(codec, Float32Codec) for codec in page.format.codecs)
+            or any(param.dtype != torch.float32 or grad.dtype != torch.float32 for _, param, grad, _, _ in work)
+        ):
+            return False
+        exp_avgs, exp_avg_sqs = (
+            [codec.select(array, segment.offset, segment.length)[0] for segment, *_ in work]
+            for codec, array in zip(page.format.codecs, page.format.arrays(page.device, page.capacity))
+        )
+        group = work[0][4]
+        beta1, beta2 = group["betas"]
+        adamw_update_multi_(
+            [param for _, param, _, _, _ in work],
+            [grad for _, _, grad, _, _ in work],
+            list(exp_avgs),
+            list(exp_avg_sqs),
+            [torch.tensor(step, dtype=torch.float32, device=device) for _, _, _, step, _ in work],
+            lr=float(group["lr"]),
+            weight_decay=group["weight_decay"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+        )
+        return True
+
+
+class PagedAdamW(_PagedAdamWBase):
+    """AdamW (``torch.optim.AdamW``'s update and defaults) with fp32 moments in pages under a device budget.
+
+    Args:
+        params: parameters or param groups (each group may set its own ``lr``, ``betas``, ``eps`` and
+            ``weight_decay``).
+        lr: learning rate :math:`\\gamma`.
+        betas: :math:`(\\beta_1, \\beta_2)`, each in [0, 1).
+        eps: :math:`\\epsilon` > 0, added to the denominator.
+        weight_decay: decoupled weight decay :math:`\\lambda` >= 0.
+        page_size, device_budget, prefetch, compiled: paging settings, see :class:`PagedOptimizer`.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        page_size: int | str = DEFAULT_PAGE_SIZE,
+        device_budget: int | str | None = None,
+        prefetch: int = 2,
+        compiled: bool | None = None,
+    ) -> None:
+        defaults = {"lr": lr, "betas": tuple(betas) if isinstance(betas, list) else betas, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(
+            params, defaults, page_size=page_size, device_budget=device_budget, prefetch=prefetch, compiled=compiled
+        )
+
+
+class PagedAdamW8bit(_PagedAdamWBase):
+    """AdamW with blockwise 8-bit moments (2.03 bytes per parameter) in pages under a device budget.
+
+    Tensors with fewer than ``min_8bit_size`` elements keep fp32 moments.
+
+    Args:
+        params, lr, betas, eps, weight_decay: as :class:`PagedAdamW`.
+        block_size: elements per quantization block (one fp32 scale each).
+        min_8bit_size: tensors with fewer elements keep fp32 state.
+        page_size, device_budget, prefetch, compiled: paging settings, see :class:`PagedOptimizer`.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        block_size: int = 256,
+        min_8bit_size: int = 4096,
+        page_size: int | str = DEFAULT_PAGE_SIZE,
+        device_budget: int | str | None = None,
+        prefetch: int = 2,
+        compiled: bool | None = None,
+    ) -> None:
+        defaults = {"lr": lr, "betas": tuple(betas) if isinstance(betas, list) else betas, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(
+            params,
+            defaults,
+            page_size=page_size,
+            device_budget=device_budget,
+            prefetch=prefetch,
+            eight_bit=True,
+            block_size=block_size,
+            min_8bit_size=min_8bit_size,
+            compiled=compiled,
+        )

@@ -1,0 +1,514 @@
+"""The paged optimizer base: joins an update rule, state codecs and a page store.
+
+Subclasses name their states and their update rule; this class lays parameters' state out in pages,
+streams the pages through the device during :meth:`step`, and saves and loads the state in the layout
+of ``torch.optim`` (``state`` keyed by parameter index, ``param_groups``) with CPU tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch.optim import Optimizer
+
+from ..codecs import Blockwise8bitCodec, Codec, Float32Codec, PageFormat
+from ..device import backend_for
+from ..kernels import UpdateRule, resolve_compiled, segment_kernel
+from ..sizes import parse_size
+from ..store import Page, PageStore, Segment
+
+DEFAULT_PAGE_SIZE = 4 * 2**20
+"""Default page size in bytes (see ``benchmarks/optimizer_step.py``)."""
+
+_LAYOUT_KEYS = ("block_size", "min_8bit_size")
+"""Group entries that fix the state layout: saved with the state, never taken from a loaded state dict."""
+
+
+def check_lr(lr: Any) -> None:
+    if isinstance(lr, torch.Tensor):
+        lr = lr.item()
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr < 0:
+        raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
+
+
+def check_betas(betas: Any) -> None:
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    for i, beta in enumerate(betas):
+        if not isinstance(beta, (int, float)) or isinstance(beta, bool) or not 0.0 <= beta < 1.0:
+            raise ValueError(f"betas[{i}] must be in [0, 1), got {beta!r}")
+
+
+def check_eps(eps: Any) -> None:
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
+
+
+def check_weight_decay(weight_decay: Any) -> None:
+    if (
+        not isinstance(weight_decay, (int, float))
+        or isinstance(weight_decay, bool)
+        or not math.isfinite(weight_decay)
+        or weight_decay < 0
+    ):
+        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor holding this process's elements: a DTensor's local shard, else the tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+class PagedOptimizer(Optimizer):
+    """A ``torch.optim.Optimizer`` whose state lives in pages under a device budget.
+
+    Subclasses set :attr:`state_names` (the rule's state tensors, in the rule's argument order),
+    :attr:`signed_states` (whether each may be negative, which picks its 8-bit map), :meth:`update_rule`
+    and :meth:`rule_scalars`, and validate their hyperparameters in :meth:`check_group`.
+
+    Args:
+        params: parameters or param groups, as for any ``torch.optim.Optimizer``.
+        defaults: the subclass's hyperparameter defaults.
+        page_size: bytes of one page, an integer or a string such as ``"4MiB"``.
+        device_budget: the most bytes of optimizer state on the device at any time; ``None`` for no limit.
+            At least one page.
+        prefetch: pages copied to the device ahead of the page being updated.
+        eight_bit: store tensors of ``min_8bit_size`` or more elements in blockwise 8-bit codes.
+        block_size: elements per quantization block (8-bit state), a power of two from 16 to 4096.
+        min_8bit_size: tensors with fewer elements keep 32-bit state.
+        compiled: fuse each segment's decode-update-encode with ``torch.compile``; ``None`` chooses by the
+            ``HF_PAGED_COMPILE`` environment variable, else by whether a compiler is available.
+    """
+
+    state_names: ClassVar[tuple[str, ...]]
+    signed_states: ClassVar[tuple[bool, ...]]
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        defaults: dict[str, Any],
+        *,
+        page_size: int | str = DEFAULT_PAGE_SIZE,
+        device_budget: int | str | None = None,
+        prefetch: int = 2,
+        eight_bit: bool = False,
+        block_size: int = 256,
+        min_8bit_size: int = 4096,
+        compiled: bool | None = None,
+    ) -> None:
+        self.page_size = parse_size(page_size, "page_size")
+        self.prefetch = _check_int("prefetch", prefetch, 0)
+        self.eight_bit = eight_bit
+        if eight_bit:
+            _check_int("block_size", block_size, 16)
+            if block_size & (block_size - 1) or block_size > 4096:
+                raise ValueError(f"block_size must be a power of two from 16 to 4096, got {block_size}")
+            _check_int("min_8bit_size", min_8bit_size, 0)
+            defaults = {**defaults, "block_size": block_size, "min_8bit_size": min_8bit_size}
+        self._formats = self._page_formats(block_size)
+        for page_format in self._formats.values():
+            if page_format.capacity_for(self.page_size) == 0:
+                one_block = page_format.nbytes(page_format.alignment)
+                raise ValueError(
+                    f"page_size={self.page_size} bytes is smaller than one block of state ({one_block} bytes)"
+                )
+        if eight_bit and self.page_size % block_size:
+            raise ValueError(f"page_size={self.page_size} must be a multiple of block_size={block_size}")
+        if not eight_bit and self.page_size % 64:
+            raise ValueError(f"page_size={self.page_size} must be a multiple of 64 bytes")
+        self._device_budget = self._parse_budget(device_budget, "device_budget")
+        if compiled is not None and not isinstance(compiled, bool):
+            raise TypeError(f"compiled must be True, False or None, got {compiled!r}")
+        self._compiled_setting = compiled
+        self._store: PageStore | None = None
+        self._params: list[torch.Tensor] = []
+        self._param_segments: list[list[tuple[Page, Segment]]] = []
+        self._param_codecs: list[str] = []
+        super().__init__(params, defaults)
+
+    # Layout -------------------------------------------------------------------------------------------
+
+    def _page_formats(self, block_size: int) -> dict[str, PageFormat]:
+        formats = {"32bit": PageFormat(tuple(Float32Codec() for _ in self.state_names))}
+        if self.eight_bit:
+            formats["8bit"] = PageFormat(
+                tuple(Blockwise8bitCodec(block_size, signed) for signed in self.signed_states)
+            )
+        return formats
+
+    def _parse_budget(self, budget: int | str | None, name: str) -> int | None:
+        if budget is None:
+            return None
+        nbytes = parse_size(budget, name)
+        if nbytes < self.page_size:
+            raise ValueError(
+                f"{name}={budget!r} is smaller than one page ({self.page_size} bytes): use None for no limit "
+                "or a budget of at least page_size (to free device memory before a spike, call evict())"
+            )
+        return nbytes
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group and lay out pages for its parameters' state."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        device = self._params[0].device if self._params else None
+        for param in params:
+            if not isinstance(param, torch.Tensor):
+                raise TypeError(f"params must be tensors, got {type(param).__name__}")
+            if not param.is_floating_point():
+                raise TypeError(f"{type(self).__name__} needs floating-point parameters, got one of dtype {param.dtype}")
+            if param.layout is not torch.strided:
+                raise TypeError(f"{type(self).__name__} does not support parameters with layout {param.layout}")
+            if not local_tensor(param).is_contiguous():
+                raise ValueError(f"{type(self).__name__} needs contiguous parameters")
+            device = device or param.device
+            if param.device != device:
+                raise ValueError(
+                    f"all parameters of one optimizer must be on one device, got {device} and {param.device}"
+                )
+        self.check_group({**self.defaults, **param_group})
+        super().add_param_group({**param_group, "params": params})
+        if self._store is None and device is not None:
+            self._store = PageStore(backend_for(device), self._device_budget, self.prefetch)
+        self._layout(self.param_groups[-1]["params"], self.param_groups[-1])
+
+    def _layout(self, params: Sequence[torch.Tensor], group: dict[str, Any]) -> None:
+        """Pack the state of ``params`` into new pages, one open page per format, the last ones trimmed."""
+        open_pages: dict[str, Page] = {}
+        used: dict[int, int] = {}
+        for param in params:
+            numel = local_tensor(param).numel()
+            kind = "8bit" if self.eight_bit and numel >= group["min_8bit_size"] else "32bit"
+            page_format = self._formats[kind]
+            segments = []
+            start = 0
+            while start < numel:
+                page = open_pages.get(kind)
+                if page is None or used[page.index] == page.capacity:
+                    capacity = page_format.capacity_for(self.page_size)
+                    page = self._store.add_page(page_format, capacity, page_format.nbytes(capacity))
+                    open_pages[kind] = page
+                    used[page.index] = 0
+                length = min(numel - start, page.capacity - used[page.index])
+                segment = Segment(len(self._params), start, length, used[page.index])
+                page.segments.append(segment)
+                segments.append((page, segment))
+                used[page.index] += -(-length // page_format.alignment) * page_format.alignment
+                start += length
+            self._params.append(param)
+            self._param_segments.append(segments)
+            self._param_codecs.append(kind)
+        for page in open_pages.values():
+            page.capacity = used[page.index]
+            page.nbytes = page.format.nbytes(page.capacity)
+
+    # Subclass interface -------------------------------------------------------------------------------
+
+    def check_group(self, group: dict[str, Any]) -> None:
+        """Raise ValueError for a bad hyperparameter of ``group``."""
+        raise NotImplementedError
+
+    @staticmethod
+    def update_rule() -> UpdateRule:
+        """The update rule: ``rule(param, grad, *states, **scalars)`` on fp32 tensors."""
+        raise NotImplementedError
+
+    def rule_scalars(self, group: dict[str, Any], step: float) -> dict[str, float]:
+        """The rule's scalar arguments for a parameter of ``group`` at ``step`` (1 for the first update)."""
+        raise NotImplementedError
+
+    def update_page_fast(self, page: Page, work: list[tuple[Segment, torch.Tensor, torch.Tensor, float]]) -> bool:
+        """Update a whole page with a multi-tensor kernel if the subclass has one; return whether it did."""
+        return False
+
+    # Step ---------------------------------------------------------------------------------------------
+
+    @property
+    def compiled(self) -> bool:
+        """Whether segment updates run through ``torch.compile``."""
+        device = self._params[0].device if self._params else torch.device("cpu")
+        return resolve_compiled(self._compiled_setting, device)
+
+    def _gradients(self) -> list[tuple[int, torch.Tensor, dict[str, Any]]]:
+        """The parameters with gradients, with their flat local gradients; validates before any update."""
+        work = []
+        index = 0
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    grad = param.grad
+                    if grad.is_sparse:
+                        raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                    if grad.shape != param.shape or grad.device != param.device:
+                        raise RuntimeError(
+                            f"gradient of shape {tuple(grad.shape)} on {grad.device} for a parameter of shape "
+                            f"{tuple(param.shape)} on {param.device}"
+                        )
+                    work.append((index, local_tensor(grad).reshape(-1), group))
+                index += 1
+        return work
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Perform one optimization step over the pages of the parameters that have gradients."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = self._gradients()
+        if not work:
+            return loss
+        kernel = segment_kernel(self.update_rule(), self.compiled)
+        by_page: dict[int, list[tuple[Segment, torch.Tensor, torch.Tensor, float, dict[str, Any]]]] = defaultdict(list)
+        for index, grad, group in work:
+            param = self._params[index]
+            state = self.state[param]
+            if "step" not in state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["step"] += 1
+            step = state["step"].item()
+            flat_param = local_tensor(param).view(-1)
+            for page, segment in self._param_segments[index]:
+                end = segment.start + segment.length
+                by_page[page.index].append((segment, flat_param[segment.start : end], grad[segment.start : end], step, group))
+        pages = [self._store.pages[i] for i in sorted(by_page)]
+        scalars_cache: dict[tuple[int, float], dict[str, float]] = {}
+        for page in self._store.stream(pages):
+            items = by_page[page.index]
+            if self.update_page_fast(page, items):
+                continue
+            arrays = page.format.arrays(page.device, page.capacity)
+            codecs = page.format.codecs
+            for segment, param_slice, grad_slice, step, group in items:
+                key = (id(group), step)
+                if key not in scalars_cache:
+                    scalars_cache[key] = self.rule_scalars(group, step)
+                encoded = [codec.select(array, segment.offset, segment.length) for codec, array in zip(codecs, arrays)]
+                kernel(codecs, param_slice, grad_slice, encoded, scalars_cache[key])
+        return loss
+
+    # Saving and loading -------------------------------------------------------------------------------
+
+    def _state_keys(self, codec: Codec, name: str) -> list[str]:
+        return [name if not field else f"{name}_{field}" for field in codec.fields]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state in ``torch.optim``'s layout, all tensors on the CPU.
+
+        Each parameter's entry holds ``step`` (a tensor) and, per state, its fp32 values (``exp_avg``) or,
+        for 8-bit state, its codes shaped like the parameter and one fp32 scale per block
+        (``exp_avg_codes``, ``exp_avg_scales``).
+        """
+        packed = super().state_dict()
+        exported = self._export_state(sorted(packed["state"]))
+        packed["state"] = {
+            index: {"step": entry["step"].detach().to("cpu", torch.float32, copy=True), **exported[index]}
+            for index, entry in packed["state"].items()
+        }
+        return packed
+
+    def _export_state(self, indices: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+        """Gather the state of parameters ``indices`` from their pages, one page in memory at a time."""
+        exported: dict[int, dict[str, torch.Tensor]] = {}
+        for index in indices:
+            numel = local_tensor(self._params[index]).numel()
+            entry = {}
+            for name, codec in zip(self.state_names, self._formats[self._param_codecs[index]].codecs):
+                for key, length, dtype in zip(
+                    self._state_keys(codec, name), codec.field_lengths(numel), codec.field_dtypes()
+                ):
+                    entry[key] = torch.zeros(length, dtype=dtype)
+            exported[index] = entry
+        page_indices = sorted({page.index for i in indices for page, _ in self._param_segments[i]})
+        for page in (self._store.pages[i] for i in page_indices):
+            data = self._store.read(page)
+            if data is None:
+                continue
+            arrays = page.format.arrays(data, page.capacity)
+            for segment in page.segments:
+                entry = exported.get(segment.param_index)
+                if entry is None:
+                    continue
+                for name, codec, array in zip(self.state_names, page.format.codecs, arrays):
+                    encoded = codec.select(array, segment.offset, segment.length)
+                    for key, view, offset, length in zip(
+                        self._state_keys(codec, name),
+                        encoded,
+                        codec.field_offsets(segment.start),
+                        codec.field_lengths(segment.length),
+                    ):
+                        entry[key][offset : offset + length] = view[:length]
+        for index, entry in exported.items():
+            shape = local_tensor(self._params[index]).shape
+            codecs = self._formats[self._param_codecs[index]].codecs
+            for name, codec in zip(self.state_names, codecs):
+                key = self._state_keys(codec, name)[0]
+                entry[key] = entry[key].view(shape)
+        return exported
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of this class or of ``torch.optim`` (fp32 moments are quantized for 8-bit state).
+
+        Everything is checked before anything changes: a bad state dict leaves the optimizer as it was.
+        """
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError("state_dict must be a dict with 'state' and 'param_groups'")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"state_dict has {len(saved_groups)} param groups, this optimizer has {len(self.param_groups)}"
+            )
+        saved_to_index: dict[Any, tuple[int, dict[str, Any]]] = {}
+        index = 0
+        new_groups = []
+        for position, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"param group {position} of state_dict has {len(saved['params'])} parameters, "
+                    f"this optimizer's has {len(group['params'])}"
+                )
+            for saved_id in saved["params"]:
+                saved_to_index[saved_id] = (index, saved)
+                index += 1
+            merged = {**group, **{key: value for key, value in saved.items() if key not in ("params", *_LAYOUT_KEYS)}}
+            self.check_group(merged)
+            new_groups.append(merged)
+        sources = {}
+        for saved_id, entry in state_dict["state"].items():
+            if saved_id not in saved_to_index:
+                raise ValueError(f"state_dict has state for parameter {saved_id!r}, which no param group lists")
+            index, saved_group = saved_to_index[saved_id]
+            sources[index] = self._parse_saved_entry(index, saved_id, entry, saved_group)
+        self.param_groups = new_groups
+        self.state = defaultdict(dict)
+        for index, (step, _) in sources.items():
+            self.state[self._params[index]] = {"step": torch.tensor(step, dtype=torch.float32)}
+        self._import_state({index: states for index, (_, states) in sources.items()})
+
+    def _parse_saved_entry(
+        self, index: int, saved_id: Any, entry: dict[str, Any], saved_group: dict[str, Any]
+    ) -> tuple[float, dict[str, "_SavedState"]]:
+        numel = local_tensor(self._params[index]).numel()
+        if not isinstance(entry, dict) or "step" not in entry:
+            raise ValueError(f"state of parameter {saved_id!r} has no 'step'")
+        step = float(entry["step"])
+        if not math.isfinite(step) or step < 0 or step != int(step):
+            raise ValueError(f"state of parameter {saved_id!r} has step {step}, expected a whole number >= 0")
+        block_size = saved_group.get("block_size", self.defaults.get("block_size", 256))
+        states = {}
+        for name, signed in zip(self.state_names, self.signed_states):
+            if name in entry:
+                codec: Codec = Float32Codec()
+            elif f"{name}_codes" in entry and f"{name}_scales" in entry:
+                codec = Blockwise8bitCodec(block_size, signed)
+            else:
+                raise ValueError(
+                    f"state of parameter {saved_id!r} has neither {name!r} nor {name + '_codes'!r} and "
+                    f"{name + '_scales'!r} (keys: {sorted(entry)})"
+                )
+            fields = []
+            for key, length, dtype in zip(self._state_keys(codec, name), codec.field_lengths(numel), codec.field_dtypes()):
+                value = entry[key]
+                if not isinstance(value, torch.Tensor) or value.numel() != length:
+                    raise ValueError(
+                        f"state {key!r} of parameter {saved_id!r} must be a tensor of {length} elements, got "
+                        f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}"
+                    )
+                if dtype.is_floating_point != value.is_floating_point():
+                    raise ValueError(f"state {key!r} of parameter {saved_id!r} has dtype {value.dtype}, expected {dtype}")
+                fields.append(value.detach().to("cpu", dtype).reshape(-1))
+            states[name] = _SavedState(codec, tuple(fields), numel)
+        return step, states
+
+    def _import_state(self, sources: dict[int, dict[str, "_SavedState"]]) -> None:
+        """Rewrite every page from ``sources`` (parameters without an entry get zero state)."""
+        for page in self._store.pages:
+            segments = [segment for segment in page.segments if segment.param_index in sources]
+            if not segments:
+                self._store.write(page, None)
+                continue
+            data = torch.zeros(page.nbytes, dtype=torch.uint8)
+            arrays = page.format.arrays(data, page.capacity)
+            for segment in segments:
+                for name, codec, array in zip(self.state_names, page.format.codecs, arrays):
+                    encoded = codec.select(array, segment.offset, segment.length)
+                    sources[segment.param_index][name].write(codec, encoded, segment)
+            self._store.write(page, data)
+
+    # Budget ---------------------------------------------------------------------------------------------
+
+    @property
+    def device_budget(self) -> int | None:
+        """The budget in bytes of optimizer state on the device, ``None`` for no limit."""
+        return self._device_budget
+
+    def set_device_budget(self, budget: int | str | None) -> None:
+        """Set the device budget (bytes or a string such as ``"512MiB"``; ``None``: no limit), evicting down to it."""
+        self._device_budget = self._parse_budget(budget, "budget")
+        self._store.set_budget(self._device_budget)
+
+    def evict(self, nbytes: int | str | None = None) -> int:
+        """Write state back to host memory until at least ``nbytes`` of the device are freed (``None``: all).
+
+        Returns the device bytes freed. The next :meth:`step` brings the pages back.
+        """
+        return self._store.evict(None if nbytes is None else parse_size(nbytes, "nbytes"))
+
+    def paging_stats(self) -> dict[str, int | float | None]:
+        """Page counts, bytes (on the device, in host memory, moved each way) and copy stall seconds."""
+        store, stats = self._store, self._store.stats
+        return {
+            "pages_total": len(store.pages),
+            "pages_resident": store.pages_resident(),
+            "device_bytes": store.device_bytes,
+            "host_bytes": store.host_bytes,
+            "bytes_to_device": stats.bytes_to_device,
+            "bytes_to_host": stats.bytes_to_host,
+            "page_ins": stats.page_ins,
+            "page_outs": stats.page_outs,
+            "stall_seconds": stats.stall_seconds,
+            "device_budget": self._device_budget,
+            "page_size": self.page_size,
+        }
+
+
+class _SavedState:
+    """One saved state tensor of a parameter, in the encoding it was saved in."""
+
+    def __init__(self, codec: Codec, fields: tuple[torch.Tensor, ...], numel: int) -> None:
+        self.codec = codec
+        self.fields = fields
+        self.numel = numel
+        self._values: torch.Tensor | None = None
+
+    def values(self) -> torch.Tensor:
+        """The state as fp32 values (decoded once)."""
+        if self._values is None:
+            encoded = self.fields
+            if isinstance(self.codec, Blockwise8bitCodec):
+                codes, scales = self.fields
+                padding = scales.numel() * self.codec.block_size - codes.numel()
+                encoded = (torch.cat([codes, codes.new_zeros(padding)]), scales)
+            self._values = self.codec.decode(encoded, self.numel)
+        return self._values
+
+    def write(self, codec: Codec, encoded: tuple[torch.Tensor, ...], segment: Segment) -> None:
+        """Write this state's elements of ``segment`` into its page views, encoded by ``codec``."""
+        if codec == self.codec:
+            for field, view, offset, length in zip(
+                self.fields, encoded, codec.field_offsets(segment.start), codec.field_lengths(segment.length)
+            ):
+                view[:length].copy_(field[offset : offset + length])
+        else:
+            codec.encode(self.values()[segment.start : segment.start + segment.length].contiguous(), encoded)

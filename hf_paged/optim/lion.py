@@ -1,0 +1,123 @@
+r"""Lion with paged state: :class:`PagedLion` (fp32 momentum) and :class:`PagedLion8bit` (8-bit momentum).
+
+Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms"), with decoupled weight decay
+and bitsandbytes' defaults. For a parameter :math:`\theta` with gradient :math:`g_t`:
+
+.. math::
+    c_t &= \beta_1 m_{t-1} + (1 - \beta_1) g_t \\
+    \theta_t &= \theta_{t-1} (1 - \gamma \lambda) - \gamma \operatorname{sign}(c_t) \\
+    m_t &= \beta_2 m_{t-1} + (1 - \beta_2) g_t
+
+with the state ``exp_avg`` (:math:`m`). The update is computed in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from .base import DEFAULT_PAGE_SIZE, PagedOptimizer, check_betas, check_lr, check_weight_decay
+
+
+def lion_update_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    *,
+    lr: float,
+    weight_decay: float,
+    beta1: float,
+    beta2: float,
+) -> None:
+    """One Lion update of fp32 tensors in place."""
+    param.mul_(1 - lr * weight_decay)
+    direction = exp_avg.lerp(grad, 1 - beta1).sign_()
+    param.add_(direction, alpha=-lr)
+    exp_avg.lerp_(grad, 1 - beta2)
+
+
+class _PagedLionBase(PagedOptimizer):
+    state_names = ("exp_avg",)
+    signed_states = (True,)
+
+    def check_group(self, group: dict[str, Any]) -> None:
+        check_lr(group["lr"])
+        check_betas(group["betas"])
+        check_weight_decay(group["weight_decay"])
+
+    @staticmethod
+    def update_rule():
+        return lion_update_
+
+    def rule_scalars(self, group: dict[str, Any], step: float) -> dict[str, float]:
+        beta1, beta2 = group["betas"]
+        return {"lr": float(group["lr"]), "weight_decay": group["weight_decay"], "beta1": beta1, "beta2": beta2}
+
+
+class PagedLion(_PagedLionBase):
+    """Lion (bitsandbytes' defaults) with fp32 momentum in pages under a device budget.
+
+    Args:
+        params: parameters or param groups (each group may set its own ``lr``, ``betas``, ``weight_decay``).
+        lr: learning rate :math:`\\gamma`.
+        betas: :math:`(\\beta_1, \\beta_2)`, each in [0, 1).
+        weight_decay: decoupled weight decay :math:`\\lambda` >= 0.
+        page_size, device_budget, prefetch, compiled: paging settings, see :class:`PagedOptimizer`.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        *,
+        page_size: int | str = DEFAULT_PAGE_SIZE,
+        device_budget: int | str | None = None,
+        prefetch: int = 2,
+        compiled: bool | None = None,
+    ) -> None:
+        defaults = {"lr": lr, "betas": tuple(betas) if isinstance(betas, list) else betas, "weight_decay": weight_decay}
+        super().__init__(
+            params, defaults, page_size=page_size, device_budget=device_budget, prefetch=prefetch, compiled=compiled
+        )
+
+
+class PagedLion8bit(_PagedLionBase):
+    """Lion with blockwise 8-bit momentum (1.02 bytes per parameter) in pages under a device budget.
+
+    Args:
+        params, lr, betas, weight_decay: as :class:`PagedLion`.
+        block_size: elements per quantization block (one fp32 scale each).
+        min_8bit_size: tensors with fewer elements keep fp32 state.
+        page_size, device_budget, prefetch, compiled: paging settings, see :class:`PagedOptimizer`.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        *,
+        block_size: int = 256,
+        min_8bit_size: int = 4096,
+        page_size: int | str = DEFAULT_PAGE_SIZE,
+        device_budget: int | str | None = None,
+        prefetch: int = 2,
+        compiled: bool | None = None,
+    ) -> None:
+        defaults = {"lr": lr, "betas": tuple(betas) if isinstance(betas, list) else betas, "weight_decay": weight_decay}
+        super().__init__(
+            params,
+            defaults,
+            page_size=page_size,
+            device_budget=device_budget,
+            prefetch=prefetch,
+            eight_bit=True,
+            block_size=block_size,
+            min_8bit_size=min_8bit_size,
+            compiled=compiled,
+        )

@@ -1,0 +1,78 @@
+"""Shared fixtures: tiny models and training loops that every optimizer test runs on."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_PAGED_COMPILE", "0")
+
+import pytest
+import torch
+
+import hf_paged
+
+OPTIMIZERS = {
+    "PagedAdamW": hf_paged.PagedAdamW,
+    "PagedAdamW8bit": hf_paged.PagedAdamW8bit,
+    "PagedLion": hf_paged.PagedLion,
+    "PagedLion8bit": hf_paged.PagedLion8bit,
+}
+
+
+def make_mlp(seed: int = 0, hidden: int = 64, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A small MLP (20 -> hidden -> hidden -> 3) with deterministic weights."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(20, hidden),
+        torch.nn.GELU(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.GELU(),
+        torch.nn.Linear(hidden, 3),
+    )
+    return model.to(dtype)
+
+
+def decay_groups(model: torch.nn.Module, weight_decay: float = 0.1) -> list[dict]:
+    """Two param groups as the Trainer builds them: matrices with weight decay, vectors without."""
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
+    ]
+
+
+def regression_batches(steps: int, seed: int = 1, dtype: torch.dtype = torch.float32):
+    """``steps`` fixed (input, target) batches of a smooth regression task."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(20, 3, generator=generator)
+    batches = []
+    for _ in range(steps):
+        inputs = torch.randn(64, 20, generator=generator)
+        targets = torch.tanh(inputs @ weight) + 0.05 * torch.randn(64, 3, generator=generator)
+        batches.append((inputs.to(dtype), targets.to(dtype)))
+    return batches
+
+
+def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches) -> list[float]:
+    """Run one optimizer step per batch; return the losses."""
+    losses = []
+    for inputs, targets in batches:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(inputs).float(), targets.float())
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def optimizer_kwargs(name: str, **paging) -> dict:
+    """Keyword arguments that give every optimizer several pages of state on the tiny MLP."""
+    kwargs = {"lr": 1e-3 if "Lion" in name else 1e-2, "page_size": 4096, **paging}
+    if name.endswith("8bit"):
+        kwargs.update(block_size=64, min_8bit_size=256)
+    return kwargs
+
+
+@pytest.fixture(params=sorted(OPTIMIZERS))
+def optimizer_name(request) -> str:
+    return request.param

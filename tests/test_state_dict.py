@@ -1,0 +1,141 @@
+"""Saving and loading: torch's layout, CPU tensors, exact resume under any budget, torch state dicts load."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import hf_paged
+from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
+from test_paging import assert_same_result
+
+
+def roundtrip(state_dict: dict, map_location=None) -> dict:
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True, map_location=map_location)
+
+
+@pytest.mark.parametrize("first_budget, second_budget", [(None, 4096), (8192, None), (4096, 12288)])
+def test_resume_is_bitwise_identical(optimizer_name, first_budget, second_budget):
+    batches = regression_batches(10)
+    reference_model = make_mlp()
+    reference_optimizer = OPTIMIZERS[optimizer_name](decay_groups(reference_model), **optimizer_kwargs(optimizer_name))
+    train(reference_model, reference_optimizer, batches)
+
+    model = make_mlp()
+    optimizer = OPTIMIZERS[optimizer_name](decay_groups(model), **optimizer_kwargs(optimizer_name, device_budget=first_budget))
+    train(model, optimizer, batches[:4])
+    saved_model = roundtrip(model.state_dict())
+    saved_optimizer = roundtrip(optimizer.state_dict(), map_location="cpu")
+
+    resumed_model = make_mlp(seed=123)
+    resumed_model.load_state_dict(saved_model)
+    resumed = OPTIMIZERS[optimizer_name](
+        decay_groups(resumed_model), **optimizer_kwargs(optimizer_name, device_budget=second_budget, prefetch=1)
+    )
+    resumed.load_state_dict(saved_optimizer)
+    train(resumed_model, resumed, batches[4:])
+    assert_same_result(resumed_model, resumed, reference_model, reference_optimizer)
+
+
+def test_state_dict_layout(optimizer_name):
+    model = make_mlp()
+    optimizer = OPTIMIZERS[optimizer_name](decay_groups(model), **optimizer_kwargs(optimizer_name, device_budget=4096))
+    train(model, optimizer, regression_batches(3))
+    state_dict = optimizer.state_dict()
+    params = list(decay_groups(model)[0]["params"]) + list(decay_groups(model)[1]["params"])
+    assert [group["params"] for group in state_dict["param_groups"]] == [[0, 1, 2], [3, 4, 5]]
+    assert sorted(state_dict["state"]) == list(range(len(params)))
+    for index, entry in state_dict["state"].items():
+        assert entry["step"].shape == () and entry["step"].item() == 3
+        for value in entry.values():
+            assert value.device.type == "cpu"
+        names = ("exp_avg", "exp_avg_sq") if "AdamW" in optimizer_name else ("exp_avg",)
+        for name in names:
+            if name in entry:
+                assert entry[name].shape == params[index].shape and entry[name].dtype == torch.float32
+            else:
+                assert optimizer_name.endswith("8bit") and params[index].numel() >= 256
+                assert entry[f"{name}_codes"].shape == params[index].shape
+                assert entry[f"{name}_codes"].dtype in (torch.int8, torch.uint8)
+                assert entry[f"{name}_scales"].numel() == -(-params[index].numel() // 64)
+
+
+def test_state_dict_is_a_copy(optimizer_name):
+    model = make_mlp()
+    optimizer = OPTIMIZERS[optimizer_name](decay_groups(model), **optimizer_kwargs(optimizer_name))
+    batches = regression_batches(3)
+    train(model, optimizer, batches[:1])
+    saved = optimizer.state_dict()
+    frozen = {index: {key: value.clone() for key, value in entry.items()} for index, entry in saved["state"].items()}
+    train(model, optimizer, batches[1:])
+    for index, entry in saved["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, frozen[index][key])
+
+
+@pytest.mark.parametrize("cls", [hf_paged.PagedAdamW, hf_paged.PagedAdamW8bit])
+def test_torch_adamw_state_dict_loads(cls):
+    batches = regression_batches(12)
+    reference = make_mlp()
+    torch_optimizer = torch.optim.AdamW(decay_groups(reference), lr=1e-2, foreach=False)
+    train(reference, torch_optimizer, batches[:6])
+    saved_model, saved_optimizer = roundtrip(reference.state_dict()), roundtrip(torch_optimizer.state_dict())
+    train(reference, torch_optimizer, batches[6:])
+
+    model = make_mlp(seed=5)
+    model.load_state_dict(saved_model)
+    kwargs = {"block_size": 64, "min_8bit_size": 256} if cls is hf_paged.PagedAdamW8bit else {}
+    optimizer = cls(decay_groups(model), lr=1e-2, page_size=4096, device_budget=8192, **kwargs)
+    optimizer.load_state_dict(saved_optimizer)
+    loaded = optimizer.state_dict()["state"]
+    for index, entry in torch_optimizer.state_dict()["state"].items():
+        assert loaded[index]["step"].item() == 6
+    train(model, optimizer, batches[6:])
+    tolerance = 1e-6 if cls is hf_paged.PagedAdamW else 2e-2
+    for param, expected in zip(model.parameters(), reference.parameters()):
+        assert ((param - expected).norm() / expected.norm()).item() < tolerance
+
+
+def test_8bit_state_loads_into_another_block_size_and_into_32bit():
+    batches = regression_batches(8)
+    model = make_mlp()
+    optimizer = hf_paged.PagedAdamW8bit(decay_groups(model), lr=1e-2, page_size=4096, block_size=64, min_8bit_size=256)
+    train(model, optimizer, batches)
+    saved = optimizer.state_dict()
+    other = hf_paged.PagedAdamW8bit(decay_groups(model), lr=1e-2, page_size=4096, block_size=128, min_8bit_size=256)
+    other.load_state_dict(saved)
+    fp32 = hf_paged.PagedAdamW(decay_groups(model), lr=1e-2, page_size=4096)
+    fp32.load_state_dict(saved)
+    exact = fp32.state_dict()["state"]
+    requantized = other.state_dict()["state"]
+    assert requantized[0]["exp_avg_scales"].numel() == -(-model[0].weight.numel() // 128)
+    for index, entry in exact.items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert entry[name].dtype == torch.float32
+            if f"{name}_codes" in requantized[index]:
+                codec = hf_paged.codecs.Blockwise8bitCodec(128, name == "exp_avg")
+                numel = entry[name].numel()
+                codes = requantized[index][f"{name}_codes"].reshape(-1)
+                codes = torch.cat([codes, codes.new_zeros(-numel % 128)])
+                values = codec.decode((codes, requantized[index][f"{name}_scales"]), numel)
+                scale = entry[name].abs().max()
+                assert ((values - entry[name].reshape(-1)).abs().max() / scale).item() < 0.05
+
+
+def test_load_state_dict_under_another_map_location_and_group_hyperparameters(optimizer_name):
+    model = make_mlp()
+    optimizer = OPTIMIZERS[optimizer_name](decay_groups(model), **optimizer_kwargs(optimizer_name))
+    train(model, optimizer, regression_batches(2))
+    saved = optimizer.state_dict()
+    saved["param_groups"][0]["lr"] = 0.5
+    saved["param_groups"][0]["initial_lr"] = 0.5
+    fresh = OPTIMIZERS[optimizer_name](decay_groups(model), **optimizer_kwargs(optimizer_name, device_budget=4096))
+    fresh.load_state_dict(roundtrip(saved, map_location=lambda storage, location: storage))
+    assert fresh.param_groups[0]["lr"] == 0.5 and fresh.param_groups[0]["initial_lr"] == 0.5
+    assert fresh.param_groups[1]["lr"] == optimizer.param_groups[1]["lr"]
+    assert fresh.param_groups[0]["params"] == decay_groups(model)[0]["params"]
