@@ -1,0 +1,118 @@
+"""8-bit state: fidelity against fp32 AdamW and bitsandbytes, bytes per parameter, codec round trips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_paged
+from hf_paged.codecs import Blockwise8bitCodec
+
+STEPS = 200
+
+
+def student(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 4)
+    )
+
+
+def teacher_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A regression task: targets from a fixed random teacher network."""
+    torch.manual_seed(7)
+    teacher = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        return [
+            (inputs, teacher(inputs)) for inputs in (torch.randn(128, 32, generator=generator) for _ in range(STEPS))
+        ]
+
+
+def fit(make_optimizer) -> tuple[torch.nn.Module, float, float]:
+    """Train the student; return it with its first and final (mean of the last 20 steps) loss."""
+    model = student()
+    optimizer = make_optimizer(model.parameters())
+    losses = []
+    for inputs, targets in teacher_batches():
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return model, losses[0], sum(losses[-20:]) / 20
+
+
+def deviation(model: torch.nn.Module, reference: torch.nn.Module) -> float:
+    flat = torch.cat([param.detach().reshape(-1) for param in model.parameters()])
+    expected = torch.cat([param.detach().reshape(-1) for param in reference.parameters()])
+    return ((flat - expected).norm() / expected.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def fp32_run():
+    return fit(lambda params: torch.optim.AdamW(params, lr=1e-3))
+
+
+def test_adamw8bit_final_loss_within_5_percent_of_fp32(fp32_run):
+    _, first, reference_loss = fp32_run
+    model, _, loss = fit(lambda params: hf_paged.PagedAdamW8bit(params, lr=1e-3, device_budget="1MiB", page_size="256KiB"))
+    assert reference_loss < 0.5 * first
+    assert abs(loss - reference_loss) <= 0.05 * reference_loss
+
+
+def test_adamw8bit_deviates_from_fp32_no_more_than_bitsandbytes(fp32_run):
+    bnb = pytest.importorskip("bitsandbytes")
+    reference, _, _ = fp32_run
+    ours, _, _ = fit(lambda params: hf_paged.PagedAdamW8bit(params, lr=1e-3))
+    theirs, _, _ = fit(lambda params: bnb.optim.AdamW8bit(params, lr=1e-3))
+    assert deviation(ours, reference) <= deviation(theirs, reference)
+    assert deviation(ours, reference) > 0
+
+
+def test_lion8bit_tracks_lion(fp32_run):
+    _, first, _ = fp32_run
+    _, _, loss = fit(lambda params: hf_paged.PagedLion(params, lr=1e-4))
+    _, _, loss8 = fit(lambda params: hf_paged.PagedLion8bit(params, lr=1e-4))
+    assert loss < 0.5 * first
+    assert abs(loss8 - loss) <= 0.05 * loss
+
+
+def test_adamw8bit_state_bytes_per_parameter():
+    params = [torch.nn.Parameter(torch.zeros(1024, 1024)) for _ in range(4)]
+    optimizer = hf_paged.PagedAdamW8bit(params)
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer.step()
+    stats = optimizer.paging_stats()
+    assert stats["device_bytes"] / sum(param.numel() for param in params) <= 2.04
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_codec_round_trip_error(signed, block_size):
+    codec = Blockwise8bitCodec(block_size, signed)
+    torch.manual_seed(0)
+    numel = 10 * block_size + 3
+    values = torch.randn(numel) * torch.logspace(-6, 0, numel)
+    values = values if signed else values.square()
+    codes = torch.zeros(-(-numel // block_size) * block_size, dtype=codec.code_dtype)
+    scales = torch.zeros(-(-numel // block_size))
+    codec.encode(values, (codes, scales))
+    decoded = codec.decode((codes, scales), numel)
+    blocks = torch.nn.functional.pad(values, (0, codes.numel() - numel)).view(-1, block_size)
+    assert torch.equal(scales, blocks.abs().amax(dim=1))
+    relative = (decoded - values).abs() / values.abs().clamp_min(1e-30)
+    large = values.abs() >= 0.1 * scales.repeat_interleave(block_size)[:numel]
+    assert relative[large].max() < (0.03 if signed else 0.02)
+    if not signed:
+        assert torch.equal(decoded == 0, values == 0)
+    assert torch.equal(codes[numel:], torch.zeros_like(codes[numel:]))
+
+
+def test_zero_block_decodes_to_zero():
+    codec = Blockwise8bitCodec(64, signed=False)
+    codes, scales = torch.zeros(128, dtype=torch.uint8), torch.zeros(2)
+    values = torch.cat([torch.zeros(64), torch.rand(64)])
+    codec.encode(values, (codes, scales))
+    assert scales[0] == 0 and torch.equal(codec.decode((codes, scales), 128)[:64], torch.zeros(64))
