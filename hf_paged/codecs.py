@@ -29,11 +29,10 @@ import torch
 import torch.nn.functional as F
 
 EncodedSegment = tuple[torch.Tensor, ...]
-"""The arrays of one segment's encoded state: views into a page buffer."""
+"""The arrays of one segment's encoded state: views into a page's buffers."""
 
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
+BufferSpec = tuple[int, torch.dtype]
+"""A page buffer: its number of elements and dtype."""
 
 
 @dataclass(frozen=True)
@@ -43,16 +42,12 @@ class Float32Codec:
     alignment: int = 1
     fields: tuple[str, ...] = ("",)
 
-    def nbytes(self, capacity: int) -> int:
-        """Bytes of a region holding ``capacity`` elements."""
-        return 4 * capacity
-
-    def arrays(self, region: torch.Tensor, capacity: int) -> EncodedSegment:
-        """Typed views of a region's bytes: the fp32 values."""
-        return (region.view(torch.float32),)
+    def buffer_specs(self, capacity: int) -> tuple[BufferSpec, ...]:
+        """The buffers that hold ``capacity`` elements of this state: the fp32 values."""
+        return ((capacity, torch.float32),)
 
     def select(self, arrays: EncodedSegment, offset: int, length: int) -> EncodedSegment:
-        """The views of ``length`` elements from element ``offset`` of a region."""
+        """The views of ``length`` elements from element ``offset`` of a page's buffers for this state."""
         (values,) = arrays
         return (values[offset : offset + length],)
 
@@ -101,13 +96,9 @@ class Blockwise8bitCodec:
     def code_dtype(self) -> torch.dtype:
         return torch.int8 if self.signed else torch.uint8
 
-    def nbytes(self, capacity: int) -> int:
-        return capacity + 4 * (capacity // self.block_size)
-
-    def arrays(self, region: torch.Tensor, capacity: int) -> EncodedSegment:
-        codes = region[:capacity].view(self.code_dtype)
-        scales = region[capacity : capacity + 4 * (capacity // self.block_size)].view(torch.float32)
-        return codes, scales
+    def buffer_specs(self, capacity: int) -> tuple[BufferSpec, ...]:
+        """The codes (one per element) and the fp32 scales (one per block)."""
+        return (capacity, self.code_dtype), (capacity // self.block_size, torch.float32)
 
     def select(self, arrays: EncodedSegment, offset: int, length: int) -> EncodedSegment:
         codes, scales = arrays
@@ -155,7 +146,7 @@ Codec = Float32Codec | Blockwise8bitCodec
 
 @dataclass(frozen=True)
 class PageFormat:
-    """The codecs of a page's states, one region each, in the order the update rule takes them."""
+    """The codecs of a page's states, in the order the update rule takes them, each with its own buffers."""
 
     codecs: tuple[Codec, ...]
 
@@ -163,28 +154,23 @@ class PageFormat:
     def alignment(self) -> int:
         return max(codec.alignment for codec in self.codecs)
 
-    def region_offsets(self, capacity: int) -> list[int]:
-        """Byte offset of each codec's region, each aligned to 64 bytes, and the total at the end."""
-        offsets = [0]
-        for codec in self.codecs:
-            offsets.append(_round_up(offsets[-1] + codec.nbytes(capacity), 64))
-        return offsets
+    def buffer_specs(self, capacity: int) -> list[BufferSpec]:
+        """The buffers of a page holding ``capacity`` elements, codec after codec."""
+        return [spec for codec in self.codecs for spec in codec.buffer_specs(capacity)]
 
     def nbytes(self, capacity: int) -> int:
         """Bytes of a page holding ``capacity`` elements."""
-        return self.region_offsets(capacity)[-1]
+        return sum(numel * dtype.itemsize for numel, dtype in self.buffer_specs(capacity))
 
     def capacity_for(self, page_bytes: int) -> int:
-        """The most elements (a multiple of the alignment) whose page fits in ``page_bytes``."""
-        per_element = sum(codec.nbytes(self.alignment) for codec in self.codecs) / self.alignment
-        capacity = _round_up(int(page_bytes / per_element) + self.alignment, self.alignment)
-        while capacity > 0 and self.nbytes(capacity) > page_bytes:
-            capacity -= self.alignment
-        return capacity
+        """The most elements, a multiple of the alignment, whose page fits in ``page_bytes``."""
+        return page_bytes // self.nbytes(self.alignment) * self.alignment
 
-    def arrays(self, buffer: torch.Tensor, capacity: int) -> list[EncodedSegment]:
-        """Each codec's typed views of a page buffer."""
-        offsets = self.region_offsets(capacity)
-        return [
-            codec.arrays(buffer[offsets[i] : offsets[i + 1]], capacity) for i, codec in enumerate(self.codecs)
-        ]
+    def arrays(self, buffers: tuple[torch.Tensor, ...]) -> list[EncodedSegment]:
+        """A page's buffers grouped by codec."""
+        grouped, start = [], 0
+        for codec in self.codecs:
+            count = len(codec.buffer_specs(0))
+            grouped.append(tuple(buffers[start : start + count]))
+            start += count
+        return grouped

@@ -12,9 +12,15 @@ This is the only module that touches stream and event APIs. Two backends exist:
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+BufferSpec = tuple[int, torch.dtype]
+"""A buffer to allocate: its number of elements and dtype."""
+
+Buffers = tuple[torch.Tensor, ...]
 
 Event = Any
 """A backend's copy-completion handle: a stream event, or ``None`` for a copy that already completed."""
@@ -28,17 +34,18 @@ class SyncBackend:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def empty_host(self, nbytes: int) -> torch.Tensor:
-        """Return an uninitialised host buffer of ``nbytes`` bytes."""
-        return torch.empty(nbytes, dtype=torch.uint8)
+    def empty_host(self, specs: Sequence[BufferSpec]) -> Buffers:
+        """Uninitialised host buffers."""
+        return tuple(torch.empty(numel, dtype=dtype) for numel, dtype in specs)
 
-    def empty_device(self, nbytes: int) -> torch.Tensor:
-        """Return an uninitialised device buffer of ``nbytes`` bytes."""
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+    def empty_device(self, specs: Sequence[BufferSpec]) -> Buffers:
+        """Uninitialised device buffers."""
+        return tuple(torch.empty(numel, dtype=dtype, device=self.device) for numel, dtype in specs)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
-        """Copy ``src`` into ``dst`` after the work queued so far; return its completion event."""
-        dst.copy_(src)
+    def copy(self, dst: Buffers, src: Buffers) -> Event:
+        """Copy each of ``src`` into ``dst`` after the work queued so far; return the completion event."""
+        for target, source in zip(dst, src):
+            target.copy_(source)
         return None
 
     def is_done(self, event: Event) -> bool:
@@ -64,14 +71,15 @@ class StreamBackend(SyncBackend):
         with self._module.device(device):
             self._copy_stream = self._module.Stream()
 
-    def empty_host(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    def empty_host(self, specs: Sequence[BufferSpec]) -> Buffers:
+        return tuple(torch.empty(numel, dtype=dtype, pin_memory=True) for numel, dtype in specs)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+    def copy(self, dst: Buffers, src: Buffers) -> Event:
         compute_stream = self._module.current_stream(self.device)
         self._copy_stream.wait_stream(compute_stream)
         with self._module.stream(self._copy_stream):
-            dst.copy_(src, non_blocking=True)
+            for target, source in zip(dst, src):
+                target.copy_(source, non_blocking=True)
             event = self._module.Event()
             event.record(self._copy_stream)
         return event

@@ -1,6 +1,6 @@
 """The page store: optimizer state in fixed-size pages that live on the device or rest in host memory.
 
-A page is a flat byte buffer holding the encoded state of one or more parameter element ranges
+A page is a small set of buffers (one per array of its format) holding the encoded state of one or more parameter element ranges
 (:class:`Segment`). At any time a page has one home:
 
 ==============  ==========================================  ==============
@@ -23,10 +23,11 @@ import enum
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from .device import Event, SyncBackend
+from .device import Buffers, Event, SyncBackend
 
 
 class PageState(enum.Enum):
@@ -53,17 +54,24 @@ class Segment:
 
 @dataclass(eq=False)
 class Page:
-    """One page: ``capacity`` elements of state in ``nbytes`` bytes, laid out by its format."""
+    """One page: ``capacity`` elements of state in the buffers its format lays out."""
 
     index: int
-    format: object
+    format: Any
     capacity: int
-    nbytes: int
     segments: list[Segment] = field(default_factory=list)
     state: PageState = PageState.EMPTY
-    host: torch.Tensor | None = None
-    device: torch.Tensor | None = None
+    host: Buffers | None = None
+    device: Buffers | None = None
     event: Event = None
+
+    @property
+    def specs(self) -> list[tuple[int, torch.dtype]]:
+        return self.format.buffer_specs(self.capacity)
+
+    @property
+    def nbytes(self) -> int:
+        return self.format.nbytes(self.capacity)
 
 
 @dataclass
@@ -98,9 +106,9 @@ class PageStore:
         self._outgoing: deque[Page] = deque()
         self._observers: list[Callable[[str, Page], None]] = []
 
-    def add_page(self, format: object, capacity: int, nbytes: int) -> Page:
-        """Append an empty page and return it."""
-        page = Page(index=len(self.pages), format=format, capacity=capacity, nbytes=nbytes)
+    def add_page(self, format: Any, capacity: int) -> Page:
+        """Append an empty page of ``capacity`` elements laid out by ``format`` and return it."""
+        page = Page(index=len(self.pages), format=format, capacity=capacity)
         self.pages.append(page)
         return page
 
@@ -180,11 +188,12 @@ class PageStore:
     def _page_in(self, page: Page) -> None:
         """Start bringing ``page`` to the device; room for it must already have been made."""
         if page.state is PageState.EMPTY:
-            page.device = self.backend.empty_device(page.nbytes)
-            page.device.zero_()
+            page.device = self.backend.empty_device(page.specs)
+            for buffer in page.device:
+                buffer.zero_()
             self._set_state(page, PageState.RESIDENT)
         elif page.state is PageState.HOST:
-            page.device = self.backend.empty_device(page.nbytes)
+            page.device = self.backend.empty_device(page.specs)
             page.event = self.backend.copy(page.device, page.host)
             self._set_state(page, PageState.PAGING_IN)
             self.stats.bytes_to_device += page.nbytes
@@ -206,7 +215,7 @@ class PageStore:
 
     def _page_out(self, page: Page) -> None:
         """Start writing ``page`` back to host memory."""
-        page.host = self.backend.empty_host(page.nbytes)
+        page.host = self.backend.empty_host(page.specs)
         page.event = self.backend.copy(page.host, page.device)
         self._set_state(page, PageState.PAGING_OUT)
         self._outgoing.append(page)
@@ -271,20 +280,19 @@ class PageStore:
 
     # Reading and writing whole pages ----------------------------------------------------------------
 
-    def read(self, page: Page) -> torch.Tensor | None:
-        """Return a CPU copy of the newest bytes of ``page``, or ``None`` for an empty (all-zero) page."""
+    def read(self, page: Page) -> Buffers | None:
+        """Return CPU copies of the newest buffers of ``page``, or ``None`` for an empty (all-zero) page."""
         if page.state is PageState.EMPTY:
             return None
-        if page.state is PageState.HOST:
-            return page.host.clone()
         if page.state is PageState.PAGING_OUT:
             self._finish_page_out(page, wait=True)
-            return page.host.clone()
+        if page.state is PageState.HOST:
+            return tuple(buffer.clone() for buffer in page.host)
         self._finish_page_in(page)
-        return page.device.to("cpu", copy=True)
+        return tuple(buffer.to("cpu", copy=True) for buffer in page.device)
 
-    def write(self, page: Page, data: torch.Tensor | None) -> None:
-        """Replace the bytes of ``page`` with ``data`` (CPU, ``page.nbytes`` bytes; ``None``: all zeros).
+    def write(self, page: Page, data: Buffers | None) -> None:
+        """Replace the buffers of ``page`` with ``data`` (CPU tensors of its specs; ``None``: all zeros).
 
         The page rests in host memory afterwards (or is empty); the next step brings it in.
         """
@@ -299,7 +307,8 @@ class PageStore:
             self._set_state(page, PageState.EMPTY)
             return
         if page.host is None:
-            page.host = self.backend.empty_host(page.nbytes)
-        page.host.copy_(data)
+            page.host = self.backend.empty_host(page.specs)
+        for buffer, source in zip(page.host, data):
+            buffer.copy_(source)
         self._set_state(page, PageState.HOST)
         self._notify("written", page)

@@ -62,7 +62,7 @@ def test_bad_8bit_layout(name, overrides, message):
 
 def test_32bit_page_must_hold_state(optimizer_name):
     with pytest.raises(ValueError, match="page_size"):
-        make(optimizer_name, page_size=4, **({"block_size": 16} if optimizer_name.endswith("8bit") else {}))
+        make(optimizer_name, page_size=3, **({"block_size": 16} if optimizer_name.endswith("8bit") else {}))
 
 
 def test_non_floating_point_parameters(optimizer_name):

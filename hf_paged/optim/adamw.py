@@ -41,12 +41,15 @@ def adamw_update_(
     step_size: float,
     bias_correction2_sqrt: float,
 ) -> None:
-    """One AdamW update of fp32 tensors in place; the scalars come from :func:`adamw_scalars`."""
+    """One AdamW update of fp32 tensors in place; the scalars come from :func:`adamw_scalars`.
+
+    Scalars enter only tensor arithmetic, so that ``torch.compile`` keeps them symbolic.
+    """
     param.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    exp_avg_sq.mul_(beta2).add_(grad * grad * (1 - beta2))
     denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-step_size)
+    param.sub_(exp_avg / denom * step_size)
 
 
 def adamw_scalars(group: dict[str, Any], step: float) -> dict[str, float]:
@@ -117,7 +120,7 @@ class _PagedAdamWBase(PagedOptimizer):
 
     def update_page_fast(self, page: Page, work: list[tuple[Segment, torch.Tensor, torch.Tensor, float, dict]]) -> bool:
         """fp32 parameters with fp32 state on CPU or CUDA: PyTorch's fused AdamW kernel, one call per page."""
-        device = page.device.device
+        device = page.device[0].device
         if (
             device.type not in ("cpu", "cuda")
             or not all(isinstance(codec, Float32Codec) for codec in page.format.codecs)
@@ -126,7 +129,7 @@ class _PagedAdamWBase(PagedOptimizer):
             return False
         exp_avgs, exp_avg_sqs = (
             [codec.select(array, segment.offset, segment.length)[0] for segment, *_ in work]
-            for codec, array in zip(page.format.codecs, page.format.arrays(page.device, page.capacity))
+            for codec, array in zip(page.format.codecs, page.format.arrays(page.device))
         )
         group = work[0][4]
         beta1, beta2 = group["betas"]

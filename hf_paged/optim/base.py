@@ -125,8 +125,6 @@ class PagedOptimizer(Optimizer):
                 )
         if eight_bit and self.page_size % block_size:
             raise ValueError(f"page_size={self.page_size} must be a multiple of block_size={block_size}")
-        if not eight_bit and self.page_size % 64:
-            raise ValueError(f"page_size={self.page_size} must be a multiple of 64 bytes")
         self._device_budget = self._parse_budget(device_budget, "device_budget")
         if compiled is not None and not isinstance(compiled, bool):
             raise TypeError(f"compiled must be True, False or None, got {compiled!r}")
@@ -197,7 +195,7 @@ class PagedOptimizer(Optimizer):
                 page = open_pages.get(kind)
                 if page is None or used[page.index] == page.capacity:
                     capacity = page_format.capacity_for(self.page_size)
-                    page = self._store.add_page(page_format, capacity, page_format.nbytes(capacity))
+                    page = self._store.add_page(page_format, capacity)
                     open_pages[kind] = page
                     used[page.index] = 0
                 length = min(numel - start, page.capacity - used[page.index])
@@ -211,7 +209,6 @@ class PagedOptimizer(Optimizer):
             self._param_codecs.append(kind)
         for page in open_pages.values():
             page.capacity = used[page.index]
-            page.nbytes = page.format.nbytes(page.capacity)
 
     # Subclass interface -------------------------------------------------------------------------------
 
@@ -278,7 +275,7 @@ class PagedOptimizer(Optimizer):
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["step"] += 1
             step = state["step"].item()
-            flat_param = local_tensor(param).view(-1)
+            flat_param = local_tensor(param).detach().view(-1)
             for page, segment in self._param_segments[index]:
                 end = segment.start + segment.length
                 by_page[page.index].append((segment, flat_param[segment.start : end], grad[segment.start : end], step, group))
@@ -288,7 +285,7 @@ class PagedOptimizer(Optimizer):
             items = by_page[page.index]
             if self.update_page_fast(page, items):
                 continue
-            arrays = page.format.arrays(page.device, page.capacity)
+            arrays = page.format.arrays(page.device)
             codecs = page.format.codecs
             for segment, param_slice, grad_slice, step, group in items:
                 key = (id(group), step)
@@ -335,7 +332,7 @@ class PagedOptimizer(Optimizer):
             data = self._store.read(page)
             if data is None:
                 continue
-            arrays = page.format.arrays(data, page.capacity)
+            arrays = page.format.arrays(data)
             for segment in page.segments:
                 entry = exported.get(segment.param_index)
                 if entry is None:
@@ -438,8 +435,8 @@ class PagedOptimizer(Optimizer):
             if not segments:
                 self._store.write(page, None)
                 continue
-            data = torch.zeros(page.nbytes, dtype=torch.uint8)
-            arrays = page.format.arrays(data, page.capacity)
+            data = tuple(torch.zeros(numel, dtype=dtype) for numel, dtype in page.specs)
+            arrays = page.format.arrays(data)
             for segment in segments:
                 for name, codec, array in zip(self.state_names, page.format.codecs, arrays):
                     encoded = codec.select(array, segment.offset, segment.length)

@@ -34,7 +34,7 @@ def lion_update_(
     """One Lion update of fp32 tensors in place."""
     param.mul_(1 - lr * weight_decay)
     direction = exp_avg.lerp(grad, 1 - beta1).sign_()
-    param.add_(direction, alpha=-lr)
+    param.sub_(direction * lr)
     exp_avg.lerp_(grad, 1 - beta2)
 
 
