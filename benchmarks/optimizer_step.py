@@ -1,9 +1,10 @@
 """Benchmark one optimizer step: hf_paged's optimizers against torch, bitsandbytes and torchao.
 
-For each parameter dtype, every optimizer is warmed up (which also runs ``torch.compile``), then timed
-over a number of steps on a fixed set of parameters and gradients. The script prints a markdown table per
-dtype (median step time, ratio to ``torch.optim.AdamW(fused=True)``, state bytes per parameter, extra peak
-memory of one step, paging throughput under a budget) and whether hf_paged's performance targets hold.
+For each parameter dtype, every optimizer is warmed up (which also runs ``torch.compile``; the compiler's
+caches are reset between optimizers, so each compiles as in a process of its own), then timed over a number
+of steps on a fixed set of parameters and gradients. The script prints a markdown table per dtype (median
+step time, ratio to ``torch.optim.AdamW(fused=True)``, state bytes per parameter, extra peak memory of one
+step, paging throughput under a budget) and whether hf_paged's performance targets hold.
 
     PYTHONPATH=. python benchmarks/optimizer_step.py [--params 16M] [--dtype fp32|bf16|both] [--steps 10]
         [--warmup 3] [--page-size 1MiB 4MiB 16MiB] [--device cpu|cuda] [--quick]
@@ -86,7 +87,9 @@ def layer_shapes(numel: int) -> list[tuple[int, ...]]:
     return layer * layers + [(hidden,)]
 
 
-def make_master(shapes: Iterable[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def make_master(
+    shapes: Iterable[tuple[int, ...]], dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Random (parameter, gradient) pairs, copied for every run so that each starts from the same values."""
     generator = torch.Generator().manual_seed(0)
     return [
@@ -205,8 +208,8 @@ def measure(
         peak = extra_peak_mib(optimizer, args.device)
     except Exception as error:  # a benchmark reports failures and goes on
         traceback.print_exc(file=sys.stderr)
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        return f"{type(error).__name__}: {reason}"
+        first_paragraph = str(error).strip().split("\n\n")[0]
+        return f"{type(error).__name__}: {' '.join(first_paragraph.split())}"
     if paged:
         stats = optimizer.paging_stats()
         state_bytes, device_bytes = stats["device_bytes"] + stats["host_bytes"], stats["device_bytes"]
@@ -266,6 +269,7 @@ def run_dtype(
 
     def record(outcome: Result | str, name: str) -> Result | None:
         gc.collect()
+        torch._dynamo.reset()  # each optimizer compiles from scratch, as in a process of its own
         if isinstance(outcome, str):
             print(f"  skipped {name}: {outcome}", file=sys.stderr, flush=True)
             skipped.append((name, outcome))
@@ -411,7 +415,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--params", type=parse_count, help="parameter elements, e.g. 16M (default; 1M with --quick)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "both"), default="both", help="parameter dtype")
     parser.add_argument("--steps", type=int, help="timed steps (default 10; 3 with --quick)")
-    parser.add_argument("--warmup", type=int, help="steps before timing, which also compile (default 3; 2 with --quick)")
+    parser.add_argument("--warmup", type=int, help="steps before timing, which compile (default 3; 2 with --quick)")
     parser.add_argument(
         "--page-size",
         nargs="+",

@@ -1,7 +1,8 @@
 """State codecs: how one state tensor (an Adam moment, Lion's momentum) is stored in a page.
 
-A codec owns a region of a page's bytes for ``capacity`` elements and turns a segment of it into fp32
-values (:meth:`decode`) and back (:meth:`encode`). Update rules never see the encoding.
+A codec owns buffers of a page for ``capacity`` elements and turns a segment of them into fp32 values
+(:meth:`decode`) and back (:meth:`encode`). Update rules never see the encoding. Blockwise codecs see a
+segment as a ``(blocks, block_size)`` matrix, so that a compiled kernel has a static inner dimension.
 
 * :class:`Float32Codec` stores fp32 values as they are; decoding returns a view, so updates are in place.
 * :class:`Blockwise8bitCodec` stores one 8-bit code per element and one fp32 scale per block of
@@ -26,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 EncodedSegment = tuple[torch.Tensor, ...]
 """The arrays of one segment's encoded state: views into a page's buffers."""
@@ -51,7 +51,7 @@ class Float32Codec:
         (values,) = arrays
         return (values[offset : offset + length],)
 
-    def decode(self, encoded: EncodedSegment, length: int) -> torch.Tensor:
+    def decode(self, encoded: EncodedSegment) -> torch.Tensor:
         """fp32 values of a segment (here a view: updating it updates the page)."""
         return encoded[0]
 
@@ -101,34 +101,35 @@ class Blockwise8bitCodec:
         return (capacity, self.code_dtype), (capacity // self.block_size, torch.float32)
 
     def select(self, arrays: EncodedSegment, offset: int, length: int) -> EncodedSegment:
+        """Codes as a ``(blocks, block_size)`` view and the blocks' scales, for the blocks ``length`` touches."""
         codes, scales = arrays
         blocks = -(-length // self.block_size)
         first = offset // self.block_size
-        return codes[offset : offset + blocks * self.block_size], scales[first : first + blocks]
+        return codes[offset : offset + blocks * self.block_size].view(blocks, self.block_size), scales[first : first + blocks]
 
-    def decode(self, encoded: EncodedSegment, length: int) -> torch.Tensor:
+    def decode(self, encoded: EncodedSegment) -> torch.Tensor:
+        """fp32 values of a segment, shaped ``(blocks, block_size)``."""
         codes, scales = encoded
-        normalized = codes.view(-1, self.block_size).float() / self.max_code
+        normalized = codes.float() * (1.0 / self.max_code)
         if self.signed:
             magnitude = normalized * normalized.abs()
         else:
             squared = normalized * normalized
             magnitude = squared * squared
-        return (magnitude * scales.unsqueeze(1)).view(-1)[:length]
+        return magnitude * scales.unsqueeze(1)
 
     def encode(self, values: torch.Tensor, encoded: EncodedSegment) -> None:
+        """Store fp32 ``values`` shaped ``(blocks, block_size)`` into a segment's codes and scales."""
         codes, scales = encoded
-        padding = codes.numel() - values.numel()
-        blocks = F.pad(values, (0, padding)).view(-1, self.block_size)
-        block_scales = blocks.abs().amax(dim=1)
+        block_scales = values.abs().amax(dim=1)
         inverse = torch.where(block_scales > 0, block_scales.reciprocal(), torch.zeros_like(block_scales))
-        normalized = blocks * inverse.unsqueeze(1)
+        normalized = values * inverse.unsqueeze(1)
         if self.signed:
             quantized = torch.round(normalized.abs().sqrt() * self.max_code) * normalized.sign()
         else:
             quantized = torch.round(normalized.sqrt().sqrt() * self.max_code)
             quantized = torch.maximum(quantized, (normalized > 0).to(quantized.dtype))
-        codes.copy_(quantized.view(-1))
+        codes.copy_(quantized)
         scales.copy_(block_scales)
 
     def field_lengths(self, length: int) -> tuple[int, ...]:
@@ -142,6 +143,19 @@ class Blockwise8bitCodec:
 
 
 Codec = Float32Codec | Blockwise8bitCodec
+
+
+def to_blocks(values: torch.Tensor, alignment: int) -> torch.Tensor:
+    """Flat ``values`` as codecs see them: 1-D for ``alignment`` 1, else ``(blocks, alignment)``.
+
+    A view when the length is a multiple of ``alignment``, else a zero-padded copy.
+    """
+    if alignment == 1:
+        return values
+    padding = -values.numel() % alignment
+    if padding:
+        values = torch.cat([values, values.new_zeros(padding)])
+    return values.view(-1, alignment)
 
 
 @dataclass(frozen=True)

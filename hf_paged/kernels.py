@@ -28,9 +28,9 @@ def update_segment(
     encoded: Sequence[EncodedSegment],
     scalars: dict[str, float],
 ) -> None:
-    """Update one segment: ``param`` and ``grad`` are its flat element ranges, ``encoded`` its state views."""
+    """Update one segment: ``param`` and ``grad`` are its elements, shaped as the codecs see them."""
     param32 = param.float()
-    states = [codec.decode(segment, param.numel()) for codec, segment in zip(codecs, encoded)]
+    states = [codec.decode(segment) for codec, segment in zip(codecs, encoded)]
     rule(param32, grad.float(), *states, **scalars)
     for codec, state, segment in zip(codecs, states, encoded):
         codec.encode(state, segment)
@@ -65,8 +65,20 @@ def resolve_compiled(compiled: bool | None, device: torch.device) -> bool:
 
 @functools.cache
 def segment_kernel(rule: UpdateRule, compiled: bool) -> Callable[..., None]:
-    """The segment update for ``rule``: :func:`update_segment` bound to it, compiled or eager."""
+    """The segment update for ``rule``: :func:`update_segment` bound to it, eager or compiled.
+
+    Compiled, the leading dimension of every tensor (elements, or blocks) is dynamic and the block
+    dimension static, so one kernel serves every segment length of a page format.
+    """
     kernel = functools.partial(update_segment, rule)
-    if compiled:
-        return torch.compile(kernel, dynamic=True)
-    return kernel
+    if not compiled:
+        return kernel
+    compiled_kernel = torch.compile(kernel)
+
+    def run(codecs, param, grad, encoded, scalars) -> None:
+        for tensor in (param, grad, *(array for segment in encoded for array in segment)):
+            if tensor.shape[0] > 1:
+                torch._dynamo.mark_dynamic(tensor, 0)
+        compiled_kernel(codecs, param, grad, encoded, scalars)
+
+    return run

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch.optim import Optimizer
 
-from ..codecs import Blockwise8bitCodec, Codec, Float32Codec, PageFormat
+from ..codecs import Blockwise8bitCodec, Codec, Float32Codec, PageFormat, to_blocks
 from ..device import backend_for
 from ..kernels import UpdateRule, resolve_compiled, segment_kernel
 from ..sizes import parse_size
@@ -286,13 +286,11 @@ class PagedOptimizer(Optimizer):
             if self.update_page_fast(page, items):
                 continue
             arrays = page.format.arrays(page.device)
-            codecs = page.format.codecs
             for segment, param_slice, grad_slice, step, group in items:
                 key = (id(group), step)
                 if key not in scalars_cache:
                     scalars_cache[key] = self.rule_scalars(group, step)
-                encoded = [codec.select(array, segment.offset, segment.length) for codec, array in zip(codecs, arrays)]
-                kernel(codecs, param_slice, grad_slice, encoded, scalars_cache[key])
+                self._update_segment(kernel, page, arrays, segment, param_slice, grad_slice, scalars_cache[key])
         return loss
 
     # Saving and loading -------------------------------------------------------------------------------
@@ -345,7 +343,7 @@ class PagedOptimizer(Optimizer):
                         codec.field_offsets(segment.start),
                         codec.field_lengths(segment.length),
                     ):
-                        entry[key][offset : offset + length] = view[:length]
+                        entry[key][offset : offset + length] = view.reshape(-1)[:length]
         for index, entry in exported.items():
             shape = local_tensor(self._params[index]).shape
             codecs = self._formats[self._param_codecs[index]].codecs
@@ -443,6 +441,30 @@ class PagedOptimizer(Optimizer):
                     sources[segment.param_index][name].write(codec, encoded, segment)
             self._store.write(page, data)
 
+    def _update_segment(
+        self,
+        kernel: Callable[..., None],
+        page: Page,
+        arrays: list[tuple[torch.Tensor, ...]],
+        segment: Segment,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        scalars: dict[str, float],
+    ) -> None:
+        """Run ``kernel`` on a segment: its whole blocks in place, a partial last block through padded copies."""
+        codecs = page.format.codecs
+        alignment = page.format.alignment
+        body = segment.length - segment.length % alignment
+        if body:
+            encoded = [codec.select(array, segment.offset, body) for codec, array in zip(codecs, arrays)]
+            kernel(codecs, to_blocks(param[:body], alignment), to_blocks(grad[:body], alignment), encoded, scalars)
+        if body < segment.length:
+            tail = segment.length - body
+            encoded = [codec.select(array, segment.offset + body, tail) for codec, array in zip(codecs, arrays)]
+            padded = to_blocks(param[body:], alignment)
+            kernel(codecs, padded, to_blocks(grad[body:], alignment), encoded, scalars)
+            param[body:].copy_(padded.view(-1)[:tail])
+
     # Budget ---------------------------------------------------------------------------------------------
 
     @property
@@ -492,12 +514,9 @@ class _SavedState:
     def values(self) -> torch.Tensor:
         """The state as fp32 values (decoded once)."""
         if self._values is None:
-            encoded = self.fields
-            if isinstance(self.codec, Blockwise8bitCodec):
-                codes, scales = self.fields
-                padding = scales.numel() * self.codec.block_size - codes.numel()
-                encoded = (torch.cat([codes, codes.new_zeros(padding)]), scales)
-            self._values = self.codec.decode(encoded, self.numel)
+            codes, *scales = self.fields
+            encoded = (to_blocks(codes, self.codec.alignment), *scales)
+            self._values = self.codec.decode(encoded).reshape(-1)[: self.numel]
         return self._values
 
     def write(self, codec: Codec, encoded: tuple[torch.Tensor, ...], segment: Segment) -> None:
@@ -506,6 +525,7 @@ class _SavedState:
             for field, view, offset, length in zip(
                 self.fields, encoded, codec.field_offsets(segment.start), codec.field_lengths(segment.length)
             ):
-                view[:length].copy_(field[offset : offset + length])
+                view.reshape(-1)[:length].copy_(field[offset : offset + length])
         else:
-            codec.encode(self.values()[segment.start : segment.start + segment.length].contiguous(), encoded)
+            values = self.values()[segment.start : segment.start + segment.length]
+            codec.encode(to_blocks(values, codec.alignment), encoded)
