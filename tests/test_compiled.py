@@ -1,0 +1,30 @@
+"""The torch.compile kernels give the eager results within rounding, and keep paging invariance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_paged.kernels import compile_available
+from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
+from test_paging import assert_same_result
+
+pytestmark = pytest.mark.skipif(not compile_available(torch.device("cpu")), reason="no C++ compiler for torch.compile")
+
+
+def run(name: str, compiled: bool, **paging):
+    model = make_mlp()
+    optimizer = OPTIMIZERS[name](decay_groups(model), compiled=compiled, **optimizer_kwargs(name, **paging))
+    train(model, optimizer, regression_batches(5))
+    return model, optimizer
+
+
+def test_compiled_matches_eager_and_keeps_invariance(optimizer_name):
+    eager_model, eager = run(optimizer_name, compiled=False)
+    compiled_model, compiled = run(optimizer_name, compiled=True)
+    assert compiled.compiled and not eager.compiled
+    for param, expected in zip(compiled_model.parameters(), eager_model.parameters()):
+        assert ((param - expected).norm() / expected.norm()).item() < 1e-3
+    paged_model, paged = run(optimizer_name, compiled=True, device_budget=4096, prefetch=1)
+    assert paged.paging_stats()["page_outs"] > 0
+    assert_same_result(paged_model, paged, compiled_model, compiled)

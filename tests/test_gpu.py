@@ -1,0 +1,68 @@
+"""Parity, paging invariance and the budget on CUDA: pinned host pages, copies on a side stream."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_paged
+from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+DEVICE = torch.device("cuda")
+
+
+def train_on(model, optimizer, batches):
+    for inputs, targets in batches:
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(inputs.to(DEVICE)), targets.to(DEVICE)).backward()
+        optimizer.step()
+
+
+def run(name: str, **paging):
+    model = make_mlp().to(DEVICE)
+    optimizer = OPTIMIZERS[name](decay_groups(model), **optimizer_kwargs(name, **paging))
+    train_on(model, optimizer, regression_batches(6))
+    return model, optimizer
+
+
+def test_adamw_matches_torch_adamw_on_cuda():
+    batches = regression_batches(50)
+    reference = make_mlp().to(DEVICE)
+    train_on(reference, torch.optim.AdamW(decay_groups(reference), lr=1e-2, foreach=False), batches)
+    model = make_mlp().to(DEVICE)
+    train_on(model, hf_paged.PagedAdamW(decay_groups(model), lr=1e-2, page_size=4096, device_budget=4096), batches)
+    for param, expected in zip(model.parameters(), reference.parameters()):
+        assert ((param - expected).norm() / expected.norm()).item() < 1e-6
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_paging_is_invariant_and_within_budget_on_cuda(optimizer_name, prefetch):
+    reference_model, reference = run(optimizer_name)
+    model = make_mlp().to(DEVICE)
+    budget = 2 * 4096
+    optimizer = OPTIMIZERS[optimizer_name](decay_groups(model), **optimizer_kwargs(optimizer_name, device_budget=budget, prefetch=prefetch))
+    optimizer._store.add_observer(lambda operation, page: _check_budget(optimizer, budget))
+    train_on(model, optimizer, regression_batches(6))
+    for param, expected in zip(model.parameters(), reference_model.parameters()):
+        assert torch.equal(param, expected)
+    stats = optimizer.paging_stats()
+    assert stats["page_outs"] > 0 and stats["device_bytes"] <= budget
+    pages = optimizer._store.pages
+    assert any(page.host is not None and page.host[0].is_pinned() for page in pages)
+    saved = optimizer.state_dict()
+    assert all(value.device.type == "cpu" for entry in saved["state"].values() for value in entry.values())
+    assert_state_equal(saved, reference.state_dict())
+
+
+def _check_budget(optimizer, budget):
+    assert optimizer._store.device_bytes <= budget
+
+
+def assert_state_equal(state_a, state_b):
+    for index, entry in state_a["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, state_b["state"][index][key]), (index, key)
