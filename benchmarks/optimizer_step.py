@@ -19,6 +19,7 @@ import ctypes
 import functools
 import gc
 import math
+import os
 import platform
 import statistics
 import sys
@@ -362,7 +363,7 @@ def check(label: str, value: float | None, limit: float, unit: str) -> str:
     if value is None:
         return f"{label}: n/a"
     verdict = "PASS" if value <= limit else "MISS"
-    return f"{label} {value:.3g}{unit} (<= {limit:g}{unit}) {verdict}"
+    return f"{label} {value:.3f}{unit} (<= {limit:g}{unit}) {verdict}"
 
 
 def targets(results: list[Result], page_size: int) -> str:
@@ -403,8 +404,13 @@ def machine(device: torch.device) -> str:
     compiled = "torch.compile" if resolve_compiled(None, device) else "eager"
     return (
         f"torch {torch.__version__}, device {device} ({name}), {torch.get_num_threads()} threads, "
-        f"hf_paged {hf_paged.__version__} kernels: {compiled}"
+        f"hf_paged {hf_paged.__version__} kernels: {compiled}, {load_average()}"
     )
+
+
+def load_average() -> str:
+    """The system's load averages, to tell whether other processes competed for the CPUs."""
+    return "load average " + " ".join(f"{load:.2f}" for load in os.getloadavg())
 
 
 # Command line -----------------------------------------------------------------------------------------
@@ -458,6 +464,7 @@ def main(argv: list[str] | None = None) -> None:
         for page_size in args.page_size:
             verdicts.append(f"- {dtype_name}, {format_size(page_size)} pages: {targets(results, page_size)}")
     print("Targets:\n" + "\n".join(verdicts))
+    print(f"\nAt the end: {load_average()}")
 
 
 if __name__ == "__main__":

@@ -4,9 +4,28 @@ The optimizers keep their state in pages that live on the accelerator under an e
 or rest in host memory, and work the same on CUDA, other accelerators and the CPU.
 """
 
+from . import _autoregister
 from .optim import PagedAdamW, PagedAdamW8bit, PagedLion, PagedLion8bit, PagedOptimizer
 from .sizes import parse_size
 
 __version__ = "0.1.0"
 
-__all__ = ["PagedAdamW", "PagedAdamW8bit", "PagedLion", "PagedLion8bit", "PagedOptimizer", "parse_size"]
+__all__ = [
+    "PagedAdamW",
+    "PagedAdamW8bit",
+    "PagedLion",
+    "PagedLion8bit",
+    "PagedOptimizer",
+    "parse_size",
+    "register",
+]
+
+
+def register(replace_bitsandbytes: bool | None = None) -> None:
+    """Register the ``hf_paged_*`` names with transformers now (see :func:`hf_paged.integrations.register`)."""
+    from .integrations import register as register_with_transformers
+
+    register_with_transformers(replace_bitsandbytes=replace_bitsandbytes)
+
+
+_autoregister.install()

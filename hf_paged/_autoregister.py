@@ -1,0 +1,75 @@
+"""Register the optimizer names with transformers once transformers is used, without importing it here.
+
+``import hf_paged`` must make ``TrainingArguments(optim="hf_paged_adamw_8bit")`` work, yet the core may not
+import transformers. Two transformers modules matter: ``training_args`` (the names) and
+``trainer_optimizer`` (the factories; it imports ``training_args`` while it loads). For each, if it is
+already loaded its part is registered at once, otherwise an import hook registers it right after the
+module is first loaded.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
+
+def _register_names() -> None:
+    from .integrations.trainer import register_names
+
+    register_names()
+
+
+def _register_handlers() -> None:
+    from .integrations.trainer import register_handlers
+
+    register_handlers()
+
+
+_TRIGGERS = {"transformers.training_args": _register_names, "transformers.trainer_optimizer": _register_handlers}
+
+
+class _RegisterAfterLoad(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader, register: Callable[[], None]) -> None:
+        self._loader = loader
+        self._register = register
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        self._register()
+
+
+class _TransformersHook(importlib.abc.MetaPathFinder):
+    def __init__(self, pending: dict[str, Callable[[], None]]) -> None:
+        self._pending = pending
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        register = self._pending.pop(fullname, None)
+        if register is None:
+            return None
+        if not self._pending:
+            sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _RegisterAfterLoad(spec.loader, register)
+        return spec
+
+
+def install() -> None:
+    """Register each part now if its transformers module is loaded, else right after it loads."""
+    if any(isinstance(finder, _TransformersHook) for finder in sys.meta_path):
+        return
+    pending = {}
+    for module, register in _TRIGGERS.items():
+        if module in sys.modules:
+            register()
+        else:
+            pending[module] = register
+    if pending:
+        sys.meta_path.insert(0, _TransformersHook(pending))

@@ -1,0 +1,74 @@
+"""The one place that touches transformers internals to add optimizer names.
+
+transformers has no public registry of optimizers: names are members of the ``OptimizerNames`` enum in
+``transformers.training_args`` (``TrainingArguments.__post_init__`` converts ``optim`` with it, and
+``HfArgumentParser`` lists its values as ``--optim`` choices), and each name's factory is an entry of
+``_OPTIMIZER_HANDLERS`` in ``transformers.trainer_optimizer``. Both are used here and nowhere else;
+``tests/test_transformers_internals.py`` fails loudly when a release changes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import importlib
+
+
+class RegistrationError(RuntimeError):
+    """transformers' optimizer tables are not where this module expects them."""
+
+
+def _fail(expected: str) -> RegistrationError:
+    version = importlib.import_module("transformers").__version__
+    return RegistrationError(
+        f"cannot register hf-paged optimizers with transformers {version}: expected {expected}; "
+        "pass the optimizer to the Trainer with Trainer(optimizers=(optimizer, None)) instead"
+    )
+
+
+def _optimizer_names() -> type:
+    names = getattr(importlib.import_module("transformers.training_args"), "OptimizerNames", None)
+    if names is None or not all(hasattr(names, table) for table in ("_member_map_", "_member_names_", "_value2member_map_")):
+        raise _fail("the OptimizerNames enum in transformers.training_args")
+    return names
+
+
+def _optimizer_handlers() -> dict[Any, Callable[..., Any]]:
+    handlers = getattr(importlib.import_module("transformers.trainer_optimizer"), "_OPTIMIZER_HANDLERS", None)
+    if not isinstance(handlers, dict):
+        raise _fail("the _OPTIMIZER_HANDLERS dict in transformers.trainer_optimizer")
+    return handlers
+
+
+def add_optimizer_name(value: str) -> Any:
+    """Add ``value`` to ``OptimizerNames`` (member name ``value.upper()``) unless it is there; return the member."""
+    names = _optimizer_names()
+    if value in names._value2member_map_:
+        return names._value2member_map_[value]
+    member_name = value.upper()
+    member = str.__new__(names, value)
+    member._name_ = member_name
+    member._value_ = value
+    member.__objclass__ = names
+    member._sort_order_ = len(names._member_names_)
+    if hasattr(names, "_add_member_"):
+        names._add_member_(member_name, member)
+    else:
+        names._member_map_[member_name] = member
+        type.__setattr__(names, member_name, member)
+    if member_name not in names._member_names_:
+        names._member_names_.append(member_name)
+    names._value2member_map_[value] = member
+    return member
+
+
+def set_optimizer_handler(value: str, handler: Callable[..., Any]) -> None:
+    """Make the Trainer build optimizer ``value`` with ``handler(context) -> (optimizer_class, kwargs)``."""
+    _optimizer_handlers()[_optimizer_names()(value)] = handler
+
+
+def optimizer_handler(value: str) -> Callable[..., Any] | None:
+    """The handler the Trainer uses for optimizer ``value``, if any."""
+    names = _optimizer_names()
+    return _optimizer_handlers().get(names(value)) if value in names._value2member_map_ else None

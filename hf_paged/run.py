@@ -1,0 +1,32 @@
+"""Run a training script with the hf-paged optimizer names registered: ``python -m hf_paged.run SCRIPT.py ARGS...``.
+
+The script needs no change: the names are registered before it builds its ``HfArgumentParser``, so
+``--optim hf_paged_adamw_8bit`` works. Under ``accelerate launch -m hf_paged.run SCRIPT.py ARGS...`` every
+process does the same. ``HF_PAGED_REPLACE_BITSANDBYTES=1`` also routes bitsandbytes' paged names to ours.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+from .integrations import register
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        raise SystemExit(0 if argv else 2)
+    script = argv[0]
+    if not os.path.isfile(script):
+        raise SystemExit(f"hf_paged.run: no such script: {script}")
+    register()
+    sys.argv = [script, *argv[1:]]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""The optimizer names work with transformers' Trainer like its own optimizers, and resume exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from transformers import HfArgumentParser, Trainer, TrainingArguments
+
+import hf_paged
+from hf_paged.integrations import OPTIMIZER_NAMES, parse_optim_args
+from trainer_utils import tiny_llama, token_dataset, training_args
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fit(tmp_path, optim: str, model=None, **overrides):
+    trainer = Trainer(
+        model=model or tiny_llama(), args=training_args(tmp_path / optim, optim=optim, **overrides), train_dataset=token_dataset()
+    )
+    trainer.train()
+    return trainer
+
+
+def flat_params(model) -> torch.Tensor:
+    return torch.cat([param.detach().float().reshape(-1) for param in model.parameters()])
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_names_are_accepted_by_training_arguments_and_parsers(tmp_path):
+    for name in OPTIMIZER_NAMES:
+        assert TrainingArguments(output_dir=str(tmp_path), optim=name).optim == name
+    parser = HfArgumentParser(TrainingArguments)
+    (parsed,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--optim", "hf_paged_lion_8bit"])
+    assert parsed.optim == "hf_paged_lion_8bit"
+    assert "hf_paged_adamw_8bit" in parser.format_help()
+    (from_dict,) = parser.parse_dict({"output_dir": str(tmp_path), "optim": "hf_paged_adamw_32bit"})
+    assert from_dict.optim == "hf_paged_adamw_32bit"
+    config = tmp_path / "args.yaml"
+    config.write_text(f"output_dir: {tmp_path}\noptim: hf_paged_adamw_8bit\n")
+    assert parser.parse_yaml_file(str(config))[0].optim == "hf_paged_adamw_8bit"
+    hf_paged.register()
+    hf_paged.register()
+    values = [member.value for member in transformers.training_args.OptimizerNames]
+    assert all(values.count(name) == 1 for name in OPTIMIZER_NAMES)
+
+
+def test_trainer_creates_our_optimizer_with_its_hyperparameters(tmp_path):
+    trainer = Trainer(
+        model=tiny_llama(),
+        args=training_args(tmp_path, optim="hf_paged_adamw_8bit", adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-7,
+                           optim_args="device_budget=64KiB,page_size=16KiB,prefetch=1,block_size=128"),
+        train_dataset=token_dataset(),
+    )
+    trainer.create_optimizer()
+    optimizer = trainer.optimizer
+    assert isinstance(optimizer, hf_paged.PagedAdamW8bit)
+    decay, no_decay = optimizer.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert decay["lr"] == 1e-3 and decay["betas"] == (0.8, 0.95) and decay["eps"] == 1e-7 and decay["block_size"] == 128
+    assert optimizer.device_budget == 64 * 1024 and optimizer.page_size == 16 * 1024 and optimizer.prefetch == 1
+    trainer.train()
+    assert isinstance(trainer.optimizer.optimizer, hf_paged.PagedAdamW8bit)
+    assert trainer.optimizer.optimizer.paging_stats()["page_outs"] > 0
+
+
+def test_optim_args_are_typed_and_checked():
+    parsed = parse_optim_args(
+        {"device_budget": "2GiB", "page_size": "8MiB", "prefetch": "2", "min_8bit_size": "4096", "block_size": "256"},
+        hf_paged.PagedAdamW8bit,
+    )
+    assert parsed == {"device_budget": 2**31, "page_size": 8 * 2**20, "prefetch": 2, "min_8bit_size": 4096, "block_size": 256}
+    assert parse_optim_args({"device_budget": "none", "compiled": "false"}, hf_paged.PagedLion) == {
+        "device_budget": None, "compiled": False}
+    with pytest.raises(ValueError, match=r"'budget'.*allowed keys: compiled, device_budget, page_size, prefetch"):
+        parse_optim_args({"budget": "1GiB"}, hf_paged.PagedAdamW)
+    with pytest.raises(ValueError, match="block_size"):
+        parse_optim_args({"block_size": "256"}, hf_paged.PagedAdamW)
+    with pytest.raises(ValueError, match="prefetch"):
+        parse_optim_args({"prefetch": "two"}, hf_paged.PagedAdamW)
+    with pytest.raises(ValueError, match="device_budget"):
+        parse_optim_args({"device_budget": "lots"}, hf_paged.PagedAdamW)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 2},
+        {"max_grad_norm": 0.01},
+        {"bf16": True},
+    ],
+    ids=["accumulation", "clipping", "bf16"],
+)
+def test_matches_trainer_with_torch_adamw(tmp_path, overrides):
+    ours = fit(tmp_path, "hf_paged_adamw_32bit", optim_args="device_budget=32KiB,page_size=16KiB", **overrides)
+    theirs = fit(tmp_path, "adamw_torch", **overrides)
+    assert isinstance(ours.optimizer.optimizer, hf_paged.PagedAdamW)
+    tolerance = 1e-2 if overrides.get("bf16") else 1e-5
+    assert relative(flat_params(ours.model), flat_params(theirs.model)) < tolerance
+    assert [log.get("loss") for log in ours.state.log_history[:-1]] == pytest.approx(
+        [log.get("loss") for log in theirs.state.log_history[:-1]], rel=tolerance
+    )
+
+
+@pytest.mark.parametrize("scheduler", [s.value for s in transformers.SchedulerType])
+def test_every_lr_scheduler(tmp_path, scheduler):
+    kwargs = {"lr_scheduler_type": scheduler, "warmup_steps": 1, "max_steps": 3}
+    if scheduler in ("reduce_lr_on_plateau", "greedy"):
+        kwargs.update(eval_strategy="steps", eval_steps=1, metric_for_best_model="loss")
+    if "min_lr" in scheduler:
+        kwargs["lr_scheduler_kwargs"] = {"min_lr": 1e-5}
+    if scheduler == "warmup_stable_decay":
+        kwargs["lr_scheduler_kwargs"] = {"num_decay_steps": 1}
+    dataset = token_dataset()
+    runs = {}
+    for optim in ("hf_paged_lion_8bit", "adamw_torch"):
+        trainer = Trainer(model=tiny_llama(), args=training_args(tmp_path / optim, optim=optim, **kwargs),
+                          train_dataset=dataset, eval_dataset=dataset[:4] if "eval_strategy" in kwargs else None)
+        trainer.train()
+        runs[optim] = [group["lr"] for group in trainer.optimizer.param_groups]
+    assert runs["hf_paged_lion_8bit"] == runs["adamw_torch"]
+
+
+@pytest.mark.parametrize("optim", ["hf_paged_adamw_32bit", "hf_paged_adamw_8bit", "hf_paged_lion_8bit"])
+def test_resume_from_checkpoint_is_bitwise_identical(tmp_path, optim):
+    options = {"max_steps": 6, "save_strategy": "steps", "save_steps": 3,
+               "optim_args": "device_budget=48KiB,page_size=16KiB"}
+    uninterrupted = fit(tmp_path / "full", optim, **options)
+    checkpoint = tmp_path / "full" / optim / "checkpoint-3"
+    assert (checkpoint / "optimizer.pt").exists()
+    resumed = Trainer(model=tiny_llama(seed=99), args=training_args(tmp_path / "resumed" / optim, optim=optim, **options),
+                      train_dataset=token_dataset())
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert torch.equal(flat_params(resumed.model), flat_params(uninterrupted.model))
+    state = resumed.optimizer.state_dict()["state"]
+    reference = uninterrupted.optimizer.state_dict()["state"]
+    for index in reference:
+        for key in reference[index]:
+            assert torch.equal(state[index][key], reference[index][key])
+
+
+def test_save_only_model_and_8bit_checkpoint_size(tmp_path):
+    sizes = {}
+    for optim in ("hf_paged_adamw_32bit", "hf_paged_adamw_8bit"):
+        fit(tmp_path, optim, max_steps=2, save_strategy="steps", save_steps=2)
+        sizes[optim] = os.path.getsize(tmp_path / optim / "checkpoint-2" / "optimizer.pt")
+    assert 0.2 < sizes["hf_paged_adamw_8bit"] / sizes["hf_paged_adamw_32bit"] < 0.35
+    fit(tmp_path / "only", "hf_paged_adamw_8bit", max_steps=2, save_strategy="steps", save_steps=2, save_only_model=True)
+    checkpoint = tmp_path / "only" / "hf_paged_adamw_8bit" / "checkpoint-2"
+    assert (checkpoint / "model.safetensors").exists() and not (checkpoint / "optimizer.pt").exists()
+
+
+def run_script(*args, env=None):
+    command = [sys.executable, "-m", "hf_paged.run", os.path.join(REPO, "tests", "scripts", "train_unmodified.py"), *args]
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")]), **(env or {})}
+    return subprocess.run(command, capture_output=True, text=True, env=environment, timeout=300)
+
+
+def test_runner_registers_names_for_unmodified_scripts(tmp_path):
+    result = run_script("--output_dir", str(tmp_path), "--optim", "hf_paged_adamw_8bit", "--max_steps", "2")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1])["optimizer"] == "PagedAdamW8bit"
+
+
+def test_runner_replaces_bitsandbytes_names_only_when_asked(tmp_path):
+    replaced = run_script("--output_dir", str(tmp_path), "--optim", "paged_adamw_8bit", "--max_steps", "1",
+                          env={"HF_PAGED_REPLACE_BITSANDBYTES": "1"})
+    assert replaced.returncode == 0, replaced.stderr
+    assert json.loads(replaced.stdout.strip().splitlines()[-1])["optimizer"] == "PagedAdamW8bit"
+    assert "now select hf-paged optimizers" in replaced.stderr
+    default = run_script("--output_dir", str(tmp_path), "--optim", "paged_adamw_8bit", "--max_steps", "1")
+    assert default.returncode == 0, default.stderr
+    assert json.loads(default.stdout.strip().splitlines()[-1])["optimizer"] != "PagedAdamW8bit"
+
+
+def test_runner_without_a_script_explains_usage():
+    result = subprocess.run([sys.executable, "-m", "hf_paged.run"], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": REPO})
+    assert result.returncode == 2 and "SCRIPT.py" in result.stdout

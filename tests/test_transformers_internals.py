@@ -1,0 +1,38 @@
+"""Fails loudly when a transformers release moves the optimizer tables that registration relies on."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import transformers
+from transformers import trainer_optimizer, training_args
+
+from hf_paged.integrations import _transformers_internals as internals
+
+
+def test_optimizer_names_enum_has_the_tables_we_extend():
+    names = training_args.OptimizerNames
+    for table in ("_member_map_", "_member_names_", "_value2member_map_"):
+        assert hasattr(names, table), f"transformers {transformers.__version__}: OptimizerNames.{table} is gone"
+    assert issubclass(names, str)
+
+
+def test_handler_table_and_context_are_as_expected():
+    assert isinstance(trainer_optimizer._OPTIMIZER_HANDLERS, dict)
+    fields = {field.name for field in dataclasses.fields(trainer_optimizer.OptimizerContext)}
+    assert {"args", "optimizer_kwargs", "adam_kwargs", "optim_args"} <= fields
+
+
+def test_registered_names_have_our_handlers():
+    for name in ("hf_paged_adamw_32bit", "hf_paged_adamw_8bit", "hf_paged_lion_32bit", "hf_paged_lion_8bit"):
+        member = training_args.OptimizerNames(name)
+        assert member.value == name and member.name == name.upper()
+        assert internals.optimizer_handler(name).__module__ == "hf_paged.integrations.trainer"
+    assert internals.optimizer_handler("no_such_optimizer") is None
+
+
+def test_missing_tables_give_an_error_naming_the_version(monkeypatch):
+    monkeypatch.delattr(trainer_optimizer, "_OPTIMIZER_HANDLERS")
+    with pytest.raises(internals.RegistrationError, match=rf"transformers {transformers.__version__}.*_OPTIMIZER_HANDLERS"):
+        internals.set_optimizer_handler("hf_paged_adamw_8bit", lambda context: None)
