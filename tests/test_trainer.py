@@ -185,3 +185,33 @@ def test_runner_without_a_script_explains_usage():
     result = subprocess.run([sys.executable, "-m", "hf_paged.run"], capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": REPO})
     assert result.returncode == 2 and "SCRIPT.py" in result.stdout
+
+
+def test_grad_scaler_skips_the_step_on_overflow_and_leaves_state_untouched():
+    model = tiny_llama()
+    optimizer = hf_paged.PagedAdamW8bit(model.parameters(), lr=1e-3, page_size="16KiB", device_budget="32KiB")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    batch = torch.stack([row["input_ids"] for row in token_dataset()[:4]])
+
+    def backward():
+        optimizer.zero_grad()
+        scaler.scale(model(input_ids=batch, labels=batch).loss).backward()
+
+    backward()
+    scaler.step(optimizer)
+    scaler.update()
+    before_params = flat_params(model)
+    before_state = optimizer.state_dict()["state"]
+    backward()
+    next(model.parameters()).grad[0, 0] = float("inf")
+    scaler.step(optimizer)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**9
+    assert torch.equal(flat_params(model), before_params)
+    after_state = optimizer.state_dict()["state"]
+    for index, entry in before_state.items():
+        for key, value in entry.items():
+            assert torch.equal(after_state[index][key], value)
+    backward()
+    scaler.step(optimizer)
+    assert not torch.equal(flat_params(model), before_params)

@@ -1,0 +1,44 @@
+"""Two CPU processes (gloo): DDP through ``accelerate launch`` with an unmodified script, and resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "tests", "scripts", "train_unmodified.py")
+
+pytestmark = pytest.mark.skipif(shutil.which("accelerate") is None, reason="accelerate's launcher is not on PATH")
+
+
+def launch(output_dir, *extra: str) -> list[dict]:
+    command = [
+        "accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517",
+        "-m", "hf_paged.run", SCRIPT,
+        "--use_cpu", "--output_dir", str(output_dir), "--optim", "hf_paged_adamw_8bit",
+        "--optim_args", "device_budget=48KiB,page_size=16KiB",
+        "--per_device_train_batch_size", "2", "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2",
+        "--seed", "0", *extra,
+    ]
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")]), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{\"optimizer\"")]
+    return sorted(rows, key=lambda row: row["rank"])
+
+
+def test_ddp_two_processes_train_identically_and_resume(tmp_path):
+    uninterrupted = launch(tmp_path / "full")
+    assert [row["rank"] for row in uninterrupted] == [0, 1]
+    assert all(row["optimizer"] == "PagedAdamW8bit" for row in uninterrupted)
+    assert uninterrupted[0]["checksum"] == uninterrupted[1]["checksum"]
+    checkpoint = tmp_path / "full" / "checkpoint-2"
+    assert (checkpoint / "optimizer.pt").exists()
+    resumed = launch(tmp_path / "resumed", "--resume_from_checkpoint", str(checkpoint))
+    assert [row["checksum"] for row in resumed] == [row["checksum"] for row in uninterrupted]
