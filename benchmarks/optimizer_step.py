@@ -195,7 +195,7 @@ def measure(
 ) -> Result | str:
     """Warm up, time and measure one optimizer; the error text instead if it fails."""
     label = f"{name} [{budget}]"
-    print(f"running {label} ...", file=sys.stderr, flush=True)
+    print(f"{time.strftime('%H:%M:%S')} running {label} ...", file=sys.stderr, flush=True)
     params = fresh_params(master)
     numel = sum(param.numel() for param in params)
     try:

@@ -18,9 +18,8 @@ pytestmark = pytest.mark.skipif(shutil.which("accelerate") is None, reason="acce
 
 def launch(output_dir, *extra: str) -> list[dict]:
     command = [
-        "accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517",
-        "-m", "hf_paged.run", SCRIPT,
+        "accelerate", "launch", "--config_file", os.path.join(REPO, "configs", "accelerate", "ddp.yaml"),
+        "--num_processes", "2", "--main_process_port", "29517", "-m", "hf_paged.run", SCRIPT,
         "--use_cpu", "--output_dir", str(output_dir), "--optim", "hf_paged_adamw_8bit",
         "--optim_args", "device_budget=48KiB,page_size=16KiB",
         "--per_device_train_batch_size", "2", "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2",
