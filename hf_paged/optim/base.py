@@ -303,10 +303,18 @@ class PagedOptimizer(Optimizer):
 
         Each parameter's entry holds ``step`` (a tensor) and, per state, its fp32 values (``exp_avg``) or,
         for 8-bit state, its codes shaped like the parameter and one fp32 scale per block
-        (``exp_avg_codes``, ``exp_avg_scales``).
+        (``exp_avg_codes``, ``exp_avg_scales``). For a sharded (DTensor) parameter the values and codes are
+        DTensors placed like the parameter, on its device, so ``torch.distributed.checkpoint`` can reshard
+        them; the scales of 8-bit state stay this rank's own.
         """
         packed = super().state_dict()
         exported = self._export_state(sorted(packed["state"]))
+        for index, entry in exported.items():
+            param = self._params[index]
+            if local_tensor(param) is not param:
+                for name, codec in zip(self.state_names, self._formats[self._param_codecs[index]].codecs):
+                    key = self._state_keys(codec, name)[0]
+                    entry[key] = _like_shards_of(param, entry[key])
         packed["state"] = {
             index: {"step": entry["step"].detach().to("cpu", torch.float32, copy=True), **exported[index]}
             for index, entry in packed["state"].items()
@@ -415,6 +423,8 @@ class PagedOptimizer(Optimizer):
             fields = []
             for key, length, dtype in zip(self._state_keys(codec, name), codec.field_lengths(numel), codec.field_dtypes()):
                 value = entry[key]
+                if isinstance(value, torch.Tensor):
+                    value = local_tensor(value)
                 if not isinstance(value, torch.Tensor) or value.numel() != length:
                     raise ValueError(
                         f"state {key!r} of parameter {saved_id!r} must be a tensor of {length} elements, got "
@@ -500,6 +510,20 @@ class PagedOptimizer(Optimizer):
             "device_budget": self._device_budget,
             "page_size": self.page_size,
         }
+
+
+def _like_shards_of(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (shaped like this rank's shard of DTensor ``param``) as a DTensor placed like ``param``."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local.to(local_tensor(param).device),
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
 
 
 class _SavedState:
