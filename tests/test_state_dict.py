@@ -94,8 +94,11 @@ def test_torch_adamw_state_dict_loads(cls):
     optimizer = cls(decay_groups(model), lr=1e-2, page_size=4096, device_budget=8192, **kwargs)
     optimizer.load_state_dict(saved_optimizer)
     loaded = optimizer.state_dict()["state"]
-    for index, entry in torch_optimizer.state_dict()["state"].items():
+    for index, entry in saved_optimizer["state"].items():
         assert loaded[index]["step"].item() == 6
+        if cls is hf_paged.PagedAdamW:
+            assert torch.equal(loaded[index]["exp_avg"], entry["exp_avg"])
+            assert torch.equal(loaded[index]["exp_avg_sq"], entry["exp_avg_sq"])
     train(model, optimizer, batches[6:])
     tolerance = 1e-6 if cls is hf_paged.PagedAdamW else 2e-2
     for param, expected in zip(model.parameters(), reference.parameters()):

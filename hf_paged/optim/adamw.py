@@ -174,7 +174,7 @@ class PagedAdamW(_PagedAdamWBase):
         prefetch: int = 2,
         compiled: bool | None = None,
     ) -> None:
-        defaults = {"lr": lr, "betas": tuple(betas) if isinstance(betas, list) else betas, "eps": eps, "weight_decay": weight_decay}
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(
             params, defaults, page_size=page_size, device_budget=device_budget, prefetch=prefetch, compiled=compiled
         )
@@ -207,7 +207,7 @@ class PagedAdamW8bit(_PagedAdamWBase):
         prefetch: int = 2,
         compiled: bool | None = None,
     ) -> None:
-        defaults = {"lr": lr, "betas": tuple(betas) if isinstance(betas, list) else betas, "eps": eps, "weight_decay": weight_decay}
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(
             params,
             defaults,

@@ -107,6 +107,8 @@ class PagedOptimizer(Optimizer):
         min_8bit_size: int = 4096,
         compiled: bool | None = None,
     ) -> None:
+        if isinstance(defaults.get("betas"), list):
+            defaults = {**defaults, "betas": tuple(defaults["betas"])}
         self.page_size = parse_size(page_size, "page_size")
         self.prefetch = _check_int("prefetch", prefetch, 0)
         self.eight_bit = eight_bit

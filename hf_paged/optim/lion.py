@@ -79,7 +79,7 @@ class PagedLion(_PagedLionBase):
         prefetch: int = 2,
         compiled: bool | None = None,
     ) -> None:
-        defaults = {"lr": lr, "betas": tuple(betas) if isinstance(betas, list) else betas, "weight_decay": weight_decay}
+        defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
         super().__init__(
             params, defaults, page_size=page_size, device_budget=device_budget, prefetch=prefetch, compiled=compiled
         )
@@ -109,7 +109,7 @@ class PagedLion8bit(_PagedLionBase):
         prefetch: int = 2,
         compiled: bool | None = None,
     ) -> None:
-        defaults = {"lr": lr, "betas": tuple(betas) if isinstance(betas, list) else betas, "weight_decay": weight_decay}
+        defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
         super().__init__(
             params,
             defaults,
