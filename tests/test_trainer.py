@@ -215,3 +215,25 @@ def test_grad_scaler_skips_the_step_on_overflow_and_leaves_state_untouched():
     backward()
     scaler.step(optimizer)
     assert not torch.equal(flat_params(model), before_params)
+
+
+def test_trl_sft_config_accepts_the_names(tmp_path):
+    trl = pytest.importorskip("trl")
+    config = trl.SFTConfig(output_dir=str(tmp_path), optim="hf_paged_adamw_8bit", use_cpu=True, report_to=[])
+    assert config.optim == "hf_paged_adamw_8bit"
+    assert Trainer.get_optimizer_cls_and_kwargs(config)[0] is hf_paged.PagedAdamW8bit
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 mixed precision needs a CUDA device")
+def test_fp16_loss_scaling_on_cuda(tmp_path):
+    trainer = Trainer(
+        model=tiny_llama(),
+        args=training_args(tmp_path, optim="hf_paged_adamw_8bit", fp16=True, use_cpu=False, max_steps=6,
+                           optim_args="device_budget=48KiB,page_size=16KiB"),
+        train_dataset=token_dataset(),
+    )
+    trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
+    assert trainer.optimizer.optimizer.paging_stats()["page_outs"] > 0
