@@ -1,0 +1,1 @@
+"""Trainer callbacks of hf-paged, installed as ``hf_paged.callbacks``."""
