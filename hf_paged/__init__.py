@@ -15,10 +15,19 @@ __all__ = [
     "PagedAdamW8bit",
     "PagedLion",
     "PagedLion8bit",
+    "MemorySpikeCallback",
     "PagedOptimizer",
     "parse_size",
     "register",
 ]
+
+
+def __getattr__(name: str):
+    if name == "MemorySpikeCallback":
+        from .callbacks import MemorySpikeCallback
+
+        return MemorySpikeCallback
+    raise AttributeError(f"module 'hf_paged' has no attribute {name!r}")
 
 
 def register(replace_bitsandbytes: bool | None = None) -> None:

@@ -1,16 +1,20 @@
 """Device backends: allocation, copies between host and device, and their ordering for one device.
 
-This is the only module that touches stream and event APIs. Two backends exist:
+This is the only module that touches stream, event and memory-statistics APIs. Two backends exist:
 
 * :class:`StreamBackend` for accelerators whose PyTorch module has streams and events (CUDA, XPU):
   host buffers are pinned, copies run on a side stream, and events order them with the compute stream.
 * :class:`SyncBackend` for the CPU and devices without streams: copies are plain synchronous copies.
   On a CPU-only machine the "device" pool is ordinary CPU memory, so the page store above runs the same
   eviction, prefetch and write-back logic and tests cover it without an accelerator.
+
+:func:`memory_for` gives the memory figures of a device (allocated, reserved, peak, free, total) with one
+interface: :class:`AcceleratorMemory` from the device's PyTorch module, :class:`HostMemory` for the CPU.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -107,3 +111,137 @@ def backend_for(device: torch.device) -> SyncBackend:
     if all(hasattr(module, name) for name in ("Stream", "Event", "current_stream", "stream")):
         return StreamBackend(device)
     return SyncBackend(device)
+
+
+class HostMemory:
+    """Memory figures of this process on the host (the CPU "device"), in bytes.
+
+    Resident set and its high-water mark come from ``/proc/self/status`` (``VmRSS``, ``VmHWM``) and the mark
+    is reset through ``/proc/self/clear_refs``; where ``/proc`` is missing, ``psutil`` gives the resident
+    set and the peak is left to sampling (``peak()`` returns ``None``).
+    """
+
+    _STATUS = "/proc/self/status"
+    _CLEAR_REFS = "/proc/self/clear_refs"
+
+    def __init__(self) -> None:
+        self._has_proc = os.path.exists(self._STATUS)
+        if not self._has_proc:
+            try:
+                import psutil
+            except ImportError as error:
+                raise RuntimeError(
+                    "measuring host memory needs /proc/self/status or psutil: pip install psutil"
+                ) from error
+            self._process = psutil.Process()
+        self.can_reset_peak = self._has_proc and os.access(self._CLEAR_REFS, os.W_OK)
+
+    def _status_kib(self, key: str) -> int:
+        with open(self._STATUS) as status:
+            for line in status:
+                if line.startswith(key):
+                    return int(line.split()[1])
+        raise RuntimeError(f"{self._STATUS} has no {key} line")
+
+    def resident(self) -> int:
+        """The process's resident set."""
+        if self._has_proc:
+            return self._status_kib("VmRSS:") * 1024
+        return self._process.memory_info().rss
+
+    allocated = resident
+    reserved = resident
+
+    def peak(self) -> int | None:
+        """The resident set's high-water mark since the last reset, ``None`` where it is not kept."""
+        return self._status_kib("VmHWM:") * 1024 if self._has_proc else None
+
+    def reset_peak(self) -> None:
+        """Start the high-water mark afresh at the current resident set."""
+        with open(self._CLEAR_REFS, "w") as clear_refs:
+            clear_refs.write("5")
+
+    def total(self) -> int:
+        """Physical memory of the machine."""
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            import psutil
+
+            return psutil.virtual_memory().total
+
+    def free(self) -> int:
+        """Memory available to new allocations without swapping."""
+        try:
+            with open("/proc/meminfo") as meminfo:
+                for line in meminfo:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        import psutil
+
+        return psutil.virtual_memory().available
+
+
+class AcceleratorMemory:
+    """Memory figures of one accelerator from its PyTorch module, in bytes.
+
+    CUDA and XPU expose allocated, reserved, a resettable peak and free/total; MPS exposes allocated
+    (``current_allocated_memory``), the driver's total (``driver_allocated_memory``) and a recommended
+    maximum, and keeps no peak, so :meth:`peak` returns ``None`` there.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        module = getattr(torch, device.type, None)
+        if module is None or not getattr(module, "is_available", lambda: False)():
+            raise RuntimeError(
+                f"cannot measure memory of device {str(device)!r}: PyTorch reports no {device.type} device on "
+                "this machine (torch memory calls would silently return 0)"
+            )
+        self._module = module
+        if device.index is not None:
+            self._index = device.index
+        else:
+            self._index = module.current_device() if hasattr(module, "current_device") else 0
+        self._allocator = hasattr(module, "memory_allocated")
+        self.can_reset_peak = hasattr(module, "reset_peak_memory_stats")
+
+    def allocated(self) -> int:
+        """Bytes held by tensors."""
+        if self._allocator:
+            return self._module.memory_allocated(self._index)
+        return self._module.current_allocated_memory()
+
+    def reserved(self) -> int:
+        """Bytes held by PyTorch's caching allocator (tensors and cached blocks)."""
+        if hasattr(self._module, "memory_reserved"):
+            return self._module.memory_reserved(self._index)
+        return self._module.driver_allocated_memory()
+
+    def peak(self) -> int | None:
+        """Peak of :meth:`allocated` since the last reset, ``None`` where PyTorch keeps none."""
+        if hasattr(self._module, "max_memory_allocated"):
+            return self._module.max_memory_allocated(self._index)
+        return None
+
+    def reset_peak(self) -> None:
+        """Start the peak afresh at the current allocation (PyTorch's global peak of this device)."""
+        self._module.reset_peak_memory_stats(self._index)
+
+    def total(self) -> int:
+        """The device's memory."""
+        if hasattr(self._module, "mem_get_info"):
+            return self._module.mem_get_info(self._index)[1]
+        return self._module.recommended_max_memory()
+
+    def free(self) -> int:
+        """Device memory not in use by any process (or, without a driver query, total minus reserved)."""
+        if hasattr(self._module, "mem_get_info"):
+            return self._module.mem_get_info(self._index)[0]
+        return max(0, self.total() - self.reserved())
+
+
+def memory_for(device: torch.device) -> HostMemory | AcceleratorMemory:
+    """Return the memory figures of ``device``: the host process for the CPU, else the accelerator's."""
+    return HostMemory() if device.type == "cpu" else AcceleratorMemory(device)

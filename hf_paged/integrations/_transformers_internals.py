@@ -3,16 +3,17 @@
 transformers has no public registry of optimizers: names are members of the ``OptimizerNames`` enum in
 ``transformers.training_args`` (``TrainingArguments.__post_init__`` converts ``optim`` with it, and
 ``HfArgumentParser`` lists its values as ``--optim`` choices), and each name's factory is an entry of
-``_OPTIMIZER_HANDLERS`` in ``transformers.trainer_optimizer``. Both are used here and nowhere else;
+``_OPTIMIZER_HANDLERS`` in ``transformers.trainer_optimizer``. A callback's handler is found in the frame of
+``CallbackHandler.call_event``. All are used here and nowhere else;
 ``tests/test_transformers_internals.py`` fails loudly when a release changes them.
 """
 
 from __future__ import annotations
 
+import importlib
+import sys
 from collections.abc import Callable
 from typing import Any
-
-import importlib
 
 
 class RegistrationError(RuntimeError):
@@ -72,3 +73,22 @@ def optimizer_handler(value: str) -> Callable[..., Any] | None:
     """The handler the Trainer uses for optimizer ``value``, if any."""
     names = _optimizer_names()
     return _optimizer_handlers().get(names(value)) if value in names._value2member_map_ else None
+
+
+def calling_callback_handler(max_depth: int = 4) -> Any | None:
+    """The ``CallbackHandler`` whose ``call_event`` is running the caller's event method, if one is.
+
+    Callbacks are not given their handler; a callback that must reorder itself among the others (to run
+    before the ``report_to`` integrations) finds it in the ``call_event`` frame that called it.
+    """
+    from transformers.trainer_callback import CallbackHandler
+
+    frame = sys._getframe(2)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, CallbackHandler):
+            return candidate
+        frame = frame.f_back
+    return None

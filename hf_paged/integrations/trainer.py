@@ -6,6 +6,7 @@ import logging
 import os
 from typing import Any
 
+from ..memory import probe_for
 from ..optim import PagedAdamW, PagedAdamW8bit, PagedLion, PagedLion8bit
 from ..sizes import parse_size
 from . import _transformers_internals as internals
@@ -31,8 +32,11 @@ BITSANDBYTES_NAMES: dict[str, str] = {
 REPLACE_BITSANDBYTES_ENV = "HF_PAGED_REPLACE_BITSANDBYTES"
 
 
-def _size_or_none(value: str) -> int | None:
-    return None if value.lower() == "none" else parse_size(value, "device_budget")
+def _budget(value: str) -> int | str | None:
+    lowered = value.strip().lower()
+    if lowered in ("none", "auto"):
+        return None if lowered == "none" else "auto"
+    return parse_size(value, "device_budget")
 
 
 def _boolean(value: str) -> bool:
@@ -43,7 +47,7 @@ def _boolean(value: str) -> bool:
 
 
 _COMMON_ARGS = {
-    "device_budget": _size_or_none,
+    "device_budget": _budget,
     "page_size": lambda value: parse_size(value, "page_size"),
     "prefetch": int,
     "compiled": _boolean,
@@ -67,6 +71,16 @@ def parse_optim_args(optim_args: dict[str, str], optimizer_cls: type) -> dict[st
     return parsed
 
 
+def keep_trainer_memory_metrics(args) -> None:
+    """Leave the device's global peak alone when the Trainer reports it (``skip_memory_metrics=False``).
+
+    The Trainer's memory metrics read the accelerator's global peak at the end of training; on the CPU it
+    samples the resident set itself, so resetting ``VmHWM`` there does not disturb it.
+    """
+    if not args.skip_memory_metrics and args.device.type != "cpu":
+        probe_for(args.device).reset_peaks = False
+
+
 def _handler(optimizer_cls: type):
     def build(context) -> tuple[type, dict[str, Any]]:
         kwargs = dict(context.optimizer_kwargs)
@@ -74,6 +88,8 @@ def _handler(optimizer_cls: type):
         if optimizer_cls in (PagedAdamW, PagedAdamW8bit):
             kwargs["eps"] = context.adam_kwargs["eps"]
         kwargs.update(parse_optim_args(context.optim_args, optimizer_cls))
+        if kwargs.get("device_budget") == "auto":
+            keep_trainer_memory_metrics(context.args)
         return optimizer_cls, kwargs
 
     return build

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch.optim import Optimizer
 
+from ..budget import AutoBudget
 from ..codecs import Blockwise8bitCodec, Codec, Float32Codec, PageFormat, to_blocks
 from ..device import backend_for
 from ..kernels import UpdateRule, resolve_compiled, segment_kernel
@@ -23,6 +24,12 @@ from ..store import Page, PageStore, Segment
 
 DEFAULT_PAGE_SIZE = 4 * 2**20
 """Default page size in bytes (see ``benchmarks/optimizer_step.py``)."""
+
+_STEP_WORKSPACE_PAGES = 4
+"""Pages' worth of device memory an automatic budget leaves for the update's temporaries (decoded state)."""
+
+_BETWEEN_STEPS = "hf_paged.optimizer.between_steps"
+"""The probe mark an automatic budget sets at the end of each step: the forward/backward phase."""
 
 _LAYOUT_KEYS = ("block_size", "min_8bit_size")
 """Group entries that fix the state layout: saved with the state, never taken from a loaded state dict."""
@@ -81,8 +88,10 @@ class PagedOptimizer(Optimizer):
         params: parameters or param groups, as for any ``torch.optim.Optimizer``.
         defaults: the subclass's hyperparameter defaults.
         page_size: bytes of one page, an integer or a string such as ``"4MiB"``.
-        device_budget: the most bytes of optimizer state on the device at any time; ``None`` for no limit.
-            At least one page.
+        device_budget: the most bytes of optimizer state on the device at any time (at least one page);
+            ``None`` for no limit; ``"auto"`` or an :class:`~hf_paged.budget.AutoBudget` to follow measured
+            memory: after each step the state is evicted down to what the coming forward/backward leaves
+            free, and a step uses what the step leaves free.
         prefetch: pages copied to the device ahead of the page being updated.
         eight_bit: store tensors of ``min_8bit_size`` or more elements in blockwise 8-bit codes.
         block_size: elements per quantization block (8-bit state), a power of two from 16 to 4096.
@@ -100,7 +109,7 @@ class PagedOptimizer(Optimizer):
         defaults: dict[str, Any],
         *,
         page_size: int | str = DEFAULT_PAGE_SIZE,
-        device_budget: int | str | None = None,
+        device_budget: int | str | AutoBudget | None = None,
         prefetch: int = 2,
         eight_bit: bool = False,
         block_size: int = 256,
@@ -127,7 +136,6 @@ class PagedOptimizer(Optimizer):
                 )
         if eight_bit and self.page_size % block_size:
             raise ValueError(f"page_size={self.page_size} must be a multiple of block_size={block_size}")
-        self._device_budget = self._parse_budget(device_budget, "device_budget")
         if compiled is not None and not isinstance(compiled, bool):
             raise TypeError(f"compiled must be True, False or None, got {compiled!r}")
         self._compiled_setting = compiled
@@ -135,6 +143,8 @@ class PagedOptimizer(Optimizer):
         self._params: list[torch.Tensor] = []
         self._param_segments: list[list[tuple[Page, Segment]]] = []
         self._param_codecs: list[str] = []
+        self._auto_budget: AutoBudget | None = None
+        self._device_budget = self._parse_budget(device_budget, "device_budget")
         super().__init__(params, defaults)
 
     # Layout -------------------------------------------------------------------------------------------
@@ -147,14 +157,26 @@ class PagedOptimizer(Optimizer):
             )
         return formats
 
-    def _parse_budget(self, budget: int | str | None, name: str) -> int | None:
+    def _parse_budget(self, budget: int | str | AutoBudget | None, name: str) -> int | None:
+        """Return a fixed budget in bytes (``None``: no limit), or set up an automatic one and return ``None``."""
+        self._auto_budget = None
         if budget is None:
             return None
-        nbytes = parse_size(budget, name)
+        if isinstance(budget, str) and budget.strip().lower() == "auto":
+            budget = AutoBudget()
+        if isinstance(budget, AutoBudget):
+            self._auto_budget = budget
+            if self._params:
+                self._bind_auto_budget()
+            return None
+        try:
+            nbytes = parse_size(budget, name)
+        except ValueError as error:
+            raise ValueError(f"{error}; or 'auto' to follow measured memory") from None
         if nbytes < self.page_size:
             raise ValueError(
-                f"{name}={budget!r} is smaller than one page ({self.page_size} bytes): use None for no limit "
-                "or a budget of at least page_size (to free device memory before a spike, call evict())"
+                f"{name}={budget!r} is smaller than one page ({self.page_size} bytes): use None for no limit, "
+                "'auto', or a budget of at least page_size (to free device memory before a spike, call evict())"
             )
         return nbytes
 
@@ -179,9 +201,12 @@ class PagedOptimizer(Optimizer):
                 )
         self.check_group({**self.defaults, **param_group})
         super().add_param_group({**param_group, "params": params})
-        if self._store is None and device is not None:
+        first_group = self._store is None
+        if first_group:
             self._store = PageStore(backend_for(device), self._device_budget, self.prefetch)
         self._layout(self.param_groups[-1]["params"], self.param_groups[-1])
+        if first_group and self._auto_budget is not None:
+            self._bind_auto_budget()
 
     def _layout(self, params: Sequence[torch.Tensor], group: dict[str, Any]) -> None:
         """Pack the state of ``params`` into new pages, one open page per format, the last ones trimmed."""
@@ -282,6 +307,8 @@ class PagedOptimizer(Optimizer):
                 end = segment.start + segment.length
                 by_page[page.index].append((segment, flat_param[segment.start : end], grad[segment.start : end], step, group))
         pages = [self._store.pages[i] for i in sorted(by_page)]
+        if self._auto_budget is not None:
+            self._begin_auto_step()
         scalars_cache: dict[tuple[int, float], dict[str, float]] = {}
         for page in self._store.stream(pages):
             items = by_page[page.index]
@@ -293,6 +320,9 @@ class PagedOptimizer(Optimizer):
                 if key not in scalars_cache:
                     scalars_cache[key] = self.rule_scalars(group, step)
                 self._update_segment(kernel, page, arrays, segment, param_slice, grad_slice, scalars_cache[key])
+        if self._auto_budget is not None:
+            self.prepare_forward()
+            self._auto_budget.probe.mark(_BETWEEN_STEPS)
         return loss
 
     # Saving and loading -------------------------------------------------------------------------------
@@ -403,7 +433,7 @@ class PagedOptimizer(Optimizer):
 
     def _parse_saved_entry(
         self, index: int, saved_id: Any, entry: dict[str, Any], saved_group: dict[str, Any]
-    ) -> tuple[float, dict[str, "_SavedState"]]:
+    ) -> tuple[float, dict[str, _SavedState]]:
         numel = local_tensor(self._params[index]).numel()
         if not isinstance(entry, dict) or "step" not in entry:
             raise ValueError(f"state of parameter {saved_id!r} has no 'step'")
@@ -438,7 +468,7 @@ class PagedOptimizer(Optimizer):
             states[name] = _SavedState(codec, tuple(fields), numel)
         return step, states
 
-    def _import_state(self, sources: dict[int, dict[str, "_SavedState"]]) -> None:
+    def _import_state(self, sources: dict[int, dict[str, _SavedState]]) -> None:
         """Rewrite every page from ``sources`` (parameters without an entry get zero state)."""
         for page in self._store.pages:
             segments = [segment for segment in page.segments if segment.param_index in sources]
@@ -481,13 +511,49 @@ class PagedOptimizer(Optimizer):
 
     @property
     def device_budget(self) -> int | None:
-        """The budget in bytes of optimizer state on the device, ``None`` for no limit."""
-        return self._device_budget
+        """The budget in bytes of optimizer state on the device now, ``None`` for no limit."""
+        return self._store.device_budget if self._store is not None else self._device_budget
 
-    def set_device_budget(self, budget: int | str | None) -> None:
-        """Set the device budget (bytes or a string such as ``"512MiB"``; ``None``: no limit), evicting down to it."""
+    @property
+    def auto_budget(self) -> AutoBudget | None:
+        """The automatic budget, if the budget is ``"auto"``."""
+        return self._auto_budget
+
+    def set_device_budget(self, budget: int | str | AutoBudget | None) -> None:
+        """Set the device budget (bytes, a string such as ``"512MiB"``, ``"auto"``; ``None``: no limit).
+
+        A fixed budget takes effect at once, evicting down to it; an automatic one at the next step.
+        """
         self._device_budget = self._parse_budget(budget, "budget")
-        self._store.set_budget(self._device_budget)
+        if self._auto_budget is None:
+            self._store.set_budget(self._device_budget)
+
+    def prepare_forward(self) -> int:
+        """Evict down to the automatic budget for the coming forward/backward; return the device bytes freed.
+
+        The optimizer does this at the end of each step; call it again (as ``MemorySpikeCallback`` does
+        at each step's start) when memory may have changed since. Does nothing with a fixed budget.
+        """
+        if self._auto_budget is None or self._store is None:
+            return 0
+        budget = self._auto_budget.resting_budget()
+        if budget is None:
+            return 0
+        before = self._store.device_bytes
+        self._store.set_budget(budget)
+        return before - self._store.device_bytes
+
+    def _bind_auto_budget(self) -> None:
+        """Measure the parameters' device; the first forward/backward is measured from now."""
+        self._auto_budget.bind(self._params[0].device)
+        self._auto_budget.probe.mark(_BETWEEN_STEPS)
+
+    def _begin_auto_step(self) -> None:
+        """Record the forward/backward peak just ended and give the step what it leaves free."""
+        auto, store = self._auto_budget, self._store
+        auto.observe(auto.probe.peak(_BETWEEN_STEPS) - store.device_bytes)
+        workspace = _STEP_WORKSPACE_PAGES * self.page_size
+        store.set_budget(auto.step_budget(store.device_bytes, workspace, minimum=store.max_page_bytes))
 
     def evict(self, nbytes: int | str | None = None) -> int:
         """Write state back to host memory until at least ``nbytes`` of the device are freed (``None``: all).
@@ -509,7 +575,7 @@ class PagedOptimizer(Optimizer):
             "page_ins": stats.page_ins,
             "page_outs": stats.page_outs,
             "stall_seconds": stats.stall_seconds,
-            "device_budget": self._device_budget,
+            "device_budget": self.device_budget,
             "page_size": self.page_size,
         }
 

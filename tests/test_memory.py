@@ -1,0 +1,193 @@
+"""The memory probe, its marks and peaks, and the automatic device budget of the optimizers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_paged
+from hf_paged.budget import AutoBudget
+from hf_paged.device import HostMemory
+from hf_paged.integrations.trainer import parse_optim_args
+from hf_paged.memory import CAPACITY_ENV, MemoryProbe, probe_for
+
+from memory_utils import GIB, ScriptedMemory
+
+MIB = 2**20
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_probe_of_missing_accelerator_raises_instead_of_reading_zero():
+    assert torch.cuda.memory_allocated() == 0  # what the probe must not pass on as a measurement
+    with pytest.raises(RuntimeError, match="'cuda'.*no cuda device"):
+        MemoryProbe("cuda")
+
+
+def test_host_probe_reads_this_process():
+    host = HostMemory()
+    probe = MemoryProbe("cpu")
+    with open("/proc/self/status") as status:
+        rss_kib = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+    assert abs(probe.allocated() - rss_kib * 1024) < 64 * MIB
+    assert probe.capacity == host.total() > probe.allocated()
+    assert 0 < probe.free() <= probe.capacity
+    assert probe.host_resident() == pytest.approx(probe.allocated(), abs=64 * MIB)
+
+
+def _touch(nbytes: int) -> torch.Tensor:
+    return torch.ones(nbytes // 4, dtype=torch.float32)
+
+
+@pytest.mark.skipif(not HostMemory().can_reset_peak, reason="needs /proc/self/clear_refs")
+def test_host_peaks_between_overlapping_marks():
+    probe = MemoryProbe("cpu")
+    start = probe.allocated()
+    probe.mark("outer")
+    big = _touch(256 * MIB)
+    del big
+    probe.mark("inner")
+    small = _touch(64 * MIB)
+    del small
+    outer, inner = probe.peak("outer"), probe.peak("inner")
+    assert outer >= start + 240 * MIB
+    assert probe.allocated() + 56 * MIB <= inner < start + 200 * MIB
+    probe.mark("after")
+    assert probe.peak("after") < start + 64 * MIB
+
+
+def test_scripted_peaks_with_resets_are_exact_for_every_mark():
+    memory = ScriptedMemory(level=1 * GIB)
+    probe = MemoryProbe("cpu", memory=memory)
+    probe.mark("step")
+    memory.spike(5 * GIB, after=2 * GIB)
+    probe.mark("optimizer")
+    memory.spike(3 * GIB, after=2 * GIB)
+    assert probe.peak("optimizer") == 3 * GIB
+    assert probe.peak("step") == 5 * GIB
+    assert memory.resets == 2
+
+
+def test_scripted_peaks_without_resets_leave_the_global_peak_alone():
+    memory = ScriptedMemory(level=1 * GIB)
+    memory.spike(8 * GIB, after=1 * GIB)
+    probe = MemoryProbe("cpu", memory=memory, reset_peaks=False)
+    probe.mark("phase")
+    memory.spike(4 * GIB, after=2 * GIB)
+    probe.sample()
+    assert probe.peak("phase") == 2 * GIB  # below the earlier global peak: only what was sampled
+    memory.spike(9 * GIB, after=1 * GIB)
+    assert probe.peak("phase") == 9 * GIB  # a new global high is exact
+    assert memory.resets == 0 and memory.peak() == 9 * GIB
+
+
+def test_capacity_from_argument_environment_and_device(monkeypatch):
+    memory = ScriptedMemory(total=16 * GIB)
+    monkeypatch.delenv(CAPACITY_ENV, raising=False)
+    assert MemoryProbe("cpu", memory=memory).capacity == 16 * GIB
+    monkeypatch.setenv(CAPACITY_ENV, "6GiB")
+    assert MemoryProbe("cpu", memory=memory).capacity == 6 * GIB
+    assert MemoryProbe("cpu", capacity="2GiB", memory=memory).capacity == 2 * GIB
+    with pytest.raises(ValueError, match="capacity must be more than 0"):
+        MemoryProbe("cpu", capacity=0, memory=memory)
+    monkeypatch.setenv(CAPACITY_ENV, "lots")
+    with pytest.raises(ValueError, match=CAPACITY_ENV):
+        _ = MemoryProbe("cpu", memory=memory).capacity
+
+
+def test_probe_for_shares_one_probe_per_device():
+    assert probe_for("cpu") is probe_for(torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"safety_margin": 1.0}, "safety_margin"),
+        ({"safety_margin": -0.1}, "safety_margin"),
+        ({"window": 0}, "window"),
+        ({"capacity": "big"}, "capacity"),
+    ],
+)
+def test_auto_budget_rejects_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AutoBudget(**kwargs)
+
+
+def test_auto_budget_arithmetic():
+    memory = ScriptedMemory(total=10 * GIB, level=3 * GIB)
+    budget = AutoBudget(safety_margin=0.1, window=2, probe=MemoryProbe("cpu", memory=memory))
+    assert budget.usable == 9 * GIB
+    assert budget.resting_budget() is None
+    budget.observe(6 * GIB)
+    budget.observe(7 * GIB)
+    assert budget.resting_budget() == 2 * GIB
+    budget.observe(5 * GIB)  # the window forgets 6 GiB, keeps 7 GiB
+    assert budget.predicted_peak == 7 * GIB
+    budget.observe(4 * GIB)
+    assert budget.resting_budget() == 4 * GIB
+    # during a step: 3 GiB allocated of which 1 GiB is optimizer state, 1 GiB workspace
+    assert budget.step_budget(state_bytes=1 * GIB, workspace=1 * GIB, minimum=MIB) == 6 * GIB
+    memory.set_level(12 * GIB)
+    assert budget.step_budget(state_bytes=0, workspace=0, minimum=MIB) == MIB
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 64))
+
+
+def test_auto_budget_evicts_after_each_step_and_streams_during_it():
+    """With room for no state between steps, the state rests on the host and streams in for every step."""
+    reference, model = _model(), _model()
+    memory = ScriptedMemory(total=1 * GIB, level=900 * MIB)
+    auto = AutoBudget(safety_margin=0.0, probe=MemoryProbe("cpu", memory=memory))
+    paged = hf_paged.PagedAdamW(model.parameters(), lr=1e-2, page_size="16KiB", device_budget=auto)
+    unlimited = hf_paged.PagedAdamW(reference.parameters(), lr=1e-2, page_size="16KiB")
+    pages = paged.paging_stats()["pages_total"]
+    for step in range(3):
+        inputs = torch.randn(4, 128)
+        for net, optimizer in ((model, paged), (reference, unlimited)):
+            net(inputs).square().mean().backward()
+            memory.spike(1100 * MIB, after=950 * MIB)  # the forward/backward peak leaves nothing for state
+            optimizer.step()
+            optimizer.zero_grad()
+        stats = paged.paging_stats()
+        assert stats["device_bytes"] == 0 and stats["device_budget"] == 0
+        assert stats["page_outs"] == pages * (step + 1)
+        assert stats["page_ins"] == pages * step
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(mine, theirs)
+
+
+def test_auto_budget_keeps_what_fits_and_follows_the_measurements():
+    model = _model()
+    memory = ScriptedMemory(total=1 * GIB, level=100 * MIB)
+    auto = AutoBudget(safety_margin=0.0, window=1, probe=MemoryProbe("cpu", memory=memory))
+    optimizer = hf_paged.PagedAdamW(model.parameters(), page_size="16KiB", device_budget=auto)
+    state_bytes = sum(p.numel() for p in model.parameters()) * 8
+    model(torch.randn(4, 128)).sum().backward()
+    memory.spike(600 * MIB, after=150 * MIB)
+    optimizer.step()
+    assert optimizer.device_budget == 1 * GIB - 600 * MIB
+    assert optimizer.paging_stats()["device_bytes"] >= state_bytes
+    budget = 1 * GIB - 600 * MIB
+    memory.set_level(1 * GIB - 100 * 2**10)  # a spike now leaves room for less than the state
+    memory.set_level(150 * MIB)
+    optimizer.step()  # no gradients changed: the step still measures and rebudgets
+    assert optimizer.device_budget < budget
+    assert optimizer.paging_stats()["device_bytes"] <= optimizer.device_budget
+
+
+def test_set_device_budget_switches_between_auto_and_fixed():
+    optimizer = hf_paged.PagedAdamW8bit(_model().parameters(), page_size="16KiB")
+    optimizer.set_device_budget("auto")
+    assert isinstance(optimizer.auto_budget, AutoBudget)
+    optimizer.set_device_budget("64KiB")
+    assert optimizer.auto_budget is None and optimizer.device_budget == 64 * 2**10
+    assert optimizer.prepare_forward() == 0
+    with pytest.raises(ValueError, match="device_budget='autp' is not a size.*'auto'"):
+        hf_paged.PagedAdamW(_model().parameters(), device_budget="autp")
+
+
+def test_optim_args_accept_auto():
+    assert parse_optim_args({"device_budget": "auto"}, hf_paged.PagedAdamW8bit) == {"device_budget": "auto"}
+    assert parse_optim_args({"device_budget": "AUTO"}, hf_paged.PagedLion) == {"device_budget": "auto"}
