@@ -1,0 +1,318 @@
+"""``MemorySpikeCallback``: memory per phase of every optimizer step, spikes, steering and the timeline.
+
+Each optimizer step is split into two phases by the Trainer's events:
+
+* forward + backward of all micro-batches: from ``on_step_begin`` to ``on_pre_optimizer_step``;
+* the optimizer step: from ``on_pre_optimizer_step`` to ``on_optimizer_step``.
+
+For each step the callback keeps a row (bytes unless named otherwise): the peak of each phase, allocated,
+reserved and capacity of the device, host resident memory, and, for hf-paged optimizers, the optimizer
+state on the device during forward and after the step, the budget and what moved each way. The rows are
+logged under ``memory/`` through the Trainer (so they reach ``log_history`` and the ``report_to``
+integrations) and written as ``memory_timeline.jsonl`` and ``memory_timeline.png`` in the output
+directory at each save and at the end of training.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
+
+from hf_paged.integrations._transformers_internals import calling_callback_handler
+from hf_paged.integrations.trainer import keep_trainer_memory_metrics
+from hf_paged.memory import MemoryProbe, probe_for
+from hf_paged.sizes import parse_size
+
+from .spikes import SpikeDetector
+from .timeline import GIB, plot_rows, read_rows, write_rows
+
+logger = logging.getLogger(__name__)
+
+TIMELINE_NAME = "memory_timeline.jsonl"
+PLOT_NAME = "memory_timeline.png"
+
+_FORWARD_BACKWARD = "hf_paged.callback.forward_backward"
+_OPTIMIZER_STEP = "hf_paged.callback.optimizer_step"
+
+_MOVED = ("bytes_to_device", "bytes_to_host", "page_ins", "page_outs", "stall_seconds")
+
+
+def paged_optimizer(optimizer: Any) -> Any | None:
+    """The hf-paged optimizer inside ``optimizer`` (accelerate wraps it at ``.optimizer``), if there is one."""
+    while optimizer is not None and not hasattr(optimizer, "paging_stats"):
+        optimizer = getattr(optimizer, "optimizer", None)
+    return optimizer
+
+
+class MemorySpikeCallback(TrainerCallback, ExportableState):
+    """Measure memory per phase of every optimizer step, detect spikes, steer the budget, draw the timeline.
+
+    Args:
+        window: steps of forward/backward peaks the spike baseline (rolling median and MAD) covers.
+        warmup: steps measured before spikes are judged.
+        spike_margin: fraction above the baseline's median a forward/backward peak must exceed to be a spike
+            (it must also exceed the median by 3 robust standard deviations).
+        device_capacity: bytes (or a string such as ``"24GiB"``) the device offers; ``None`` reads
+            ``HF_PAGED_DEVICE_CAPACITY``, else the device's total memory. An automatic budget uses it too.
+        safety_margin: fraction of the capacity an automatic budget keeps free; ``None`` leaves the
+            optimizer's (0.1 by default).
+        warn_fraction: warn, once, when the predicted peak reaches this fraction of the capacity.
+        plot: draw ``memory_timeline.png`` (needs matplotlib) besides writing ``memory_timeline.jsonl``.
+    """
+
+    def __init__(
+        self,
+        *,
+        window: int = 20,
+        warmup: int = 5,
+        spike_margin: float = 0.1,
+        device_capacity: int | str | None = None,
+        safety_margin: float | None = None,
+        warn_fraction: float = 0.9,
+        plot: bool = True,
+    ) -> None:
+        if not isinstance(warn_fraction, (int, float)) or isinstance(warn_fraction, bool) or not 0 < warn_fraction <= 1:
+            raise ValueError(f"warn_fraction must be a fraction in (0, 1], got {warn_fraction!r}")
+        self._args = {
+            "window": window,
+            "warmup": warmup,
+            "spike_margin": spike_margin,
+            "device_capacity": device_capacity,
+            "safety_margin": safety_margin,
+            "warn_fraction": warn_fraction,
+            "plot": plot,
+        }
+        self.detector = SpikeDetector(window=window, warmup=warmup, margin=spike_margin)
+        if device_capacity is not None:
+            parse_size(device_capacity, "device_capacity")
+        self.device_capacity = device_capacity
+        self.safety_margin = safety_margin
+        self.warn_fraction = warn_fraction
+        self.plot = plot
+        self.rows: list[dict[str, Any]] = []
+        self.warned = False
+        self.timeline_path: str | None = None
+        self.plot_path: str | None = None
+        self._probe: MemoryProbe | None = None
+        self._logged_rows = 0
+        self._plot_unavailable = False
+        self._handler_missing_warned = False
+        self._row: dict[str, Any] = {}
+        self._stats_at_begin: dict[str, Any] | None = None
+        self._stats_before_step: dict[str, Any] | None = None
+
+    # Resume -------------------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """Constructor arguments and the measurements that must survive a resume (for ``ExportableState``)."""
+        return {
+            "args": dict(self._args),
+            "attributes": {"detector_state": self.detector.state(), "warned": self.warned},
+        }
+
+    @property
+    def detector_state(self) -> dict[str, list]:
+        return self.detector.state()
+
+    @detector_state.setter
+    def detector_state(self, state: dict[str, list]) -> None:
+        self.detector.load_state(state)
+
+    # Events ---------------------------------------------------------------------------------------------
+
+    def on_train_begin(self, args, state, control, **kwargs) -> None:
+        self._run_before_integrations()
+        self._probe = probe_for(args.device)
+        self._probe.reset_peaks = True
+        keep_trainer_memory_metrics(args)
+        auto_budget = getattr(paged_optimizer(kwargs.get("optimizer")), "auto_budget", None)
+        if auto_budget is not None:
+            if self.device_capacity is not None:
+                auto_budget.capacity = self.device_capacity
+            if self.safety_margin is not None:
+                auto_budget.safety_margin = self.safety_margin
+        if state.global_step > 0:
+            resumed = read_rows(os.path.join(args.output_dir, TIMELINE_NAME))
+            self.rows = [row for row in resumed if row["step"] <= state.global_step]
+            self._logged_rows = len(self.rows)
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        self._run_before_integrations()
+        optimizer = paged_optimizer(kwargs.get("optimizer"))
+        evicted = optimizer.prepare_forward() if optimizer is not None else 0
+        self._stats_at_begin = optimizer.paging_stats() if optimizer is not None else None
+        self._row = {
+            "step": state.global_step + 1,
+            "micro_batches": 1,
+            "evicted_at_step_begin": evicted,
+            "state_bytes_forward": self._stats_at_begin["device_bytes"] if optimizer is not None else None,
+            "device_budget": optimizer.device_budget if optimizer is not None else None,
+        }
+        self._probe.mark(_FORWARD_BACKWARD)
+
+    def on_substep_end(self, args, state, control, **kwargs) -> None:
+        self._probe.sample()
+        self._row["micro_batches"] += 1
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs) -> None:
+        self._row["forward_backward_peak"] = self._probe.peak(_FORWARD_BACKWARD)
+        optimizer = paged_optimizer(kwargs.get("optimizer"))
+        self._stats_before_step = optimizer.paging_stats() if optimizer is not None else None
+        self._probe.mark(_OPTIMIZER_STEP)
+
+    def on_optimizer_step(self, args, state, control, **kwargs) -> None:
+        self._row["optimizer_step_peak"] = self._probe.peak(_OPTIMIZER_STEP)
+        optimizer = paged_optimizer(kwargs.get("optimizer"))
+        after = optimizer.paging_stats() if optimizer is not None else None
+        self._row["state_bytes_after_step"] = after["device_bytes"] if after is not None else None
+        for key in _MOVED:
+            self._row[key] = after[key] - self._stats_at_begin[key] if after is not None else None
+        self._row["page_ins_during_step"] = (
+            after["page_ins"] - self._stats_before_step["page_ins"] if after is not None else None
+        )
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        row = self._row
+        if "optimizer_step_peak" not in row:
+            return
+        probe = self._probe
+        row.update(
+            allocated=probe.allocated(),
+            reserved=probe.reserved(),
+            capacity=self._capacity(),
+            host_resident=probe.host_resident(),
+        )
+        baseline = self.detector.baseline()
+        row["baseline"] = baseline[0] if baseline is not None else None
+        spike = self.detector.observe(row["step"], row["forward_backward_peak"])
+        row["spike"] = spike is not None
+        if spike is not None:
+            logger.info(
+                "hf-paged: memory spike at step %d: forward/backward peak %.2f GiB, %.2f GiB above the baseline",
+                spike.step,
+                spike.peak / GIB,
+                spike.size / GIB,
+            )
+        self._warn_near_capacity(row)
+        self.rows.append(row)
+        self._row = {}
+
+    def on_log(self, args, state, control, logs=None, **kwargs) -> None:
+        new_rows = self.rows[self._logged_rows :]
+        if logs is None or not new_rows or not state.is_world_process_zero:
+            return
+        self._logged_rows = len(self.rows)
+        metrics = self._metrics(new_rows)
+        logs.update(metrics)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(metrics)
+
+    def on_save(self, args, state, control, **kwargs) -> None:
+        self._write(args, state)
+
+    def on_train_end(self, args, state, control, **kwargs) -> None:
+        self._write(args, state)
+
+    # Results --------------------------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        """Steps measured, the highest peak of each phase and the last optimizer device bytes (bytes),
+        the spike count, and the paths of the timeline and the plot (``None`` where not written)."""
+        last_state = self.rows[-1]["state_bytes_after_step"] if self.rows else None
+        return {
+            "steps": len(self.rows),
+            "forward_backward_peak_bytes": max((row["forward_backward_peak"] for row in self.rows), default=None),
+            "optimizer_step_peak_bytes": max((row["optimizer_step_peak"] for row in self.rows), default=None),
+            "optimizer_device_bytes": last_state,
+            "spikes": len(self.detector.spikes),
+            "timeline_path": self.timeline_path,
+            "plot_path": self.plot_path,
+        }
+
+    # Internals ------------------------------------------------------------------------------------------
+
+    def _run_before_integrations(self) -> None:
+        """Move this callback to the front of the Trainer's callbacks (in place, safe during ``call_event``).
+
+        The Trainer copies ``logs`` into ``log_history`` and hands them to the ``report_to`` integrations,
+        which come before user callbacks; metrics added in ``on_log`` reach them only from the front.
+        """
+        handler = calling_callback_handler()
+        if handler is None:
+            if self._handler_missing_warned:
+                return
+            self._handler_missing_warned = True
+            logger.warning(
+                "hf-paged: MemorySpikeCallback could not find the Trainer's callback handler; its metrics "
+                "reach log_history but may miss report_to integrations"
+            )
+            return
+        if handler.callbacks[0] is not self:
+            handler.callbacks[:] = [self] + [callback for callback in handler.callbacks if callback is not self]
+
+    def _capacity(self) -> int:
+        return parse_size(self.device_capacity, "device_capacity") if self.device_capacity is not None else self._probe.capacity
+
+    def _metrics(self, rows: list[dict[str, Any]]) -> dict[str, float | int]:
+        """The ``memory/`` metrics of the steps since the last log."""
+        last = rows[-1]
+        metrics: dict[str, float | int] = {
+            "memory/forward_backward_peak_gib": max(row["forward_backward_peak"] for row in rows) / GIB,
+            "memory/optimizer_step_peak_gib": max(row["optimizer_step_peak"] for row in rows) / GIB,
+            "memory/allocated_gib": last["allocated"] / GIB,
+            "memory/reserved_gib": last["reserved"] / GIB,
+            "memory/capacity_gib": last["capacity"] / GIB,
+            "memory/host_resident_gib": last["host_resident"] / GIB,
+            "memory/spikes": len(self.detector.spikes),
+            "memory/spike_gib": max((row["forward_backward_peak"] - row["baseline"] for row in rows if row["spike"]), default=0)
+            / GIB,
+        }
+        if last["state_bytes_after_step"] is not None:
+            metrics.update(
+                {
+                    "memory/optimizer_device_bytes": last["state_bytes_after_step"],
+                    "memory/moved_to_device_gib": sum(row["bytes_to_device"] for row in rows) / GIB,
+                    "memory/moved_to_host_gib": sum(row["bytes_to_host"] for row in rows) / GIB,
+                    "memory/stall_seconds": sum(row["stall_seconds"] for row in rows),
+                }
+            )
+            if last["device_budget"] is not None:
+                metrics["memory/device_budget_bytes"] = last["device_budget"]
+        return metrics
+
+    def _warn_near_capacity(self, row: dict[str, Any]) -> None:
+        predicted = max(self.detector.peaks)
+        if self.warned or predicted < self.warn_fraction * row["capacity"]:
+            return
+        self.warned = True
+        logger.warning(
+            "hf-paged: the forward/backward peak (%.2f GiB) is within %d%% of the device capacity (%.2f GiB) at "
+            "step %d. To make room: lower the optimizer's device budget (optim_args device_budget=auto or a "
+            "smaller size), use an 8-bit optimizer (optim=hf_paged_adamw_8bit), or train on shorter sequences "
+            "or smaller batches (with more gradient accumulation).",
+            predicted / GIB,
+            round((1 - self.warn_fraction) * 100),
+            row["capacity"] / GIB,
+            row["step"],
+        )
+
+    def _write(self, args, state) -> None:
+        """Write the timeline (and its plot) into the output directory, on the main process only."""
+        if not state.is_world_process_zero or not self.rows:
+            return
+        os.makedirs(args.output_dir, exist_ok=True)
+        self.timeline_path = os.path.join(args.output_dir, TIMELINE_NAME)
+        write_rows(self.rows, self.timeline_path)
+        if not self.plot or self._plot_unavailable:
+            return
+        try:
+            plot_rows(self.rows, os.path.join(args.output_dir, PLOT_NAME))
+        except ImportError as error:
+            self._plot_unavailable = True
+            logger.warning("hf-paged: %s not written: %s", PLOT_NAME, error)
+            return
+        self.plot_path = os.path.join(args.output_dir, PLOT_NAME)

@@ -1,0 +1,182 @@
+"""MemorySpikeCallback: spike detection and budget decisions on a scripted sequence, and real Trainer runs."""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+
+import pytest
+import torch
+from PIL import Image
+from transformers import Trainer, TrainerControl, TrainerState
+
+import hf_paged
+import hf_paged.memory
+from hf_paged.budget import AutoBudget
+from hf_paged.callbacks import MemorySpikeCallback
+from hf_paged.callbacks.spikes import SpikeDetector
+from hf_paged.memory import MemoryProbe
+
+from memory_utils import GIB, ScriptedMemory
+from trainer_utils import tiny_llama, token_dataset, training_args
+
+MIB = 2**20
+
+
+def test_detector_flags_steps_above_the_robust_baseline():
+    detector = SpikeDetector(window=5, warmup=3, margin=0.1)
+    peaks = [100, 102, 180, 101, 99, 150, 100, 109, 120]
+    flagged = [detector.observe(step, peak) for step, peak in enumerate(peaks, start=1)]
+    assert [spike.step for spike in flagged if spike] == [6, 9]  # step 3 falls in the warm-up
+    assert detector.spikes[0].size == 150 - 101 and detector.spikes[1].size == 120 - 101
+    restored = SpikeDetector(window=5, warmup=3, margin=0.1)
+    restored.load_state(json.loads(json.dumps(detector.state())))
+    assert restored.baseline() == detector.baseline() and restored.spikes == detector.spikes
+
+
+@pytest.mark.parametrize("kwargs", [{"window": 0}, {"warmup": 0}, {"margin": -1.0}, {"sigmas": float("nan")}])
+def test_detector_rejects_bad_arguments(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        SpikeDetector(**kwargs)
+
+
+class _Args:
+    device = torch.device("cpu")
+    skip_memory_metrics = True
+
+    def __init__(self, output_dir):
+        self.output_dir = str(output_dir)
+
+
+def test_scripted_sequence_drives_spikes_budget_and_warning(tmp_path, monkeypatch, caplog):
+    """Forward/backward peaks with two spikes: the callback flags them and the budget makes room."""
+    memory = ScriptedMemory(total=4 * GIB, level=1 * GIB)
+    monkeypatch.setitem(hf_paged.memory._probes, "cpu", MemoryProbe("cpu", memory=memory))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    optimizer = hf_paged.PagedAdamW(model.parameters(), page_size="16KiB", device_budget=AutoBudget(window=3))
+    callback = MemorySpikeCallback(window=4, warmup=3, spike_margin=0.1, safety_margin=0.25)
+    args, state, control = _Args(tmp_path), TrainerState(), TrainerControl()
+    peaks = [int(gib * GIB) for gib in (2.0, 2.0, 2.1, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 3.7)]
+    peaks[4] = 3 * GIB + 256 * 2**10  # with 514 KiB of state resident: leaves 258 KiB of the 3 GiB usable
+    callback.on_train_begin(args, state, control, optimizer=optimizer)
+    budgets = []
+    with caplog.at_level(logging.WARNING):
+        for peak in peaks:
+            callback.on_step_begin(args, state, control, optimizer=optimizer)
+            model(torch.randn(2, 256)).sum().backward()
+            memory.spike(peak, after=int(1.2 * GIB))
+            callback.on_pre_optimizer_step(args, state, control, optimizer=optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+            callback.on_optimizer_step(args, state, control, optimizer=optimizer)
+            state.global_step += 1
+            callback.on_step_end(args, state, control, optimizer=optimizer)
+            budgets.append(optimizer.device_budget)
+    rows = callback.rows
+    assert [row["step"] for row in rows if row["spike"]] == [5, 10]
+    assert [row["forward_backward_peak"] for row in rows] == peaks
+    # the budget: 3 GiB usable (4 GiB less 25%) less the highest of the last 3 peaks without state
+    state_bytes = [row["state_bytes_after_step"] for row in rows]
+    for step, budget in enumerate(budgets):
+        window = range(max(0, step - 2), step + 1)
+        predicted = max(peaks[i] - (rows[i]["state_bytes_forward"] or 0) for i in window)
+        assert budget == max(0, 3 * GIB - predicted)
+        assert state_bytes[step] <= budget
+    assert rows[4]["state_bytes_after_step"] < rows[3]["state_bytes_after_step"]  # evicted for the spike's window
+    warnings = [record for record in caplog.records if "within 10% of the device capacity" in record.message]
+    assert len(warnings) == 1 and "step 10" in warnings[0].message  # 3.7 GiB is within 10% of 4 GiB
+    assert callback.summary()["spikes"] == 2
+
+
+def _train(tmp_path, callback, **overrides):
+    args = training_args(tmp_path, optim="hf_paged_adamw_8bit", **overrides)
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=token_dataset(32), callbacks=[callback])
+    trainer.train()
+    return trainer
+
+
+def _tensorboard_scalars(log_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (event_file,) = glob.glob(os.path.join(log_dir, "**", "events.out.tfevents.*"), recursive=True)
+    events = EventAccumulator(event_file)
+    events.Reload()
+    return {tag: [(event.step, event.value) for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_trainer_run_logs_memory_to_history_tensorboard_and_files(tmp_path):
+    callback = MemorySpikeCallback(warmup=2)
+    trainer = _train(
+        tmp_path,
+        callback,
+        max_steps=4,
+        gradient_accumulation_steps=2,
+        report_to=["tensorboard"],
+    )
+    assert trainer.callback_handler.callbacks[0] is callback
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logged) == 4
+    optimizer = trainer.optimizer.optimizer
+    for entry in logged:
+        assert entry["memory/forward_backward_peak_gib"] > 0 and entry["memory/optimizer_step_peak_gib"] > 0
+        assert entry["memory/capacity_gib"] == hf_paged.memory.probe_for("cpu").capacity / GIB
+        assert entry["memory/optimizer_device_bytes"] == optimizer.paging_stats()["device_bytes"] > 0
+        assert entry["memory/spikes"] == 0
+    scalars = _tensorboard_scalars(tmp_path / "runs")
+    assert [step for step, _ in scalars["train/memory/forward_backward_peak_gib"]] == [1, 2, 3, 4]
+    device_bytes = scalars["train/memory/optimizer_device_bytes"]
+    assert [value for _, value in device_bytes] == [entry["memory/optimizer_device_bytes"] for entry in logged]
+    with open(tmp_path / "memory_timeline.jsonl") as file:
+        rows = [json.loads(line) for line in file]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert all(row["micro_batches"] == 2 for row in rows)
+    assert [row["forward_backward_peak"] / GIB for row in rows] == [
+        entry["memory/forward_backward_peak_gib"] for entry in logged
+    ]
+    with Image.open(tmp_path / "memory_timeline.png") as image:
+        assert image.format == "PNG" and image.size == (1000, 600)
+    summary = callback.summary()
+    assert summary["steps"] == 4 and summary["plot_path"] == str(tmp_path / "memory_timeline.png")
+
+
+def test_auto_budget_with_small_capacity_pages_out_before_forward_and_in_during_step(tmp_path, caplog):
+    reference = _train(tmp_path / "unlimited", MemorySpikeCallback(plot=False), max_steps=4)
+    callback = MemorySpikeCallback(device_capacity="1MiB", plot=False)
+    with caplog.at_level(logging.WARNING):
+        trainer = _train(tmp_path / "auto", callback, max_steps=4, optim_args="device_budget=auto")
+    rows = callback.rows
+    pages = trainer.optimizer.optimizer.paging_stats()["pages_total"]
+    for row in rows[1:]:
+        assert row["state_bytes_forward"] == 0 and row["device_budget"] == 0
+        assert row["page_ins_during_step"] == pages
+        assert row["page_outs"] == pages and row["bytes_to_host"] > 0
+    assert rows[0]["page_outs"] == pages  # even the first step ends with the state on the host
+    assert sum("within 10% of the device capacity" in record.message for record in caplog.records) == 1
+    for mine, theirs in zip(trainer.model.parameters(), reference.model.parameters()):
+        assert torch.equal(mine, theirs)  # paging never changes results
+
+
+def test_callback_state_survives_resume(tmp_path):
+    first = MemorySpikeCallback(warmup=2, plot=False)
+    _train(tmp_path, first, max_steps=4, save_strategy="steps", save_steps=2)
+    with open(tmp_path / "checkpoint-2" / "trainer_state.json") as file:
+        saved = json.load(file)["stateful_callbacks"]["MemorySpikeCallback"]
+    assert saved["args"]["warmup"] == 2 and len(saved["attributes"]["detector_state"]["peaks"]) == 2
+    second = MemorySpikeCallback(warmup=2, plot=False)
+    args = training_args(
+        tmp_path,
+        optim="hf_paged_adamw_8bit",
+        max_steps=4,
+        save_strategy="steps",
+        save_steps=2,
+        restore_callback_states_from_checkpoint=True,
+    )
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=token_dataset(32), callbacks=[second])
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    (restored,) = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, MemorySpikeCallback)]
+    assert len(restored.detector.peaks) == 4
+    with open(tmp_path / "memory_timeline.jsonl") as file:
+        assert [json.loads(line)["step"] for line in file] == [1, 2, 3, 4]
