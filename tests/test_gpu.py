@@ -66,3 +66,32 @@ def assert_state_equal(state_a, state_b):
     for index, entry in state_a["state"].items():
         for key, value in entry.items():
             assert torch.equal(value, state_b["state"][index][key]), (index, key)
+
+
+def test_cuda_probe_peaks_and_the_global_peak_left_alone():
+    from hf_paged.memory import MemoryProbe
+
+    probe = MemoryProbe(DEVICE, reset_peaks=False)
+    big = torch.empty(256 * 2**20, dtype=torch.uint8, device=DEVICE)
+    del big
+    global_peak = torch.cuda.max_memory_allocated(DEVICE)
+    probe.mark("phase")
+    small = torch.empty(16 * 2**20, dtype=torch.uint8, device=DEVICE)
+    probe.sample()
+    del small
+    assert probe.peak("phase") >= torch.cuda.memory_allocated(DEVICE) + 16 * 2**20
+    assert torch.cuda.max_memory_allocated(DEVICE) == global_peak  # the Trainer's figure is intact
+    exact = MemoryProbe(DEVICE)
+    exact.mark("phase")
+    spike = torch.empty(64 * 2**20, dtype=torch.uint8, device=DEVICE)
+    del spike
+    assert exact.peak("phase") >= torch.cuda.memory_allocated(DEVICE) + 64 * 2**20
+    assert exact.capacity == torch.cuda.mem_get_info(DEVICE)[1]
+
+
+def test_auto_budget_on_cuda_matches_unlimited():
+    reference, _ = run("PagedAdamW8bit")
+    auto, optimizer = run("PagedAdamW8bit", device_budget="auto")
+    assert optimizer.auto_budget.probe.device == torch.device("cuda", torch.cuda.current_device())
+    for mine, theirs in zip(auto.parameters(), reference.parameters()):
+        assert torch.equal(mine, theirs)
