@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -27,7 +28,8 @@ def launch(output_dir, *extra: str) -> list[dict]:
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")]), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{\"optimizer\"")]
+    # the ranks share one pipe, so another process's output may follow a row on the same line
+    rows = [json.loads(row) for row in re.findall(r'\{"optimizer": [^}]*\}', result.stdout)]
     return sorted(rows, key=lambda row: row["rank"])
 
 
