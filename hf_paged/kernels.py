@@ -2,7 +2,7 @@
 
 The composition is plain PyTorch, so it runs eagerly on every device. With ``compiled=True`` it is
 handed to :func:`torch.compile`, which fuses decode, update and encode into one kernel per segment
-shape family (``dynamic=True``: segment lengths and the per-step scalars do not cause recompiles).
+shape family (segment lengths and the per-step scalars do not cause recompiles).
 """
 
 from __future__ import annotations
@@ -68,7 +68,9 @@ def segment_kernel(rule: UpdateRule, compiled: bool) -> Callable[..., None]:
     """The segment update for ``rule``: :func:`update_segment` bound to it, eager or compiled.
 
     Compiled, the leading dimension of every tensor (elements, or blocks) is dynamic and the block
-    dimension static, so one kernel serves every segment length of a page format.
+    dimension static, so one kernel serves every segment length of a page format; the scalars (learning
+    rate, bias corrections) enter as 0-d tensors, since torch.compile would specialize on float values
+    and recompile at every step.
     """
     kernel = functools.partial(update_segment, rule)
     if not compiled:
@@ -79,6 +81,7 @@ def segment_kernel(rule: UpdateRule, compiled: bool) -> Callable[..., None]:
         for tensor in (param, grad, *(array for segment in encoded for array in segment)):
             if tensor.shape[0] > 1:
                 torch._dynamo.mark_dynamic(tensor, 0)
-        compiled_kernel(codecs, param, grad, encoded, scalars)
+        as_inputs = {name: torch.tensor(value, dtype=torch.float64) for name, value in scalars.items()}
+        compiled_kernel(codecs, param, grad, encoded, as_inputs)
 
     return run

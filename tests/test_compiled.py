@@ -28,3 +28,19 @@ def test_compiled_matches_eager_and_keeps_invariance(optimizer_name):
     paged_model, paged = run(optimizer_name, compiled=True, device_budget=4096, prefetch=1)
     assert paged.paging_stats()["page_outs"] > 0
     assert_same_result(paged_model, paged, compiled_model, compiled)
+
+
+def test_changing_scalars_do_not_recompile(optimizer_name):
+    """Bias corrections change every step and schedulers change the learning rate: one graph serves them."""
+    torch._dynamo.reset()
+    model = make_mlp()
+    optimizer = OPTIMIZERS[optimizer_name](decay_groups(model), compiled=True, **optimizer_kwargs(optimizer_name))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    frames = []
+    for inputs, targets in regression_batches(6):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+        scheduler.step()
+        frames.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert frames[-1] == frames[1] > 0
