@@ -1,0 +1,69 @@
+"""The ``hf-paged`` command: ``hf-paged train [CONFIG.yaml] [--set key=value ...]`` and ``hf-paged env``.
+
+``train`` fine-tunes with LoRA or QLoRA, a paged optimizer and the memory callback (with no config: the
+embedded tiny model on the shipped instructions, about a minute on a CPU) and prints a summary; ``env``
+prints the versions, devices and optimizer names. Importing ``hf_paged`` does not import this package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from .config import ConfigError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-paged", description="Fine-tuning with hf-paged optimizers.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train = commands.add_parser(
+        "train",
+        help="fine-tune with LoRA/QLoRA, a paged optimizer and the memory callback",
+        description="Fine-tune from CONFIG.yaml (default: the embedded tiny QLoRA run) and print a summary.",
+    )
+    train.add_argument("config", nargs="?", help="YAML config; its keys update the embedded default")
+    train.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one dotted key, the value read as YAML (repeatable), e.g. --set training.max_steps=20",
+    )
+    train.add_argument("--output-dir", help="where the adapter, timeline and summary go (training.output_dir)")
+    train.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    commands.add_parser("env", help="print versions, devices and their memory, and the optimizer names")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``hf-paged`` command line; return the exit status (0 success, 2 bad arguments or config)."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "env":
+            from .env import report
+
+            print(report())
+            return 0
+        return _train(args)
+    except ConfigError as error:
+        print(f"hf-paged: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .config import load_config, to_dict, update
+
+    config = load_config(args.config, args.overrides)
+    if args.output_dir is not None:
+        update(config, {"training": {"output_dir": args.output_dir}}, source="--output-dir")
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+        return 0
+    from .train import format_summary, run
+
+    print(format_summary(run(config)), flush=True)
+    return 0

@@ -1,0 +1,7 @@
+"""``python -m hf_paged.cli``: the same as the ``hf-paged`` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

@@ -1,0 +1,342 @@
+"""``hf-paged train``: a LoRA or QLoRA fine-tune from a :class:`~hf_paged.cli.config.Config`, with the memory callback.
+
+:func:`run` builds the tokenizer, the tokenized data, the model with its adapters and the
+``TrainingArguments``, trains with the Trainer (and its progress bar), saves the adapter, the trainer
+state, the resolved config and ``summary.json`` into the output directory, and returns the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from .. import register
+from ..sizes import format_size
+from .config import Config, ConfigError, DataConfig, default_config, to_dict
+from .tokenizer import byte_tokenizer
+
+logger = logging.getLogger(__name__)
+
+SHIPPED_DATA = Path(__file__).resolve().parent.parent / "data" / "instructions.jsonl"
+"""The instruction/response pairs trained on by default (written by ``scripts/make_instructions.py``)."""
+
+IGNORE_INDEX = -100
+"""Label of the tokens that carry no loss (prompt and padding)."""
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text"}
+
+
+def _progress(message: str) -> None:
+    print(f"hf-paged: {message}", flush=True)
+
+
+def build_tokenizer(config: Config) -> Any:
+    """The configured tokenizer, with a padding token (the EOS token if it has none)."""
+    name = config.tokenizer.name
+    if name is None:
+        name = "byte" if config.model.name == "tiny" else config.model.name
+    if name == "byte":
+        tokenizer = byte_tokenizer(model_max_length=config.tokenizer.max_length)
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=config.model.trust_remote_code)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ConfigError(f"tokenizer.name: {name!r} has neither a padding nor an EOS token to pad with")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_records(data: DataConfig) -> Any:
+    """The configured examples as a ``datasets.Dataset`` (a local file, a local dataset or a ``datasets`` name)."""
+    from datasets import load_dataset
+
+    path = Path(data.path) if data.path is not None else SHIPPED_DATA
+    if path.is_file():
+        builder = _LOCAL_BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise ConfigError(
+                f"data.path: {str(path)!r} has suffix {path.suffix!r}; local files must be one of "
+                f"{', '.join(sorted(_LOCAL_BUILDERS))}"
+            )
+        records = load_dataset(builder, data_files={"train": str(path)}, split=data.split)
+    elif path.suffix.lower() in _LOCAL_BUILDERS:
+        raise ConfigError(f"data.path: no such file: {str(path)!r}")
+    else:
+        records = load_dataset(str(data.path), data.name, split=data.split)
+    if data.max_samples is not None:
+        records = records.select(range(min(data.max_samples, len(records))))
+    return records
+
+
+def _text_field(data: DataConfig) -> str | None:
+    if data.text_field is None and data.path is not None and Path(data.path).suffix.lower() == ".txt":
+        return "text"
+    return data.text_field
+
+
+def _check_columns(columns: list[str], wanted: dict[str, str]) -> None:
+    for key, column in wanted.items():
+        if column not in columns:
+            hint = "" if key == "data.text_field" else "; set data.text_field to train on plain text"
+            raise ConfigError(f"{key}: the data has no column {column!r} (its columns: {', '.join(columns)}){hint}")
+
+
+def tokenize(records: Any, config: Config, tokenizer: Any) -> Any:
+    """``input_ids`` and ``labels`` of every example, at most ``tokenizer.max_length`` tokens; the prompt's
+    labels are ``-100`` unless ``prompt.train_on_prompt``. Examples left without a labelled token are dropped."""
+    data, prompt, max_length = config.data, config.prompt, config.tokenizer.max_length
+    text_field = _text_field(data)
+    if text_field is not None:
+        _check_columns(records.column_names, {"data.text_field": text_field})
+    else:
+        _check_columns(
+            records.column_names,
+            {"data.instruction_field": data.instruction_field, "data.response_field": data.response_field},
+        )
+    before, after = prompt.template.split("{response}", 1)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+    def encode(example: dict[str, Any]) -> dict[str, list[int]]:
+        if text_field is not None:
+            ids = tokenizer(str(example[text_field]))["input_ids"] + eos
+            labels = list(ids)
+        else:
+            instruction = str(example[data.instruction_field])
+            head = tokenizer(before.replace("{instruction}", instruction))["input_ids"]
+            tail = tokenizer(str(example[data.response_field]) + after, add_special_tokens=False)["input_ids"] + eos
+            ids = head + tail
+            labels = (list(head) if prompt.train_on_prompt else [IGNORE_INDEX] * len(head)) + tail
+        return {"input_ids": ids[:max_length], "labels": labels[:max_length]}
+
+    tokenized = records.map(encode, remove_columns=records.column_names, desc="tokenizing")
+    kept = tokenized.filter(lambda example: any(label != IGNORE_INDEX for label in example["labels"]))
+    if len(kept) < len(tokenized):
+        logger.warning(
+            "hf-paged: dropped %d of %d examples whose response lies beyond tokenizer.max_length=%d",
+            len(tokenized) - len(kept),
+            len(tokenized),
+            max_length,
+        )
+    if len(kept) == 0:
+        raise ConfigError("data: no example is left to train on (is tokenizer.max_length too short?)")
+    return kept
+
+
+def build_model(config: Config, tokenizer: Any, device: torch.device) -> Any:
+    """The base model with LoRA adapters (4-bit base weights when ``lora.quantize``), on ``device``."""
+    from peft import LoraConfig, get_peft_model
+
+    from ..qlora import prepare_qlora
+
+    model_config, lora = config.model, config.lora
+    dtype = _DTYPES.get(model_config.dtype, "auto")
+    qlora = {
+        "r": lora.r,
+        "lora_alpha": lora.lora_alpha,
+        "lora_dropout": lora.lora_dropout,
+        "target_modules": lora.target_modules,
+        "quant_type": lora.quant_type,
+        "double_quant": lora.double_quant,
+        "compute_dtype": lora.compute_dtype,
+        "gradient_checkpointing": lora.gradient_checkpointing,
+    }
+    if model_config.name == "tiny":
+        model = tiny_model(config, tokenizer).to(device)
+        if dtype != "auto":
+            model.to(dtype)
+        if lora.quantize:
+            return prepare_qlora(model, **qlora)
+    elif lora.quantize:
+        return prepare_qlora(
+            model_config.name,
+            dtype=dtype,
+            device_map=str(device),
+            trust_remote_code=model_config.trust_remote_code,
+            **qlora,
+        )
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            model_config.name, dtype=dtype, trust_remote_code=model_config.trust_remote_code
+        )
+    if lora.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    adapters = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.lora_alpha,
+        lora_dropout=lora.lora_dropout,
+        target_modules=lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, adapters)
+
+
+def tiny_model(config: Config, tokenizer: Any) -> Any:
+    """The embedded Llama-architecture model, random weights from ``model.tiny.seed``, sized to the tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tiny = config.model.tiny
+    if tiny.hidden_size % tiny.num_attention_heads or tiny.num_attention_heads % tiny.num_key_value_heads:
+        raise ConfigError(
+            "model.tiny: hidden_size must be a multiple of num_attention_heads and num_attention_heads a multiple "
+            f"of num_key_value_heads, got {tiny.hidden_size}, {tiny.num_attention_heads}, {tiny.num_key_value_heads}"
+        )
+    architecture = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=tiny.hidden_size,
+        intermediate_size=tiny.intermediate_size,
+        num_hidden_layers=tiny.num_hidden_layers,
+        num_attention_heads=tiny.num_attention_heads,
+        num_key_value_heads=tiny.num_key_value_heads,
+        max_position_embeddings=tiny.max_position_embeddings,
+        initializer_range=tiny.initializer_range,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(tiny.seed)
+        return LlamaForCausalLM(architecture)
+
+
+def training_arguments(config: Config) -> Any:
+    """``TrainingArguments`` from ``config.training`` (the hf-paged optimizer names are registered first)."""
+    register()
+    from transformers import TrainingArguments
+
+    try:
+        return TrainingArguments(**config.training)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"training: TrainingArguments rejects these settings: {error}") from None
+
+
+def memory_callback(config: Config) -> Any | None:
+    """The :class:`~hf_paged.callbacks.MemorySpikeCallback` of ``config.memory``, ``None`` if disabled."""
+    if not config.memory.enabled:
+        return None
+    from hf_paged.callbacks import MemorySpikeCallback
+
+    arguments = {key: value for key, value in vars(config.memory).items() if key != "enabled"}
+    return MemorySpikeCallback(**arguments)
+
+
+def _parameter_counts(model: Any) -> tuple[int, int]:
+    report = getattr(model, "hf_paged_qlora_report", None)
+    if report is not None:
+        return report["trainable_params"], report["total_params"]
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def run(config: Config | None = None) -> dict[str, Any]:
+    """Fine-tune as ``config`` says (``None``: the embedded default) and return the summary.
+
+    The summary holds the first and final logged loss, the steps, the training and total wall time
+    (seconds), the memory callback's peaks per phase and optimizer device bytes (bytes) and spike count,
+    and the paths of the output directory, the adapter, the memory timeline and its plot (``None`` when
+    not written). It is also written to ``summary.json`` in the output directory.
+    """
+    started = time.perf_counter()
+    config = default_config() if config is None else config
+    from transformers import DataCollatorForSeq2Seq, Trainer, set_seed
+
+    args = training_arguments(config)
+    set_seed(args.seed)  # before the adapters are initialised, so that a seed gives the same run
+    output_dir = Path(args.output_dir)
+    _progress(f"tokenizer and data ({config.data.path or 'shipped instructions'})")
+    tokenizer = build_tokenizer(config)
+    dataset = tokenize(load_records(config.data), config, tokenizer)
+    method = "QLoRA (4-bit base weights)" if config.lora.quantize else "LoRA"
+    _progress(f"model {config.model.name!r} with {method} on {args.device}")
+    model = build_model(config, tokenizer, args.device)
+    trainable, total = _parameter_counts(model)
+    _progress(f"{len(dataset)} examples, {trainable:,} trainable of {total:,} parameters; training")
+    callback = memory_callback(config)
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX),
+        processing_class=tokenizer,
+        callbacks=[callback] if callback is not None else None,
+    )
+    result = trainer.train()
+    trainer.save_model()
+    trainer.save_state()
+    (output_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False), encoding="utf-8")
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    memory = callback.summary() if callback is not None else {}
+    adapter = output_dir / "adapter_model.safetensors"
+    summary = {
+        "model": config.model.name,
+        "method": method,
+        "device": str(args.device),
+        "optimizer": str(getattr(args.optim, "value", args.optim)),
+        "trainable_params": trainable,
+        "total_params": total,
+        "examples": len(dataset),
+        "steps": trainer.state.global_step,
+        "first_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None,
+        "train_loss": result.training_loss,
+        "train_seconds": result.metrics.get("train_runtime"),
+        "total_seconds": time.perf_counter() - started,
+        "forward_backward_peak_bytes": memory.get("forward_backward_peak_bytes"),
+        "optimizer_step_peak_bytes": memory.get("optimizer_step_peak_bytes"),
+        "optimizer_device_bytes": memory.get("optimizer_device_bytes"),
+        "spikes": memory.get("spikes"),
+        "output_dir": str(output_dir),
+        "adapter_path": str(adapter) if adapter.is_file() else None,
+        "timeline_path": memory.get("timeline_path"),
+        "plot_path": memory.get("plot_path"),
+    }
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    return summary
+
+
+def _size(value: int | None, suffix: str = "") -> str:
+    return "not measured" if value is None else format_size(value) + suffix
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The summary as the lines ``hf-paged train`` prints."""
+    first, final = summary["first_loss"], summary["final_loss"]
+    if first is None:
+        loss = "not logged (no logging step was reached)"
+    else:
+        ratio = f", {first / final:.1f}x lower" if final else ""
+        loss = f"{first:.4f} -> {final:.4f} (first -> final logged{ratio})"
+    rows = [
+        ("model", f"{summary['model']} with {summary['method']} on {summary['device']}"),
+        ("parameters", f"{summary['trainable_params']:,} trainable of {summary['total_params']:,}"),
+        ("steps", f"{summary['steps']} on {summary['examples']} examples"),
+        ("time", f"{summary['train_seconds']:.1f} s training, {summary['total_seconds']:.1f} s in all"),
+        ("loss", loss),
+        (
+            "peak memory",
+            (
+                f"forward+backward {_size(summary['forward_backward_peak_bytes'])}, "
+                f"optimizer step {_size(summary['optimizer_step_peak_bytes'])}"
+            ),
+        ),
+        ("optimizer", summary["optimizer"]),
+        ("optimizer state", _size(summary["optimizer_device_bytes"], " on the device")),
+        ("memory spikes", "not measured" if summary["spikes"] is None else str(summary["spikes"])),
+        ("adapter", summary["adapter_path"] or "not written"),
+        ("memory timeline", summary["timeline_path"] or "not written"),
+        ("memory plot", summary["plot_path"] or "not written"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(["hf-paged train summary"] + [f"  {name:<{width}}  {value}" for name, value in rows])

@@ -1,0 +1,380 @@
+"""The ``hf-paged`` command: the default fine-tune end to end, configs and overrides, ``env``, the notebook."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hf_paged.cli import main
+from hf_paged.cli.config import ConfigError, apply_override, default_config, load_config, to_dict, update
+from hf_paged.cli.tokenizer import byte_tokenizer
+from hf_paged.cli.train import IGNORE_INDEX, SHIPPED_DATA, load_records, tokenize, training_arguments
+from hf_paged.integrations.trainer import OPTIMIZER_NAMES
+
+ROOT = Path(__file__).resolve().parent.parent
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+FAST = [
+    "--set",
+    "training.optim_args=device_budget=auto,page_size=64KiB,min_8bit_size=1024,compiled=false",
+    "--set",
+    "training.disable_tqdm=true",
+]
+"""Overrides for runs that only check mechanics: no kernel compilation, no progress bar."""
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, **OFFLINE, "HF_DATASETS_CACHE": str(tmp_path / "datasets-cache")}
+
+
+def _losses(output_dir: Path) -> list[float]:
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    return [entry["loss"] for entry in state["log_history"] if "loss" in entry]
+
+
+# The default run, once for the module -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """``hf-paged train`` with no config, as a subprocess, offline."""
+    tmp_path = tmp_path_factory.mktemp("default-run")
+    output_dir = tmp_path / "out"
+    completed = subprocess.run(
+        ["hf-paged", "train", "--output-dir", str(output_dir)],
+        check=False,
+        cwd=tmp_path,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    return completed, output_dir
+
+
+def test_default_run_succeeds_and_the_loss_falls(default_run):
+    completed, output_dir = default_run
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    losses = _losses(output_dir)
+    assert len(losses) == 17  # step 1, then every 10 of 160 steps
+    assert losses[0] / losses[-1] > 2.5, losses
+    match = re.search(r"loss\s+([\d.]+) -> ([\d.]+)", completed.stdout)
+    assert match, completed.stdout
+    assert float(match.group(1)) == pytest.approx(losses[0], abs=1e-4)
+    assert float(match.group(2)) == pytest.approx(losses[-1], abs=1e-4)
+    assert "160/160" in completed.stderr  # the Trainer's progress bar
+
+
+def test_default_run_writes_a_trained_adapter_and_tokenizer(default_run):
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    _, output_dir = default_run
+    weights = load_file(output_dir / "adapter_model.safetensors")
+    lora_b = [tensor for name, tensor in weights.items() if "lora_B" in name]
+    assert lora_b and len(lora_b) == len([name for name in weights if "lora_A" in name])
+    assert all(tensor.abs().max() > 0 for tensor in lora_b)  # initialised to zero, so trained
+    adapter_config = json.loads((output_dir / "adapter_config.json").read_text())
+    assert adapter_config["r"] == 16
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    assert tokenizer("hé")["input_ids"] == [byte + 3 for byte in "hé".encode()]
+
+
+def test_default_run_writes_the_memory_timeline_and_summary(default_run):
+    from PIL import Image
+
+    completed, output_dir = default_run
+    summary = json.loads((output_dir / "summary.json").read_text())
+    rows = [json.loads(line) for line in (output_dir / "memory_timeline.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, 161))
+    assert summary["steps"] == 160
+    assert summary["timeline_path"] == str(output_dir / "memory_timeline.jsonl")
+    assert summary["forward_backward_peak_bytes"] == max(row["forward_backward_peak"] for row in rows)
+    assert summary["optimizer_device_bytes"] > 0
+    with Image.open(output_dir / "memory_timeline.png") as image:
+        assert image.format == "PNG" and image.width > 100
+    for path in (summary["adapter_path"], summary["timeline_path"], summary["plot_path"]):
+        assert f"  {path}\n" in completed.stdout + "\n"
+
+
+# Mechanics with few steps ---------------------------------------------------------------------------------
+
+
+def test_set_overrides_reach_the_run(tmp_path, capsys):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"q": f"say {word}", "a": word}) + "\n" for word in ("red", "blue", "green")))
+    output_dir = tmp_path / "out"
+    status = main(
+        [
+            "train",
+            *FAST,
+            "--set", "training.max_steps=3",
+            "--set", "training.logging_steps=1",
+            "--set", "lora.quantize=false",
+            "--set", "lora.r=4",
+            "--set", "lora.target_modules=[q_proj, v_proj]",
+            "--set", f"data.path={data}",
+            "--set", "data.instruction_field=q",
+            "--set", "data.response_field=a",
+            "--set", "memory.enabled=false",
+            "--output-dir", str(output_dir),
+        ]
+    )  # fmt: skip
+    assert status == 0
+    printed = capsys.readouterr().out
+    assert "tiny with LoRA on cpu" in printed and "memory timeline  not written" in printed
+    assert len(_losses(output_dir)) == 3
+    adapter_config = json.loads((output_dir / "adapter_config.json").read_text())
+    assert adapter_config["r"] == 4 and sorted(adapter_config["target_modules"]) == ["q_proj", "v_proj"]
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["examples"] == 3 and summary["trainable_params"] < 69_632
+    assert not (output_dir / "memory_timeline.jsonl").exists()
+    saved = yaml.safe_load((output_dir / "config.yaml").read_text())
+    assert saved["lora"]["quantize"] is False and saved["data"]["instruction_field"] == "q"
+
+
+def test_a_seed_gives_the_same_run(tmp_path):
+    from safetensors.torch import load_file
+
+    from hf_paged.cli.train import run
+
+    weights = []
+    for name in ("first", "second"):
+        overrides = ["training.max_steps=2", "memory.enabled=false", f"training.output_dir={tmp_path / name}"]
+        summary = run(load_config(overrides=overrides + [item for item in FAST if item != "--set"]))
+        weights.append(load_file(summary["adapter_path"]))
+    assert weights[0].keys() == weights[1].keys()
+    assert all(weights[0][key].equal(weights[1][key]) for key in weights[0])
+
+
+def test_plain_text_file_trains_on_every_token(tmp_path):
+    text = tmp_path / "lines.txt"
+    text.write_text("the cat sat\nthe dog ran\n")
+    config = load_config(overrides=[f"data.path={text}"])
+    dataset = tokenize(load_records(config.data), config, byte_tokenizer())
+    assert [row["labels"] for row in dataset] == [row["input_ids"] for row in dataset]
+    assert dataset[0]["input_ids"] == [byte + 3 for byte in b"the cat sat"] + [2]
+
+
+def test_typo_in_set_names_the_nearest_key(capsys):
+    assert main(["train", "--set", "lora.rr=8"]) == 2
+    error = capsys.readouterr().err
+    assert "unknown key 'lora.rr' in --set lora.rr=8" in error and "did you mean 'lora.r'?" in error
+    assert main(["train", "--set", "training.learnig_rate=0.1"]) == 2
+    assert "did you mean 'training.learning_rate'?" in capsys.readouterr().err
+
+
+def test_typo_in_yaml_names_the_nearest_key_at_any_depth(tmp_path):
+    cases = {
+        "model:\n  tiny:\n    hiden_size: 64\n": ("model.tiny.hiden_size", "model.tiny.hidden_size"),
+        "trainng:\n  max_steps: 3\n": ("trainng", "training"),
+        "training:\n  per_device_train_batchsize: 2\n": (
+            "training.per_device_train_batchsize",
+            "training.per_device_train_batch_size",
+        ),
+        "memory:\n  spike_margn: 0.2\n": ("memory.spike_margn", "memory.spike_margin"),
+    }
+    for text, (wrong, nearest) in cases.items():
+        path = tmp_path / "config.yaml"
+        path.write_text(text)
+        with pytest.raises(ConfigError) as raised:
+            load_config(path)
+        assert f"unknown key {wrong!r} in {path}" in str(raised.value)
+        assert f"did you mean {nearest!r}?" in str(raised.value)
+
+
+def test_wrong_types_and_values_are_named():
+    config = default_config()
+    cases = {
+        "lora.r=abc": "lora.r in --set lora.r=abc must be an integer, got 'abc'",
+        "lora.quant_type=nf5": "must be one of 'nf4', 'fp4', got 'nf5'",
+        "lora.lora_dropout=1.5": "lora.lora_dropout in --set lora.lora_dropout=1.5 must be in [0, 1), got 1.5",
+        "training.max_steps=ten": "training.max_steps in --set training.max_steps=ten must be an integer",
+        "memory.plot=maybe": "memory.plot in --set memory.plot=maybe must be true or false",
+        "model=tiny": "model in --set model=tiny must be a mapping",
+        "lora.r": "--set expects dotted.key=value",
+        "prompt.template=Q {instruction}": "prompt.template in --set prompt.template=Q {instruction} must contain "
+        "{response}",
+    }
+    for override, message in cases.items():
+        with pytest.raises(ConfigError) as raised:
+            apply_override(config, override)
+        assert message in str(raised.value)
+    assert config == default_config()  # a rejected override changes nothing
+
+
+def test_set_values_are_read_as_yaml():
+    config = load_config(
+        overrides=[
+            "lora.target_modules=[q_proj, v_proj]",
+            "training.learning_rate=2e-4",  # YAML 1.1 reads this as a string; the float field parses it
+            "data.max_samples=null",
+            "tokenizer.max_length=64",
+            "training.optim_args=device_budget=256MiB,page_size=1MiB",
+            "lora={r: 8, quantize: false}",
+        ]
+    )
+    assert config.lora.target_modules == ["q_proj", "v_proj"]
+    assert config.training["learning_rate"] == 2e-4
+    assert config.data.max_samples is None and config.tokenizer.max_length == 64
+    assert config.training["optim_args"] == "device_budget=256MiB,page_size=1MiB"
+    assert (config.lora.r, config.lora.quantize, config.lora.lora_alpha) == (8, False, 32)
+    assert config.training["max_steps"] == default_config().training["max_steps"]
+
+
+def test_print_config_round_trips(tmp_path, capsys):
+    assert main(["train", "--set", "lora.r=8", "--output-dir", "elsewhere", "--print-config"]) == 0
+    path = tmp_path / "printed.yaml"
+    path.write_text(capsys.readouterr().out)
+    expected = load_config(overrides=["lora.r=8", "training.output_dir=elsewhere"])
+    assert load_config(path) == expected
+    assert to_dict(expected)["lora"]["r"] == 8
+
+
+# Config files ---------------------------------------------------------------------------------------------
+
+
+def test_default_yaml_is_the_built_in_default():
+    assert load_config(ROOT / "configs" / "default.yaml") == default_config()
+
+
+def test_qlora_7b_recipe_parses_and_validates():
+    config = load_config(ROOT / "configs" / "qlora_7b_24gb.yaml")
+    assert config.model.name == "meta-llama/Llama-2-7b-hf" and config.tokenizer.max_length == 2048
+    assert config.lora.quantize and config.lora.gradient_checkpointing
+    training = config.training
+    assert training["per_device_train_batch_size"] in (1, 2) and training["gradient_accumulation_steps"] == 16
+    assert training["bf16"] is True and training["optim"] == "hf_paged_adamw_8bit"
+    assert "device_budget=" in training["optim_args"]
+    # bf16 needs a GPU; with it off on this CPU every other TrainingArguments value is accepted as written.
+    update(config, {"training": {"bf16": False, "use_cpu": True}}, source="test")
+    args = training_arguments(config)
+    assert args.optim == "hf_paged_adamw_8bit" and args.gradient_accumulation_steps == 16
+    assert args.optim_args == training["optim_args"] and args.warmup_steps == 0.03
+
+
+# Data, prompt and tokenizer --------------------------------------------------------------------------------
+
+
+def test_prompt_is_masked_unless_trained_on():
+    from datasets import Dataset
+
+    records = Dataset.from_list([{"instruction": "2+2?", "response": "4"}])
+    tokenizer = byte_tokenizer()
+    masked = tokenize(records, default_config(), tokenizer)[0]
+    prompt = b"### Instruction:\n2+2?\n\n### Response:\n"
+    assert masked["input_ids"] == [byte + 3 for byte in prompt + b"4"] + [tokenizer.eos_token_id]
+    assert masked["labels"] == [IGNORE_INDEX] * len(prompt) + [ord("4") + 3, tokenizer.eos_token_id]
+    on_prompt = tokenize(records, load_config(overrides=["prompt.train_on_prompt=true"]), tokenizer)[0]
+    assert on_prompt["labels"] == on_prompt["input_ids"]
+    short = tokenize(records, load_config(overrides=["tokenizer.max_length=38"]), tokenizer)[0]
+    assert len(short["input_ids"]) == 38 == len(prompt) + 1 and short["labels"][-1] == ord("4") + 3
+
+
+def test_bad_data_paths_are_named(tmp_path):
+    missing = tmp_path / "missing.jsonl"
+    with pytest.raises(ConfigError, match=f"data.path: no such file: '{missing}'"):
+        load_records(load_config(overrides=[f"data.path={missing}"]).data)
+    table = tmp_path / "table.xlsx"
+    table.write_text("")
+    with pytest.raises(ConfigError, match=r"suffix '.xlsx'; local files must be one of .csv, .json, .jsonl, .txt"):
+        load_records(load_config(overrides=[f"data.path={table}"]).data)
+
+
+def test_missing_data_column_is_named():
+    from datasets import Dataset
+
+    records = Dataset.from_list([{"question": "2+2?", "answer": "4"}])
+    with pytest.raises(
+        ConfigError,
+        match=r"data.instruction_field: the data has no column 'instruction' \(its columns: question, answer\)",
+    ):
+        tokenize(records, default_config(), byte_tokenizer())
+
+
+def test_byte_tokenizer_round_trips_and_saves(tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = byte_tokenizer()
+    text = "Grüße, 12+3=15 ✓\n"
+    ids = tokenizer(text)["input_ids"]
+    assert ids == [byte + 3 for byte in text.encode()] and len(tokenizer) == 259
+    assert tokenizer.decode(ids + [tokenizer.eos_token_id], skip_special_tokens=True) == text
+    tokenizer.save_pretrained(tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path)(text)["input_ids"] == ids
+
+
+def test_shipped_data_is_what_the_script_writes(tmp_path):
+    out = tmp_path / "instructions.jsonl"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_instructions.py"), "--out", str(out)], check=True)
+    assert out.read_bytes() == SHIPPED_DATA.read_bytes()
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert 200 <= len(rows) <= 500 and all(set(row) == {"instruction", "response"} for row in rows)
+    assert len({row["instruction"] for row in rows}) == len(rows)
+
+
+# env and imports -------------------------------------------------------------------------------------------
+
+
+def test_env_prints_versions_devices_and_optimizer_names(tmp_path):
+    from hf_paged.device import HostMemory
+    from hf_paged.sizes import format_size
+
+    completed = subprocess.run(
+        [sys.executable, "-m", "hf_paged.cli", "env"],
+        check=False,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr
+    out = completed.stdout
+    for package in ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "datasets", "hf-paged"):
+        assert re.search(
+            rf"^{re.escape(package)}\s+{re.escape(importlib.metadata.version(package))}$", out, re.MULTILINE
+        )
+    assert f"{format_size(HostMemory().total())} total" in out.split("\n  cpu ", 1)[1].splitlines()[0]
+    assert all(name in out for name in OPTIMIZER_NAMES)
+
+
+def test_importing_hf_paged_leaves_the_cli_out():
+    code = (
+        "import sys, hf_paged; "
+        "print(any(m.startswith('hf_paged.cli') for m in sys.modules), 'transformers' in sys.modules)"
+    )
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert completed.stdout.split() == ["False", "False"]
+
+
+# The notebook ----------------------------------------------------------------------------------------------
+
+
+def test_quickstart_notebook_runs(tmp_path, monkeypatch):
+    import nbformat
+    from nbclient import NotebookClient
+
+    for key, value in OFFLINE.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
+    notebook_path = tmp_path / "quickstart.ipynb"
+    shutil.copy(ROOT / "examples" / "quickstart.ipynb", notebook_path)
+    notebook = nbformat.read(notebook_path, as_version=4)
+    assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code")  # stored clean
+    NotebookClient(
+        notebook, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
+    outputs = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs]
+    assert not [output for output in outputs if output.output_type == "error"]
+    assert any("image/png" in output.get("data", {}) for output in outputs)
+    assert (tmp_path / "quickstart-output" / "memory_timeline.png").is_file()
+    text = "".join(output.get("text", "") for output in outputs)
+    assert "hf-paged train summary" in text
