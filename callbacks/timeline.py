@@ -58,10 +58,12 @@ def plot_rows(rows: Sequence[dict[str, Any]], path: str) -> None:
             zorder=3,
             label="spike",
         )
-    if rows:
-        peaks.axhline(rows[-1]["capacity"] / GIB, color="gray", linestyle="--", label="capacity")
+    capacity = rows[-1]["capacity"] if rows else 0
+    highest = max((max(row["forward_backward_peak"], row["optimizer_step_peak"]) for row in rows), default=0)
+    if capacity <= 1.5 * highest:
+        peaks.axhline(capacity / GIB, color="gray", linestyle="--", label="capacity")
     peaks.set_ylabel("GiB")
-    peaks.set_title("Memory per phase of each optimizer step")
+    peaks.set_title(f"Memory per phase of each optimizer step (capacity {capacity / GIB:.1f} GiB)")
     peaks.legend(loc="upper left", fontsize="small")
     for key, label in (
         ("device_budget", "device budget"),
