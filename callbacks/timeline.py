@@ -73,8 +73,9 @@ def plot_rows(rows: Sequence[dict[str, Any]], path: str) -> None:
         known = [row for row in rows if row.get(key) is not None]
         if known:
             state.step([row["step"] for row in known], [row[key] / MIB for row in known], where="post", label=label)
+    state.set_yscale("symlog", linthresh=0.01)  # the budget may exceed the state by orders of magnitude
     state.set_xlabel("optimizer step")
-    state.set_ylabel("MiB")
+    state.set_ylabel("MiB (log scale)")
     state.legend(loc="upper left", fontsize="small")
     figure.tight_layout()
     figure.savefig(path)
