@@ -180,7 +180,11 @@ def test_auto_budget_keeps_what_fits_and_follows_the_measurements():
 def test_set_device_budget_switches_between_auto_and_fixed():
     optimizer = hf_paged.PagedAdamW8bit(_model().parameters(), page_size="16KiB")
     optimizer.set_device_budget("auto")
-    assert isinstance(optimizer.auto_budget, AutoBudget)
+    auto = optimizer.auto_budget
+    assert isinstance(auto, AutoBudget)
+    with pytest.raises(ValueError, match="budget='lots' is not a size"):
+        optimizer.set_device_budget("lots")
+    assert optimizer.auto_budget is auto  # a bad budget leaves the optimizer as it was
     optimizer.set_device_budget("64KiB")
     assert optimizer.auto_budget is None and optimizer.device_budget == 64 * 2**10
     assert optimizer.prepare_forward() == 0

@@ -143,8 +143,7 @@ class PagedOptimizer(Optimizer):
         self._params: list[torch.Tensor] = []
         self._param_segments: list[list[tuple[Page, Segment]]] = []
         self._param_codecs: list[str] = []
-        self._auto_budget: AutoBudget | None = None
-        self._device_budget = self._parse_budget(device_budget, "device_budget")
+        self._device_budget, self._auto_budget = self._parse_budget(device_budget, "device_budget")
         super().__init__(params, defaults)
 
     # Layout -------------------------------------------------------------------------------------------
@@ -157,18 +156,16 @@ class PagedOptimizer(Optimizer):
             )
         return formats
 
-    def _parse_budget(self, budget: int | str | AutoBudget | None, name: str) -> int | None:
-        """Return a fixed budget in bytes (``None``: no limit), or set up an automatic one and return ``None``."""
-        self._auto_budget = None
+    def _parse_budget(
+        self, budget: int | str | AutoBudget | None, name: str
+    ) -> tuple[int | None, AutoBudget | None]:
+        """A fixed budget in bytes (``None``: no limit) and no automatic one, or ``None`` and the automatic one."""
         if budget is None:
-            return None
+            return None, None
         if isinstance(budget, str) and budget.strip().lower() == "auto":
-            budget = AutoBudget()
+            return None, AutoBudget()
         if isinstance(budget, AutoBudget):
-            self._auto_budget = budget
-            if self._params:
-                self._bind_auto_budget()
-            return None
+            return None, budget
         try:
             nbytes = parse_size(budget, name)
         except ValueError as error:
@@ -178,7 +175,7 @@ class PagedOptimizer(Optimizer):
                 f"{name}={budget!r} is smaller than one page ({self.page_size} bytes): use None for no limit, "
                 "'auto', or a budget of at least page_size (to free device memory before a spike, call evict())"
             )
-        return nbytes
+        return nbytes, None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group and lay out pages for its parameters' state."""
@@ -524,9 +521,11 @@ class PagedOptimizer(Optimizer):
 
         A fixed budget takes effect at once, evicting down to it; an automatic one at the next step.
         """
-        self._device_budget = self._parse_budget(budget, "budget")
+        self._device_budget, self._auto_budget = self._parse_budget(budget, "budget")
         if self._auto_budget is None:
             self._store.set_budget(self._device_budget)
+        else:
+            self._bind_auto_budget()
 
     def prepare_forward(self) -> int:
         """Evict down to the automatic budget for the coming forward/backward; return the device bytes freed.
