@@ -77,19 +77,8 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
     ) -> None:
         if not isinstance(warn_fraction, (int, float)) or isinstance(warn_fraction, bool) or not 0 < warn_fraction <= 1:
             raise ValueError(f"warn_fraction must be a fraction in (0, 1], got {warn_fraction!r}")
-        self._args = {
-            "window": window,
-            "warmup": warmup,
-            "spike_margin": spike_margin,
-            "device_capacity": device_capacity,
-            "safety_margin": safety_margin,
-            "warn_fraction": warn_fraction,
-            "plot": plot,
-        }
         self.detector = SpikeDetector(window=window, warmup=warmup, margin=spike_margin)
-        if device_capacity is not None:
-            parse_size(device_capacity, "device_capacity")
-        self.device_capacity = device_capacity
+        self.device_capacity = None if device_capacity is None else parse_size(device_capacity, "device_capacity")
         self.safety_margin = safety_margin
         self.warn_fraction = warn_fraction
         self.plot = plot
@@ -110,7 +99,15 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
     def state(self) -> dict[str, Any]:
         """Constructor arguments and the measurements that must survive a resume (for ``ExportableState``)."""
         return {
-            "args": dict(self._args),
+            "args": {
+                "window": self.detector.peaks.maxlen,
+                "warmup": self.detector.warmup,
+                "spike_margin": self.detector.margin,
+                "device_capacity": self.device_capacity,
+                "safety_margin": self.safety_margin,
+                "warn_fraction": self.warn_fraction,
+                "plot": self.plot,
+            },
             "attributes": {"detector_state": self.detector.state(), "warned": self.warned},
         }
 
@@ -183,7 +180,7 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
         row.update(
             allocated=probe.allocated(),
             reserved=probe.reserved(),
-            capacity=self._capacity(),
+            capacity=self.device_capacity if self.device_capacity is not None else probe.capacity,
             host_resident=probe.host_resident(),
         )
         baseline = self.detector.baseline()
@@ -253,9 +250,6 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
             return
         if handler.callbacks[0] is not self:
             handler.callbacks[:] = [self] + [callback for callback in handler.callbacks if callback is not self]
-
-    def _capacity(self) -> int:
-        return parse_size(self.device_capacity, "device_capacity") if self.device_capacity is not None else self._probe.capacity
 
     def _metrics(self, rows: list[dict[str, Any]]) -> dict[str, float | int]:
         """The ``memory/`` metrics of the steps since the last log."""

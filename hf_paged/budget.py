@@ -38,16 +38,9 @@ class AutoBudget:
         capacity: int | str | None = None,
         probe: MemoryProbe | None = None,
     ) -> None:
-        if (
-            not isinstance(safety_margin, (int, float))
-            or isinstance(safety_margin, bool)
-            or not math.isfinite(safety_margin)
-            or not 0 <= safety_margin < 1
-        ):
-            raise ValueError(f"safety_margin must be a fraction in [0, 1), got {safety_margin!r}")
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise ValueError(f"window must be an integer >= 1, got {window!r}")
-        self.safety_margin = float(safety_margin)
+        self.safety_margin = safety_margin
         self.capacity = capacity
         self._peaks: deque[int] = deque(maxlen=window)
         self.probe = probe
@@ -56,6 +49,22 @@ class AutoBudget:
         """Measure ``device`` with its shared probe unless a probe was given."""
         if self.probe is None:
             self.probe = probe_for(device)
+
+    @property
+    def safety_margin(self) -> float:
+        """Fraction of the capacity kept free."""
+        return self._safety_margin
+
+    @safety_margin.setter
+    def safety_margin(self, safety_margin: float) -> None:
+        if (
+            not isinstance(safety_margin, (int, float))
+            or isinstance(safety_margin, bool)
+            or not math.isfinite(safety_margin)
+            or not 0 <= safety_margin < 1
+        ):
+            raise ValueError(f"safety_margin must be a fraction in [0, 1), got {safety_margin!r}")
+        self._safety_margin = float(safety_margin)
 
     @property
     def capacity(self) -> int:
