@@ -15,15 +15,22 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("budget", [None, 4096])
 def test_adamw_matches_torch_adamw_fp32(budget):
+    """fp32 state runs torch's fused AdamW kernel per page: bitwise its result, and close to the for-loop one.
+
+    The for-loop implementation rounds differently; over 100 steps the gap depends on the CPU's vector
+    width (about 1e-6 relative on AVX-512 machines), so it is held to 1e-5.
+    """
     batches = regression_batches(100)
-    reference = make_mlp()
-    train(reference, torch.optim.AdamW(decay_groups(reference), lr=1e-2, foreach=False), batches)
     model = make_mlp()
     optimizer = hf_paged.PagedAdamW(decay_groups(model), lr=1e-2, page_size=4096, device_budget=budget)
     train(model, optimizer, batches)
-    for param, expected in zip(model.parameters(), reference.parameters()):
-        assert relative_error(param, expected) < 1e-6
     assert optimizer.paging_stats()["pages_total"] > 1
+    fused, single_tensor = make_mlp(), make_mlp()
+    train(fused, torch.optim.AdamW(decay_groups(fused), lr=1e-2, fused=True), batches)
+    train(single_tensor, torch.optim.AdamW(decay_groups(single_tensor), lr=1e-2, foreach=False), batches)
+    for param, expected, loop_expected in zip(model.parameters(), fused.parameters(), single_tensor.parameters()):
+        assert torch.equal(param, expected)
+        assert relative_error(param, loop_expected) < 1e-5
 
 
 def test_adamw_state_matches_torch_adamw():
