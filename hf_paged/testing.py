@@ -16,6 +16,10 @@ host thread as the compute stream:
   garbage into its destination. Each such hazard is also listed in ``hazards``.
 
 Select it with :func:`simulated_streams`; every page store built inside the block uses it.
+
+What it cannot show: compute work here finishes before the host moves on, so a copy that forgot to wait
+for the compute stream (``wait_stream`` in :class:`~hf_paged.device.StreamBackend`) still reads finished
+updates; the ``gpu`` tests cover that.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ def build(name: str, **paging):
 
 
 def test_simulated_copies_run_in_order_per_stream_and_each_direction_on_its_own():
-    backend = SimulatedStreamBackend(delay=0.05)
+    backend = SimulatedStreamBackend(delay=0.2)
     try:
         host = (torch.arange(4.0),)
         first, second = backend.empty_device([(4, torch.float32)]), backend.empty_device([(4, torch.float32)])
