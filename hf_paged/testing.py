@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import device as device_module
-from .device import BufferSpec, Buffers, SyncBackend, carve, pinned_block_bytes
+from .device import Buffers, BufferSpec, SyncBackend, carve, pinned_block_bytes
 
 
 def _storages(buffers: Buffers) -> set[int]:
@@ -79,8 +79,8 @@ class SimulatedStreamBackend(SyncBackend):
 
     pins_host_memory = False
 
-    def __init__(self, device: torch.device = torch.device("cpu"), delay: float = 5e-4, round_host: bool = False) -> None:
-        super().__init__(device)
+    def __init__(self, device: torch.device | str = "cpu", delay: float = 5e-4, round_host: bool = False) -> None:
+        super().__init__(torch.device(device))
         self.delay = delay
         self.round_host = round_host
         self.hazards: list[str] = []
@@ -92,6 +92,7 @@ class SimulatedStreamBackend(SyncBackend):
         self._free: defaultdict[tuple[int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         self._unobserved: list[SimulatedEvent] = []
         self._lock = threading.Lock()
+        self._closed = False
         self._queues = {name: queue.Queue() for name in ("to_device", "to_host")}
         self._workers = [
             threading.Thread(target=self._run, args=(jobs,), name=f"simulated-{name}-stream", daemon=True)
@@ -144,6 +145,8 @@ class SimulatedStreamBackend(SyncBackend):
         return self._enqueue("to_host", dst, src)
 
     def _enqueue(self, stream: str, dst: Buffers, src: Buffers) -> SimulatedEvent:
+        if self._closed:
+            raise RuntimeError("this SimulatedStreamBackend is closed: its streams run no more copies")
         event = SimulatedEvent(stream, dst, src)
         storages = _storages(dst) | _storages(src)
         with self._lock:
@@ -204,6 +207,7 @@ class SimulatedStreamBackend(SyncBackend):
 
     def close(self) -> None:
         """Finish the queued copies and stop the worker threads."""
+        self._closed = True
         for jobs in self._queues.values():
             jobs.put(None)
         for worker in self._workers:

@@ -11,12 +11,12 @@ import time
 
 import pytest
 import torch
-
 from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
-from hf_paged.store import PageState, PageStore
-from hf_paged.testing import SimulatedStreamBackend, simulated_streams
 from test_paging import PAGE_SIZE, STEPS, assert_same_result, unlimited
 from test_state_dict import roundtrip
+
+from hf_paged.store import PageState, PageStore
+from hf_paged.testing import SimulatedStreamBackend, simulated_streams
 
 
 def build(name: str, **paging):
@@ -106,7 +106,9 @@ def test_state_dict_and_resume_on_simulated_streams(name):
         saved_model, saved = roundtrip(model.state_dict()), roundtrip(optimizer.state_dict())
         resumed_model = make_mlp(seed=7)
         resumed_model.load_state_dict(saved_model)
-        resumed = OPTIMIZERS[name](decay_groups(resumed_model), **optimizer_kwargs(name, device_budget=2 * PAGE_SIZE, prefetch=2))
+        resumed = OPTIMIZERS[name](
+            decay_groups(resumed_model), **optimizer_kwargs(name, device_budget=2 * PAGE_SIZE, prefetch=2)
+        )
         resumed.load_state_dict(saved)
         train(resumed_model, resumed, batches[3:])
         assert_same_result(resumed_model, resumed, reference_model, reference_optimizer)
@@ -118,7 +120,11 @@ def test_host_bytes_report_the_rounded_pinned_blocks_really_held():
         model, optimizer = build("PagedAdamW8bit", device_budget=PAGE_SIZE, prefetch=1)
         train(model, optimizer, regression_batches(2))
         store = optimizer._store
-        held = {page.host[0].untyped_storage().data_ptr(): page.host[0].untyped_storage().nbytes() for page in store.pages if page.host is not None}
+        held = {
+            page.host[0].untyped_storage().data_ptr(): page.host[0].untyped_storage().nbytes()
+            for page in store.pages
+            if page.host is not None
+        }
         assert optimizer.paging_stats()["host_bytes"] == sum(held.values())
         assert sum(held.values()) > sum(page.nbytes for page in store.pages if page.host is not None)
 

@@ -117,7 +117,8 @@ def test_copy_streams_are_one_per_direction_on_cuda():
 def test_page_ins_are_ordered_on_the_device_not_waited_for_by_the_host(optimizer_name):
     reference_model, reference = run(optimizer_name)
     model = make_mlp().to(DEVICE)
-    optimizer = OPTIMIZERS[optimizer_name](decay_groups(model), **optimizer_kwargs(optimizer_name, device_budget=2 * 4096, prefetch=2))
+    paging = optimizer_kwargs(optimizer_name, device_budget=2 * 4096, prefetch=2)
+    optimizer = OPTIMIZERS[optimizer_name](decay_groups(model), **paging)
     backend = optimizer._store.backend
     page_in_events, waited = set(), []
     copy_to_device, wait = backend.copy_to_device, backend.wait
@@ -172,7 +173,9 @@ def test_host_bytes_are_the_pinned_blocks_the_caching_host_allocator_holds():
     assert held == backend.host_nbytes(specs) == 128 * 2**20
     assert all(buffer.is_pinned() and buffer.numel() == numel for buffer, (numel, _) in zip(buffers, specs))
     model = make_mlp().to(DEVICE)
-    optimizer = hf_paged.PagedAdamW8bit(decay_groups(model), lr=1e-2, page_size=4096, block_size=64, min_8bit_size=256, device_budget=4096)
+    optimizer = hf_paged.PagedAdamW8bit(
+        decay_groups(model), lr=1e-2, page_size=4096, block_size=64, min_8bit_size=256, device_budget=4096
+    )
     train_on(model, optimizer, regression_batches(2))
     pages = [page for page in optimizer._store.pages if page.host is not None]
     assert optimizer.paging_stats()["host_bytes"] == sum(page.host[0].untyped_storage().nbytes() for page in pages)
