@@ -9,7 +9,7 @@ host thread as the compute stream:
   has run, as a stream wait blocks later kernels;
 * a released device block goes back to a free list and is handed to the next allocation of its size at
   once, as PyTorch's caching allocator does; its content is overwritten (NaN, or 0xA5 bytes) on release
-  and fresh blocks start so, as the next owner's data would;
+  and fresh blocks, host buffers included, start so, as the next owner's data would;
 * where a copy and the compute stream are not ordered as CUDA needs, the result is undefined there, and
   here it is made wrong: a copy whose event the store never waited for, saw complete, or ordered the
   compute stream after, and whose buffer is released or used by a copy on the other stream, writes
@@ -104,9 +104,12 @@ class SimulatedStreamBackend(SyncBackend):
     # Allocation ------------------------------------------------------------------------------------
 
     def empty_host(self, specs: Sequence[BufferSpec]) -> Buffers:
-        if not self.round_host:
-            return super().empty_host(specs)
-        return carve(torch.empty(pinned_block_bytes(specs), dtype=torch.uint8), specs)
+        if self.round_host:
+            buffers = carve(torch.empty(pinned_block_bytes(specs), dtype=torch.uint8), specs)
+        else:
+            buffers = super().empty_host(specs)
+        _poison(buffers)
+        return buffers
 
     def host_nbytes(self, specs: Sequence[BufferSpec]) -> int:
         return pinned_block_bytes(specs) if self.round_host else super().host_nbytes(specs)
