@@ -120,21 +120,21 @@ def test_page_ins_are_ordered_on_the_device_not_waited_for_by_the_host(optimizer
     paging = optimizer_kwargs(optimizer_name, device_budget=2 * 4096, prefetch=2)
     optimizer = OPTIMIZERS[optimizer_name](decay_groups(model), **paging)
     backend = optimizer._store.backend
-    page_in_events, waited = set(), []
+    page_in_events, waited = [], []  # the events themselves, so that no id is reused
     copy_to_device, wait = backend.copy_to_device, backend.wait
 
     def recording_copy(dst, src):
         event = copy_to_device(dst, src)
-        page_in_events.add(id(event))
+        page_in_events.append(event)
         return event
 
     def recording_wait(event):
-        waited.append(id(event))
+        waited.append(event)
         return wait(event)
 
     backend.copy_to_device, backend.wait = recording_copy, recording_wait
     train_on(model, optimizer, regression_batches(6))
-    assert page_in_events and not page_in_events & set(waited)
+    assert page_in_events and not {id(event) for event in page_in_events} & {id(event) for event in waited}
     for param, expected in zip(model.parameters(), reference_model.parameters()):
         assert torch.equal(param, expected)
     assert_state_equal(optimizer.state_dict(), reference.state_dict())
