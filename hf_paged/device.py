@@ -3,7 +3,8 @@
 This is the only module that touches stream, event and memory-statistics APIs. Two backends exist:
 
 * :class:`StreamBackend` for accelerators whose PyTorch module has streams and events (CUDA, XPU):
-  host buffers are pinned, copies run on a side stream, and events order them with the compute stream.
+  host buffers are pinned, copies run on one side stream per direction, and events order them with the
+  compute stream.
 * :class:`SyncBackend` for the CPU and devices without streams: copies are plain synchronous copies.
   On a CPU-only machine the "device" pool is ordinary CPU memory, so the page store above runs the same
   eviction, prefetch and write-back logic and tests cover it without an accelerator.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,12 +43,29 @@ class SyncBackend:
         """Uninitialised host buffers."""
         return tuple(torch.empty(numel, dtype=dtype) for numel, dtype in specs)
 
+    def host_nbytes(self, specs: Sequence[BufferSpec]) -> int:
+        """Bytes of host memory that :meth:`empty_host` of ``specs`` really holds."""
+        return sum(numel * dtype.itemsize for numel, dtype in specs)
+
     def empty_device(self, specs: Sequence[BufferSpec]) -> Buffers:
         """Uninitialised device buffers."""
         return tuple(torch.empty(numel, dtype=dtype, device=self.device) for numel, dtype in specs)
 
-    def copy(self, dst: Buffers, src: Buffers) -> Event:
-        """Copy each of ``src`` into ``dst`` after the work queued so far; return the completion event."""
+    def release(self, buffers: Buffers) -> None:
+        """Give device ``buffers`` back; the caller has ordered the compute stream after every copy of them.
+
+        The allocator may hand their memory to the next allocation at once, as PyTorch's caching allocator does.
+        """
+
+    def copy_to_device(self, dst: Buffers, src: Buffers) -> Event:
+        """Copy host ``src`` into device ``dst`` after the compute work queued so far; return its event."""
+        return self._copy(dst, src)
+
+    def copy_to_host(self, dst: Buffers, src: Buffers) -> Event:
+        """Copy device ``src`` into host ``dst`` after the compute work queued so far; return its event."""
+        return self._copy(dst, src)
+
+    def _copy(self, dst: Buffers, src: Buffers) -> Event:
         for target, source in zip(dst, src):
             target.copy_(source)
         return None
@@ -61,11 +79,48 @@ class SyncBackend:
         return 0.0
 
     def order_after(self, event: Event) -> None:
-        """Make later compute work on the device wait for ``event``."""
+        """Make later compute work on the device wait for ``event`` (the host does not wait)."""
+
+
+_HOST_ALIGNMENT = 64
+"""Bytes to which each buffer of a packed pinned block is aligned."""
+
+
+def pinned_block_bytes(specs: Sequence[BufferSpec]) -> int:
+    """Bytes of the one pinned block that holds buffers of ``specs``, each aligned to 64 bytes.
+
+    PyTorch's caching host allocator rounds a pinned allocation up to the next power of two
+    (``CachingHostAllocator.h``, ``PowerOf2Ceil``), so the block is requested at that size: what is
+    requested is what is held, whatever ``pinned_max_round_threshold`` says.
+    """
+    packed = sum(-(-numel * dtype.itemsize // _HOST_ALIGNMENT) * _HOST_ALIGNMENT for numel, dtype in specs)
+    return 1 << max(packed - 1, 0).bit_length()
+
+
+def carve(block: torch.Tensor, specs: Sequence[BufferSpec]) -> Buffers:
+    """Views of the uint8 ``block`` as consecutive buffers of ``specs``, each aligned to 64 bytes."""
+    buffers, offset = [], 0
+    for numel, dtype in specs:
+        nbytes = numel * dtype.itemsize
+        buffers.append(block[offset : offset + nbytes].view(dtype))
+        offset += -(-nbytes // _HOST_ALIGNMENT) * _HOST_ALIGNMENT
+    return tuple(buffers)
 
 
 class StreamBackend(SyncBackend):
-    """Backend for an accelerator with streams: pinned host buffers and copies on a side stream."""
+    """Backend for an accelerator with streams: pinned host buffers, one copy stream per direction.
+
+    GPUs have a copy engine per direction, so write-backs do not queue behind prefetches. Each copy waits
+    for the compute work queued before it; the compute stream waits for a copy only through
+    :meth:`order_after`, never through the host.
+
+    Stream safety of freed memory: device buffers are allocated on the compute stream and the store
+    releases one only after the compute stream has been ordered after every copy that used it (a
+    page-in through :meth:`order_after`, a write-back through the host having seen it complete), so
+    PyTorch's caching allocator may reuse the block at once without ``record_stream``. Pinned host
+    blocks may be dropped while a copy still uses them: ``copy_(non_blocking=True)`` records an event
+    on the copy stream with the caching host allocator, which reuses the block only after it.
+    """
 
     pins_host_memory = True
 
@@ -73,19 +128,28 @@ class StreamBackend(SyncBackend):
         super().__init__(device)
         self._module = torch.get_device_module(device.type)
         with self._module.device(device):
-            self._copy_stream = self._module.Stream()
+            self._to_device_stream = self._module.Stream()
+            self._to_host_stream = self._module.Stream()
 
     def empty_host(self, specs: Sequence[BufferSpec]) -> Buffers:
-        return tuple(torch.empty(numel, dtype=dtype, pin_memory=True) for numel, dtype in specs)
+        return carve(torch.empty(pinned_block_bytes(specs), dtype=torch.uint8, pin_memory=True), specs)
 
-    def copy(self, dst: Buffers, src: Buffers) -> Event:
-        compute_stream = self._module.current_stream(self.device)
-        self._copy_stream.wait_stream(compute_stream)
-        with self._module.stream(self._copy_stream):
+    def host_nbytes(self, specs: Sequence[BufferSpec]) -> int:
+        return pinned_block_bytes(specs)
+
+    def copy_to_device(self, dst: Buffers, src: Buffers) -> Event:
+        return self._copy_on(self._to_device_stream, dst, src)
+
+    def copy_to_host(self, dst: Buffers, src: Buffers) -> Event:
+        return self._copy_on(self._to_host_stream, dst, src)
+
+    def _copy_on(self, stream: Any, dst: Buffers, src: Buffers) -> Event:
+        stream.wait_stream(self._module.current_stream(self.device))
+        with self._module.stream(stream):
             for target, source in zip(dst, src):
                 target.copy_(source, non_blocking=True)
             event = self._module.Event()
-            event.record(self._copy_stream)
+            event.record(stream)
         return event
 
     def is_done(self, event: Event) -> bool:
@@ -103,8 +167,16 @@ class StreamBackend(SyncBackend):
             self._module.current_stream(self.device).wait_event(event)
 
 
+BackendFactory = Callable[[torch.device], SyncBackend]
+
+_backend_factory: BackendFactory | None = None
+"""Where set (by :mod:`hf_paged.testing`), the factory :func:`backend_for` uses instead of its own choice."""
+
+
 def backend_for(device: torch.device) -> SyncBackend:
     """Return the backend for ``device``: streams where its PyTorch module has them, else synchronous."""
+    if _backend_factory is not None:
+        return _backend_factory(device)
     if device.type == "cpu":
         return SyncBackend(device)
     module = torch.get_device_module(device.type)
@@ -189,11 +261,12 @@ class AcceleratorMemory:
 
     CUDA and XPU expose allocated, reserved, a resettable peak and free/total; MPS exposes allocated
     (``current_allocated_memory``), the driver's total (``driver_allocated_memory``) and a recommended
-    maximum, and keeps no peak, so :meth:`peak` returns ``None`` there.
+    maximum, and keeps no peak, so :meth:`peak` returns ``None`` there. ``module`` replaces the device's
+    PyTorch module (``torch.cuda`` ...), for tests.
     """
 
-    def __init__(self, device: torch.device) -> None:
-        module = getattr(torch, device.type, None)
+    def __init__(self, device: torch.device, module: Any = None) -> None:
+        module = module if module is not None else getattr(torch, device.type, None)
         if module is None or not getattr(module, "is_available", lambda: False)():
             raise RuntimeError(
                 f"cannot measure memory of device {str(device)!r}: PyTorch reports no {device.type} device on "
@@ -230,16 +303,28 @@ class AcceleratorMemory:
         self._module.reset_peak_memory_stats(self._index)
 
     def total(self) -> int:
-        """The device's memory."""
+        """The device memory this process may allocate: the device's, times the per-process memory fraction.
+
+        ``torch.cuda.set_per_process_memory_fraction`` caps the caching allocator at the fraction of the
+        device's memory; the cap is read back through ``get_per_process_memory_fraction``.
+        """
         if hasattr(self._module, "mem_get_info"):
-            return self._module.mem_get_info(self._index)[1]
+            return int(self._module.mem_get_info(self._index)[1] * self._fraction())
         return self._module.recommended_max_memory()
 
     def free(self) -> int:
-        """Device memory not in use by any process (or, without a driver query, total minus reserved)."""
+        """Device memory free for this process: not in use by any process and within its memory fraction
+        (or, without a driver query, total minus reserved)."""
         if hasattr(self._module, "mem_get_info"):
-            return self._module.mem_get_info(self._index)[0]
+            free = self._module.mem_get_info(self._index)[0]
+            if self._fraction() < 1.0:
+                free = min(free, max(0, self.total() - self.reserved()))
+            return free
         return max(0, self.total() - self.reserved())
+
+    def _fraction(self) -> float:
+        get_fraction = getattr(self._module, "get_per_process_memory_fraction", None)
+        return 1.0 if get_fraction is None else get_fraction(self._index)
 
 
 def memory_for(device: torch.device) -> HostMemory | AcceleratorMemory:

@@ -8,6 +8,7 @@ shape family (segment lengths and the per-step scalars do not cause recompiles).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import shutil
 from collections.abc import Callable, Sequence
@@ -15,6 +16,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .codecs import Codec, EncodedSegment
+
+logger = logging.getLogger(__name__)
 
 UpdateRule = Callable[..., None]
 """An update rule: ``rule(param, grad, *states, **scalars)`` updating fp32 tensors in place."""
@@ -39,16 +42,38 @@ def update_segment(
 
 
 def compile_available(device: torch.device) -> bool:
-    """Whether :func:`torch.compile` can build kernels for ``device`` on this machine."""
+    """Whether :func:`torch.compile` can build kernels for ``device`` on this machine.
+
+    On CUDA and XPU that takes a Triton that PyTorch finds usable (``torch.utils._triton.has_triton``)
+    and, on CUDA, a device of compute capability 7.0 or more, as Inductor requires; otherwise the step
+    runs eagerly, which is logged once.
+    """
     if device.type == "cpu":
         return shutil.which(os.environ.get("CXX", "c++")) is not None or shutil.which("gcc") is not None
     if device.type in ("cuda", "xpu"):
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return False
-        return True
+        reason = _triton_unusable(device)
+        if reason is not None:
+            _log_eager_fallback(device.type, reason)
+        return reason is None
     return False
+
+
+def _triton_unusable(device: torch.device) -> str | None:
+    """Why Inductor cannot generate Triton kernels for ``device``, or ``None`` where it can."""
+    from torch.utils._triton import has_triton
+
+    if not has_triton():
+        return "PyTorch finds no usable Triton"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 7:
+            return f"Triton needs CUDA compute capability 7.0 or more, this device has {major}.{minor}"
+    return None
+
+
+@functools.cache
+def _log_eager_fallback(device_type: str, reason: str) -> None:
+    logger.warning("hf_paged: torch.compile is not available on %s (%s); updating eagerly", device_type, reason)
 
 
 def resolve_compiled(compiled: bool | None, device: torch.device) -> bool:

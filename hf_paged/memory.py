@@ -44,7 +44,8 @@ class MemoryProbe:
     Args:
         device: the device to measure; ``"cpu"`` measures this process's resident memory.
         capacity: the memory the device offers to this process (bytes or a string such as ``"24GiB"``);
-            ``None`` reads ``HF_PAGED_DEVICE_CAPACITY`` and else the device's total memory.
+            ``None`` reads ``HF_PAGED_DEVICE_CAPACITY`` and else the device's total memory times the
+            process's memory fraction (``torch.cuda.set_per_process_memory_fraction``).
         reset_peaks: reset the device's global high-water mark at each mark (exact peaks); ``False``
             leaves it for other readers.
         memory: where the figures come from; ``None`` reads the device (see :func:`hf_paged.device.memory_for`).

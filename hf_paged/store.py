@@ -15,6 +15,13 @@ state           buffers                                     counted in
 
 The store keeps ``device_bytes`` at or below the device budget at every transition: room for a page
 is made (by writing back least recently used pages) before its device buffer is allocated.
+``host_bytes`` counts what the backend really holds (pinned blocks are rounded up by the allocator).
+
+Ordering: a page-in runs on the backend's host-to-device stream and the compute stream is ordered after
+it (no host wait) before the page becomes ``RESIDENT``; a write-back runs on the device-to-host stream
+after the compute work queued before it. The host waits only where host memory is reused or read, or
+where a device slot must be freed to stay within the budget. A device buffer is released to the backend
+only once the compute stream is ordered after every copy that used it.
 """
 
 from __future__ import annotations
@@ -177,7 +184,9 @@ class PageStore:
 
     def _set_state(self, page: Page, state: PageState) -> None:
         self.device_bytes += page.nbytes * ((state in _ON_DEVICE) - (page.state in _ON_DEVICE))
-        self.host_bytes += page.nbytes * ((state in _ON_HOST) - (page.state in _ON_HOST))
+        on_host = (state in _ON_HOST) - (page.state in _ON_HOST)
+        if on_host:
+            self.host_bytes += self.backend.host_nbytes(page.specs) * on_host
         page.state = state
         if state is PageState.RESIDENT:
             self._lru[page.index] = page
@@ -194,7 +203,7 @@ class PageStore:
             self._set_state(page, PageState.RESIDENT)
         elif page.state is PageState.HOST:
             page.device = self.backend.empty_device(page.specs)
-            page.event = self.backend.copy(page.device, page.host)
+            page.event = self.backend.copy_to_device(page.device, page.host)
             self._set_state(page, PageState.PAGING_IN)
             self.stats.bytes_to_device += page.nbytes
             self.stats.page_ins += 1
@@ -204,9 +213,8 @@ class PageStore:
         self._notify("page_in", page)
 
     def _finish_page_in(self, page: Page) -> None:
-        """Wait until ``page`` is usable on the device and drop its host copy."""
+        """Order the compute stream after ``page``'s copy (the host does not wait) and drop its host copy."""
         if page.state is PageState.PAGING_IN:
-            self.stats.stall_seconds += self.backend.wait(page.event)
             self.backend.order_after(page.event)
             page.host, page.event = None, None
             self._set_state(page, PageState.RESIDENT)
@@ -216,7 +224,7 @@ class PageStore:
     def _page_out(self, page: Page) -> None:
         """Start writing ``page`` back to host memory."""
         page.host = self.backend.empty_host(page.specs)
-        page.event = self.backend.copy(page.host, page.device)
+        page.event = self.backend.copy_to_host(page.host, page.device)
         self._set_state(page, PageState.PAGING_OUT)
         self._outgoing.append(page)
         self.stats.bytes_to_host += page.nbytes
@@ -227,6 +235,7 @@ class PageStore:
         if wait:
             self.stats.stall_seconds += self.backend.wait(page.event)
         self._outgoing.remove(page)
+        self.backend.release(page.device)
         page.device, page.event = None, None
         self._set_state(page, PageState.HOST)
         self._notify("released", page)
@@ -300,6 +309,7 @@ class PageStore:
             self._finish_page_out(page, wait=True)
         if page.state in (PageState.PAGING_IN, PageState.RESIDENT):
             self._finish_page_in(page)
+            self.backend.release(page.device)
             page.device = None
             self._set_state(page, PageState.EMPTY)
         if data is None:

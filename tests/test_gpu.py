@@ -1,4 +1,4 @@
-"""Parity, paging invariance and the budget on CUDA: pinned host pages, copies on a side stream."""
+"""Parity, paging invariance and the budget on CUDA: pinned host pages, one copy stream per direction."""
 
 from __future__ import annotations
 
@@ -95,3 +95,100 @@ def test_auto_budget_on_cuda_matches_unlimited():
     assert optimizer.auto_budget.probe.device == torch.device("cuda", torch.cuda.current_device())
     for mine, theirs in zip(auto.parameters(), reference.parameters()):
         assert torch.equal(mine, theirs)
+
+
+def test_copy_streams_are_one_per_direction_on_cuda():
+    from hf_paged.device import StreamBackend
+
+    backend = StreamBackend(DEVICE)
+    big_host = torch.empty(2**30, dtype=torch.uint8, pin_memory=True)
+    big_device = torch.empty(2**30, dtype=torch.uint8, device=DEVICE)
+    small_device = torch.ones(1024, device=DEVICE)
+    small_host = torch.zeros(1024, pin_memory=True)
+    torch.cuda.synchronize(DEVICE)
+    page_in = backend.copy_to_device((big_device,), (big_host,))
+    write_back = backend.copy_to_host((small_host,), (small_device,))
+    write_back.synchronize()
+    assert not page_in.query()  # the write-back did not queue behind the 1 GiB page-in
+    assert torch.equal(small_host, torch.ones(1024))
+    page_in.synchronize()
+
+
+def test_page_ins_are_ordered_on_the_device_not_waited_for_by_the_host(optimizer_name):
+    reference_model, reference = run(optimizer_name)
+    model = make_mlp().to(DEVICE)
+    paging = optimizer_kwargs(optimizer_name, device_budget=2 * 4096, prefetch=2)
+    optimizer = OPTIMIZERS[optimizer_name](decay_groups(model), **paging)
+    backend = optimizer._store.backend
+    page_in_events, waited = [], []  # the events themselves, so that no id is reused
+    copy_to_device, wait = backend.copy_to_device, backend.wait
+
+    def recording_copy(dst, src):
+        event = copy_to_device(dst, src)
+        page_in_events.append(event)
+        return event
+
+    def recording_wait(event):
+        waited.append(event)
+        return wait(event)
+
+    backend.copy_to_device, backend.wait = recording_copy, recording_wait
+    train_on(model, optimizer, regression_batches(6))
+    assert page_in_events and not {id(event) for event in page_in_events} & {id(event) for event in waited}
+    for param, expected in zip(model.parameters(), reference_model.parameters()):
+        assert torch.equal(param, expected)
+    assert_state_equal(optimizer.state_dict(), reference.state_dict())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_default_compiled_path_with_budget_and_prefetch_matches_unlimited(monkeypatch, optimizer_name, dtype):
+    monkeypatch.delenv("HF_PAGED_COMPILE", raising=False)
+    torch._dynamo.reset()  # a fresh recompile budget: both runs below take the same kernels
+
+    def run_compiled(**paging):
+        model = make_mlp(dtype=dtype).to(DEVICE)
+        optimizer = OPTIMIZERS[optimizer_name](decay_groups(model), **optimizer_kwargs(optimizer_name, **paging))
+        for inputs, targets in regression_batches(4, dtype=dtype):
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(inputs.to(DEVICE)).float(), targets.to(DEVICE).float()).backward()
+            optimizer.step()
+        return model, optimizer
+
+    reference_model, reference = run_compiled()
+    assert reference.compiled  # the default path on a CUDA machine with Triton
+    model, optimizer = run_compiled(device_budget=4096, prefetch=2)
+    assert optimizer.paging_stats()["page_outs"] > 0
+    for param, expected in zip(model.parameters(), reference_model.parameters()):
+        assert param.dtype == dtype and torch.equal(param, expected)
+    assert_state_equal(optimizer.state_dict(), reference.state_dict())
+
+
+def test_host_bytes_are_the_pinned_blocks_the_caching_host_allocator_holds():
+    from hf_paged.device import StreamBackend
+
+    backend = StreamBackend(DEVICE)
+    specs = [(64 * 2**20 + 1, torch.uint8), (2**20 + 3, torch.float32)]
+    before = torch.cuda.host_memory_stats()["allocated_bytes.current"]
+    buffers = backend.empty_host(specs)
+    held = torch.cuda.host_memory_stats()["allocated_bytes.current"] - before
+    assert held == backend.host_nbytes(specs) == 128 * 2**20
+    assert all(buffer.is_pinned() and buffer.numel() == numel for buffer, (numel, _) in zip(buffers, specs))
+    model = make_mlp().to(DEVICE)
+    optimizer = hf_paged.PagedAdamW8bit(
+        decay_groups(model), lr=1e-2, page_size=4096, block_size=64, min_8bit_size=256, device_budget=4096
+    )
+    train_on(model, optimizer, regression_batches(2))
+    pages = [page for page in optimizer._store.pages if page.host is not None]
+    assert optimizer.paging_stats()["host_bytes"] == sum(page.host[0].untyped_storage().nbytes() for page in pages)
+
+
+def test_capacity_honours_the_per_process_memory_fraction_on_cuda():
+    from hf_paged.memory import MemoryProbe
+
+    total = torch.cuda.mem_get_info(DEVICE)[1]
+    try:
+        torch.cuda.set_per_process_memory_fraction(0.5, DEVICE)
+        assert MemoryProbe(DEVICE).capacity == int(total * 0.5)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, DEVICE)
+    assert MemoryProbe(DEVICE).capacity == total

@@ -1,0 +1,185 @@
+"""Paging on a simulated stream device: copies on worker threads, one stream per direction, blocks reused at once.
+
+The same invariants as tests/test_paging.py (bitwise equal to an unlimited budget, device bytes never above
+the budget) and the state_dict / evict / set_device_budget behaviour, under the ordering a CUDA device needs;
+and stores broken in the ways that ordering forbids fail them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
+from test_paging import PAGE_SIZE, STEPS, assert_same_result, unlimited
+from test_state_dict import roundtrip
+
+from hf_paged.store import PageState, PageStore
+from hf_paged.testing import SimulatedStreamBackend, simulated_streams
+
+
+def build(name: str, **paging):
+    model = make_mlp()
+    return model, OPTIMIZERS[name](decay_groups(model), **optimizer_kwargs(name, **paging))
+
+
+def test_simulated_copies_run_in_order_per_stream_and_each_direction_on_its_own():
+    backend = SimulatedStreamBackend(delay=0.2)
+    try:
+        host = (torch.arange(4.0),)
+        first, second = backend.empty_device([(4, torch.float32)]), backend.empty_device([(4, torch.float32)])
+        assert torch.isnan(first[0]).all()
+        to_device = backend.copy_to_device(first, host)
+        again = backend.copy_to_device(second, first)
+        assert not backend.is_done(to_device)
+        back = backend.copy_to_host((torch.zeros(4),), (torch.ones(4),))
+        backend.order_after(back)
+        assert not backend.is_done(again)  # the write-back did not queue behind both page-ins
+        backend.order_after(again)
+        assert backend.is_done(to_device) and torch.equal(second[0], host[0])
+        backend.release(first)
+        assert backend.empty_device([(4, torch.float32)])[0] is first[0] and torch.isnan(first[0]).all()
+        assert backend.hazards == []
+    finally:
+        backend.close()
+
+
+CASES = [(1, 0), (2, 1), (3, 3)]
+
+
+@pytest.mark.parametrize("budget_pages, prefetch", CASES)
+def test_paging_on_simulated_streams_is_bitwise_invariant_and_within_budget(optimizer_name, budget_pages, prefetch):
+    reference_model, reference_optimizer = unlimited(optimizer_name)
+    budget = budget_pages * PAGE_SIZE
+    with simulated_streams() as backends:
+        model, optimizer = build(optimizer_name, device_budget=budget, prefetch=prefetch)
+        store = optimizer._store
+        store.add_observer(lambda operation, page: _assert_within(store.device_bytes, budget))
+        train(model, optimizer, regression_batches(STEPS))
+        assert_same_result(model, optimizer, reference_model, reference_optimizer)
+    (backend,) = backends
+    assert backend.hazards == []
+    assert 0 < backend.peak_device_bytes <= budget
+    assert backend.device_bytes == store.device_bytes
+    if budget < reference_optimizer.paging_stats()["device_bytes"]:
+        assert optimizer.paging_stats()["page_outs"] > 0
+    assert backend.host_waits["to_device"] == 0  # page-ins are ordered on the device, never waited for
+
+
+def _assert_within(device_bytes: int, budget: int) -> None:
+    assert device_bytes <= budget
+
+
+def test_set_device_budget_evict_and_lowered_budget_on_simulated_streams(optimizer_name):
+    reference_model, reference_optimizer = unlimited(optimizer_name)
+    batches = regression_batches(STEPS)
+    with simulated_streams(delay=2e-4) as backends:
+        model, optimizer = build(optimizer_name, prefetch=2)
+        train(model, optimizer, batches[:2])
+        full = optimizer.paging_stats()
+        optimizer.set_device_budget(PAGE_SIZE)
+        assert optimizer.paging_stats()["device_bytes"] <= PAGE_SIZE
+        assert backends[0].device_bytes <= PAGE_SIZE
+        train(model, optimizer, batches[2:3])
+        assert backends[0].peak_device_bytes == full["device_bytes"]  # the budget was lowered, never exceeded
+        freed = optimizer.evict()
+        after = optimizer.paging_stats()
+        assert after["device_bytes"] == 0 and backends[0].device_bytes == 0 and freed > 0
+        assert after["host_bytes"] == full["device_bytes"]
+        optimizer.set_device_budget(2 * PAGE_SIZE)
+        train(model, optimizer, batches[3:4])
+        optimizer.evict(PAGE_SIZE)
+        optimizer.set_device_budget(None)
+        train(model, optimizer, batches[4:])
+        assert_same_result(model, optimizer, reference_model, reference_optimizer)
+    assert backends[0].hazards == []
+
+
+@pytest.mark.parametrize("name", ["PagedAdamW", "PagedAdamW8bit"])
+def test_state_dict_and_resume_on_simulated_streams(name):
+    batches = regression_batches(STEPS)
+    reference_model, reference_optimizer = unlimited(name)
+    with simulated_streams() as backends:
+        model, optimizer = build(name, device_budget=PAGE_SIZE, prefetch=1)
+        train(model, optimizer, batches[:3])
+        saved_model, saved = roundtrip(model.state_dict()), roundtrip(optimizer.state_dict())
+        resumed_model = make_mlp(seed=7)
+        resumed_model.load_state_dict(saved_model)
+        resumed = OPTIMIZERS[name](
+            decay_groups(resumed_model), **optimizer_kwargs(name, device_budget=2 * PAGE_SIZE, prefetch=2)
+        )
+        resumed.load_state_dict(saved)
+        train(resumed_model, resumed, batches[3:])
+        assert_same_result(resumed_model, resumed, reference_model, reference_optimizer)
+    assert all(backend.hazards == [] for backend in backends)
+
+
+def test_host_bytes_report_the_rounded_pinned_blocks_really_held():
+    with simulated_streams(round_host=True):
+        model, optimizer = build("PagedAdamW8bit", device_budget=PAGE_SIZE, prefetch=1)
+        train(model, optimizer, regression_batches(2))
+        store = optimizer._store
+        held = {
+            page.host[0].untyped_storage().data_ptr(): page.host[0].untyped_storage().nbytes()
+            for page in store.pages
+            if page.host is not None
+        }
+        assert optimizer.paging_stats()["host_bytes"] == sum(held.values())
+        assert sum(held.values()) > sum(page.nbytes for page in store.pages if page.host is not None)
+
+
+# Broken stores: each breaks one ordering rule CUDA needs, and the invariance check catches it. ---------
+
+
+class ReleasesBeforeWriteBack(PageStore):
+    """Frees the device slot of a written-back page without waiting for its write-back to complete."""
+
+    def _finish_page_out(self, page, wait: bool) -> None:
+        super()._finish_page_out(page, wait=False)
+
+
+class UsesPageBeforeCopyLands(PageStore):
+    """Hands out a page as resident without ordering the compute stream after its copy."""
+
+    def _finish_page_in(self, page) -> None:
+        if page.state is PageState.PAGING_IN:
+            page.host, page.event = None, None
+            self._set_state(page, PageState.RESIDENT)
+        self._lru.move_to_end(page.index)
+
+
+class WaitsForEveryPageIn(PageStore):
+    """The store before per-direction ordering: the host waits for every page-in (correct but slow)."""
+
+    def _finish_page_in(self, page) -> None:
+        if page.state is PageState.PAGING_IN:
+            self.backend.wait(page.event)
+        super()._finish_page_in(page)
+
+
+def run_with_store(store_class, name: str, delay: float):
+    with simulated_streams(delay=delay) as backends:
+        model, optimizer = build(name, device_budget=PAGE_SIZE, prefetch=1)
+        optimizer._store.__class__ = store_class
+        train(model, optimizer, regression_batches(STEPS))
+        optimizer.state_dict()
+    return model, optimizer, backends[0]
+
+
+@pytest.mark.parametrize("store_class", [ReleasesBeforeWriteBack, UsesPageBeforeCopyLands])
+def test_broken_stores_fail_the_invariance_check(store_class):
+    reference_model, reference_optimizer = unlimited("PagedAdamW")
+    model, optimizer, backend = run_with_store(store_class, "PagedAdamW", delay=5e-3)
+    assert backend.hazards
+    with pytest.raises(AssertionError):
+        assert_same_result(model, optimizer, reference_model, reference_optimizer)
+
+
+def test_host_waits_for_page_ins_are_caught():
+    reference_model, reference_optimizer = unlimited("PagedAdamW")
+    start = time.perf_counter()
+    model, optimizer, backend = run_with_store(WaitsForEveryPageIn, "PagedAdamW", delay=1e-4)
+    assert time.perf_counter() - start < 30
+    assert_same_result(model, optimizer, reference_model, reference_optimizer)
+    assert backend.hazards == [] and backend.host_waits["to_device"] > 0
