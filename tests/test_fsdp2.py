@@ -64,3 +64,110 @@ def test_fsdp2_two_ranks_match_unsharded_run(two_ranks, optimizer_name):
     for name, expected in reference.items():
         actual = two_ranks[optimizer_name]["params"][name]
         assert ((actual - expected).norm() / expected.norm()).item() < 1e-6, name
+
+
+@pytest.fixture
+def cuda_mesh():
+    """A one-rank device mesh of device type cuda (no CUDA needed: it only names the device type)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield DeviceMesh("cuda", [0])
+    finally:
+        dist.destroy_process_group()
+
+
+def offloaded(mesh, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as FSDP2's CPU offload holds a sharded tensor: a DTensor on a cuda mesh with a CPU shard."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(mesh, (Shard(0),), tensor_meta=TensorMeta(local.shape, local.stride(), local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
+@pytest.mark.parametrize("optimizer_name", ["PagedAdamW", "PagedAdamW8bit"])
+def test_state_dict_of_offloaded_shards_stays_on_the_cpu(cuda_mesh, optimizer_name):
+    """Defect: ``state_dict()`` built its DTensors with ``from_local``, which copies to the mesh's device."""
+    generator = torch.Generator().manual_seed(0)
+    weight, grads = torch.randn(5, 64, generator=generator), torch.randn(2, 5, 64, generator=generator)
+
+    def trained():
+        param = torch.nn.Parameter(offloaded(cuda_mesh, weight.clone()))
+        optimizer = make_optimizer(optimizer_name, [param])
+        for grad in grads:
+            param.grad = offloaded(cuda_mesh, grad.clone())
+            optimizer.step()
+        return param, optimizer
+
+    param, optimizer = trained()
+    saved = optimizer.state_dict()
+    names = optimizer.state_names
+    assert sorted(saved["state"][0]) == sorted(["step", *names])
+    for name in names:
+        state = saved["state"][0][name]
+        assert state.device_mesh == param.device_mesh and state.placements == param.placements and state.shape == param.shape
+        assert state.to_local().device.type == "cpu" and state.dtype == torch.float32
+    if optimizer_name == "PagedAdamW":
+        reference_param = torch.nn.Parameter(weight.clone())
+        reference = torch.optim.AdamW([reference_param], lr=1e-2, weight_decay=0.1, foreach=False)
+        for grad in grads:
+            reference_param.grad = grad.clone()
+            reference.step()
+        for name in names:
+            torch.testing.assert_close(saved["state"][0][name].to_local(), reference.state[reference_param][name])
+    # The CPU shards load back as saved (8-bit state: into the same codes and scales).
+    _, resumed = trained()
+    resumed.load_state_dict(saved)
+    again = resumed.state_dict()["state"][0]
+    for name in names:
+        assert torch.equal(again[name].to_local(), saved["state"][0][name].to_local())
+    for page, resumed_page in zip(optimizer._store.pages, resumed._store.pages, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(optimizer._store.read(page), resumed._store.read(resumed_page)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("optimizer_name", ["PagedAdamW", "PagedAdamW8bit"])
+def test_fsdp2_on_cuda_exports_and_loads_state_on_the_cpu(tmp_path, optimizer_name):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded_on_cuda():
+        model = build_model().cuda()
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        return model, make_optimizer(optimizer_name, model.parameters(), budget=512)
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model, optimizer = sharded_on_cuda()
+        for inputs, targets in batches(3):
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(inputs.cuda()), targets.cuda()).backward()
+            optimizer.step()
+        saved = optimizer.state_dict()["state"]
+        for index, param in enumerate(model.parameters()):
+            assert param.to_local().is_cuda
+            for name in optimizer.state_names:
+                assert saved[index][name].to_local().device.type == "cpu", name
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp_path))
+        model, optimizer = sharded_on_cuda()
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=str(tmp_path))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        loaded = optimizer.state_dict()["state"]
+        for index in saved:
+            for name in optimizer.state_names:
+                assert loaded[index][name].to_local().device.type == "cpu"
+                assert torch.equal(loaded[index][name].to_local(), saved[index][name].to_local()), name
+    finally:
+        dist.destroy_process_group()

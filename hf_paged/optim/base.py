@@ -595,17 +595,18 @@ class PagedOptimizer(Optimizer):
 
 
 def _like_shards_of(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` (shaped like this rank's shard of DTensor ``param``) as a DTensor placed like ``param``."""
-    from torch.distributed.tensor import DTensor
+    """CPU tensor ``local`` (shaped like this rank's shard of DTensor ``param``) as a DTensor placed like ``param``.
 
-    return DTensor.from_local(
-        local.to(local_tensor(param).device),
-        param.device_mesh,
-        param.placements,
-        run_check=False,
-        shape=param.shape,
-        stride=param.stride(),
-    )
+    The local tensor stays on the CPU, as FSDP2's CPU offload keeps its sharded parameters on a device
+    mesh: ``DTensor.from_local`` would copy it to the mesh's device. ``torch.distributed.checkpoint`` reads
+    and writes such local tensors where they are, and gathers them through the mesh's device one at a time.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    meta = TensorMeta(param.shape, param.stride(), local.dtype)
+    spec = DTensorSpec(param.device_mesh, tuple(param.placements), tensor_meta=meta)
+    return DTensor(local, spec, requires_grad=False)
 
 
 class _SavedState:
