@@ -565,7 +565,8 @@ class PagedOptimizer(Optimizer):
     def _begin_auto_step(self) -> None:
         """Record the forward/backward peak just ended and give the step what it leaves free."""
         auto, store = self._auto_budget, self._store
-        auto.observe(auto.probe.peak(_BETWEEN_STEPS) - store.device_bytes)
+        peak = auto.probe.exact_peak(_BETWEEN_STEPS)
+        auto.observe(None if peak is None else peak - store.device_bytes)
         workspace = _STEP_WORKSPACE_PAGES * self.page_size
         store.set_budget(auto.step_budget(store.device_bytes, workspace, minimum=store.max_page_bytes))
 
