@@ -66,6 +66,24 @@ def test_fsdp2_two_ranks_match_unsharded_run(two_ranks, optimizer_name):
         assert ((actual - expected).norm() / expected.norm()).item() < 1e-6, name
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_decoded_8bit_state_encodes_back_to_the_same_codes_and_scales(signed):
+    """What makes exporting sharded 8-bit state as fp32 values bitwise: decode, then encode, is the identity."""
+    from hf_paged.codecs import Blockwise8bitCodec
+
+    codec = Blockwise8bitCodec(64, signed)
+    generator = torch.Generator().manual_seed(0)
+    # Blocks from 1e-30 to 1e33 (the encoding itself needs scales in fp32's normal range).
+    values = torch.randn(64, 64, generator=generator) * 10.0 ** torch.arange(-30, 34).unsqueeze(1)
+    values = values if signed else values.abs()
+    values[0] = 0.0  # an all-zero block has scale zero
+    codes, scales = torch.empty(64, 64, dtype=codec.code_dtype), torch.empty(64)
+    codec.encode(values, (codes, scales))
+    again_codes, again_scales = torch.empty_like(codes), torch.empty_like(scales)
+    codec.encode(codec.decode((codes, scales)), (again_codes, again_scales))
+    assert torch.equal(again_codes, codes) and torch.equal(again_scales, scales)
+
+
 @pytest.fixture
 def cuda_mesh():
     """A one-rank device mesh of device type cuda (no CUDA needed: it only names the device type)."""
@@ -92,7 +110,8 @@ def offloaded(mesh, local: torch.Tensor) -> torch.Tensor:
 def test_state_dict_of_offloaded_shards_stays_on_the_cpu(cuda_mesh, optimizer_name):
     """Defect: ``state_dict()`` built its DTensors with ``from_local``, which copies to the mesh's device."""
     generator = torch.Generator().manual_seed(0)
-    weight, grads = torch.randn(5, 64, generator=generator), torch.randn(2, 5, 64, generator=generator)
+    # 300 elements: a partial last block of 8-bit state
+    weight, grads = torch.randn(5, 60, generator=generator), torch.randn(2, 5, 60, generator=generator)
 
     def trained():
         param = torch.nn.Parameter(offloaded(cuda_mesh, weight.clone()))
