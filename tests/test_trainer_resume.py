@@ -49,7 +49,8 @@ def _load_as_rank_of_two(monkeypatch, trainer, checkpoint, device, stop: bool = 
 def test_resume_under_several_ranks_loads_paged_state_to_the_cpu(monkeypatch, checkpoint):
     """Defect: with ``world_size > 1`` the Trainer loaded ``optimizer.pt`` onto ``args.device``."""
     trainer = Trainer(
-        model=tiny_llama(), args=training_args(checkpoint.parent, optim="hf_paged_adamw_8bit", max_steps=4),
+        model=tiny_llama(),
+        args=training_args(checkpoint.parent, optim="hf_paged_adamw_8bit", max_steps=4),
         train_dataset=token_dataset(8),
     )
     trainer.create_optimizer_and_scheduler(num_training_steps=4)
@@ -68,7 +69,8 @@ def test_resume_under_several_ranks_loads_paged_state_to_the_cpu(monkeypatch, ch
 
 def test_other_optimizers_keep_the_trainers_loading(monkeypatch, checkpoint):
     trainer = Trainer(
-        model=tiny_llama(), args=training_args(checkpoint.parent, optim="adamw_torch", max_steps=4),
+        model=tiny_llama(),
+        args=training_args(checkpoint.parent, optim="adamw_torch", max_steps=4),
         train_dataset=token_dataset(8),
     )
     trainer.create_optimizer_and_scheduler(num_training_steps=4)

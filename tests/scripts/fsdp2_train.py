@@ -88,7 +88,9 @@ def mismatches(expected: dict, actual: dict, what: str) -> list[str]:
         if left is None or right is None:
             equal = left is right
         else:
-            equal = len(left) == len(right) and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(left, right))
+            equal = len(left) == len(right) and all(
+                a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(left, right)
+            )
         if not equal:
             found.append(f"{what}: {key}")
     return found
