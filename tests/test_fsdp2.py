@@ -20,8 +20,9 @@ STEPS, SAVE_AT = 5, 3
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> dict:
-    """The results of ``fsdp2_train.py`` for every optimizer, from one two-process run."""
+def two_ranks_folder(tmp_path_factory):
+    """The folder of one two-process run of ``fsdp2_train.py`` for every optimizer: ``result.pt`` and the
+    checkpoints (one per optimizer under ``checkpoints``)."""
     folder = tmp_path_factory.mktemp("fsdp2")
     output = folder / "result.pt"
     command = [
@@ -33,7 +34,13 @@ def two_ranks(tmp_path_factory) -> dict:
     environment = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, check=False, capture_output=True, text=True, env=environment, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    return torch.load(output, weights_only=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def two_ranks(two_ranks_folder) -> dict:
+    """The results of ``fsdp2_train.py`` for every optimizer."""
+    return torch.load(two_ranks_folder / "result.pt", weights_only=True)
 
 
 def unsharded(optimizer_name: str, steps: int) -> dict[str, torch.Tensor]:
@@ -64,6 +71,36 @@ def test_fsdp2_two_ranks_match_unsharded_run(two_ranks, optimizer_name):
     for name, expected in reference.items():
         actual = two_ranks[optimizer_name]["params"][name]
         assert ((actual - expected).norm() / expected.norm()).item() < 1e-6, name
+
+
+@pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
+def test_two_rank_checkpoint_reshards_into_one_unsharded_optimizer(two_ranks_folder, optimizer_name):
+    """The saved fp32 shards join into whole tensors that load into an unsharded optimizer (8-bit: encoded)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    whole = two_ranks_folder / f"{optimizer_name}.pt"
+    dcp_to_torch_save(two_ranks_folder / "checkpoints" / optimizer_name, whole)
+    saved = torch.load(whole, weights_only=True)
+    model = build_model()
+    optimizer = make_optimizer(optimizer_name, model.parameters())
+    set_state_dict(model, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
+    reference_model = build_model()
+    reference = make_optimizer(optimizer_name, reference_model.parameters())
+    for inputs, targets in batches(SAVE_AT):
+        reference.zero_grad()
+        torch.nn.functional.mse_loss(reference_model(inputs), targets).backward()
+        reference.step()
+    loaded, expected = optimizer.state_dict()["state"], reference.state_dict()["state"]
+    assert loaded.keys() == expected.keys()
+    for index, entry in expected.items():
+        assert loaded[index].keys() == entry.keys()
+        for key, value in entry.items():
+            # Only the gradients' summation order differs from the unsharded run: codes within one step.
+            if value.is_floating_point():
+                torch.testing.assert_close(loaded[index][key], value, rtol=1e-4, atol=1e-8)
+            else:
+                assert (loaded[index][key].int() - value.int()).abs().max() <= 1, (index, key)
 
 
 @pytest.mark.parametrize("signed", [True, False])
