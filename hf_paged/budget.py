@@ -7,7 +7,7 @@ With usable memory ``U = capacity × (1 − safety_margin)``:
   ``window`` steps, each the peak since the end of the previous step minus the optimizer state the device
   held then, or the last exact peak when none of those steps had one. A peak the probe only sampled (a
   device whose high-water mark is not reset, in a phase below an earlier high) misses the phase's
-  activations and never enters the prediction;
+  activations and never enters the prediction; until a step has an exact peak, ``budget = 0``;
 * during a step: ``budget = U − (A − S) − W``, where ``A`` is allocated now, ``S`` the optimizer state on the
   device and ``W`` a workspace for the update of one page; at least the largest page, so a step always runs.
 """
@@ -103,9 +103,14 @@ class AutoBudget:
         return max((peak for peak in self._peaks if peak is not None), default=self._last_exact)
 
     def resting_budget(self) -> int | None:
-        """The budget for the coming forward/backward, ``None`` (leave it) before any measurement."""
+        """The budget for the coming forward/backward, ``None`` (leave it) before any step was observed.
+
+        0 while the observed steps had no exact peak: nothing is known to fit beside the activations.
+        """
         predicted = self.predicted_peak
-        return None if predicted is None else max(0, self.usable - predicted)
+        if predicted is None:
+            return 0 if self._peaks else None
+        return max(0, self.usable - predicted)
 
     def step_budget(self, state_bytes: int, workspace: int, minimum: int) -> int:
         """The budget while the optimizer steps: what the step leaves free, at least ``minimum`` bytes."""

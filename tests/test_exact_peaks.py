@@ -34,8 +34,9 @@ def test_probe_tells_exact_peaks_from_sampled_ones():
 
 def test_sampled_peaks_neither_enter_the_prediction_nor_expire_the_last_exact_one():
     budget = AutoBudget(safety_margin=0.0, window=2, capacity=10 * GIB)
+    assert budget.resting_budget() is None  # nothing observed: leave the budget
     budget.observe(None)
-    assert budget.predicted_peak is None and budget.resting_budget() is None
+    assert budget.predicted_peak is None and budget.resting_budget() == 0  # a step, but its peak unknown
     budget.observe(6 * GIB)
     budget.observe(None)
     budget.observe(None)
@@ -71,3 +72,22 @@ def test_auto_budget_with_a_peak_counter_never_reset_keeps_room_for_the_true_pea
         optimizer.zero_grad()
         assert optimizer.device_budget <= usable - weights - 500 * MIB, step  # room for the next forward/backward
         assert optimizer.paging_stats()["device_bytes"] <= optimizer.device_budget
+
+
+def test_auto_budget_without_any_exact_peak_keeps_no_state_between_steps():
+    """An earlier high (an evaluation, another run) hides every later peak from a counter never reset."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 64))
+    memory = ScriptedMemory(total=1 * GIB, level=100 * MIB)
+    memory.spike(1 * GIB - MIB, after=100 * MIB)
+    probe = MemoryProbe("cpu", memory=memory, reset_peaks=False)
+    optimizer = hf_paged.PagedAdamW(
+        model.parameters(), page_size="16KiB", device_budget=AutoBudget(safety_margin=0.0, probe=probe)
+    )
+    for _ in range(3):
+        state = optimizer.paging_stats()["device_bytes"]
+        memory.spike(700 * MIB + state, after=100 * MIB + state)
+        model(torch.randn(4, 128)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert optimizer.device_budget == 0 and optimizer.paging_stats()["device_bytes"] == 0
