@@ -27,7 +27,17 @@ def _register_handlers() -> None:
     register_handlers()
 
 
-_TRIGGERS = {"transformers.training_args": _register_names, "transformers.trainer_optimizer": _register_handlers}
+def _register_resume() -> None:
+    from .integrations.trainer import register_resume
+
+    register_resume()
+
+
+_TRIGGERS = {
+    "transformers.training_args": _register_names,
+    "transformers.trainer_optimizer": _register_handlers,
+    "transformers.trainer": _register_resume,
+}
 
 
 class _RegisterAfterLoad(importlib.abc.Loader):

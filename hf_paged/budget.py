@@ -3,8 +3,11 @@
 With usable memory ``U = capacity × (1 − safety_margin)``:
 
 * between steps (the forward/backward to come): ``budget = U − P``, where ``P`` is the predicted peak of
-  forward and backward without optimizer state: the highest of the last ``window`` measured peaks, each the
-  peak since the end of the previous step minus the optimizer state the device held then;
+  forward and backward without optimizer state: the highest of the exact peaks measured in the last
+  ``window`` steps, each the peak since the end of the previous step minus the optimizer state the device
+  held then, or the last exact peak when none of those steps had one. A peak the probe only sampled (a
+  device whose high-water mark is not reset, in a phase below an earlier high) misses the phase's
+  activations and never enters the prediction; until a step has an exact peak, ``budget = 0``;
 * during a step: ``budget = U − (A − S) − W``, where ``A`` is allocated now, ``S`` the optimizer state on the
   device and ``W`` a workspace for the update of one page; at least the largest page, so a step always runs.
 """
@@ -42,7 +45,8 @@ class AutoBudget:
             raise ValueError(f"window must be an integer >= 1, got {window!r}")
         self.safety_margin = safety_margin
         self.capacity = capacity
-        self._peaks: deque[int] = deque(maxlen=window)
+        self._peaks: deque[int | None] = deque(maxlen=window)
+        self._last_exact: int | None = None
         self.probe = probe
 
     def bind(self, device: torch.device) -> None:
@@ -80,19 +84,33 @@ class AutoBudget:
         """Bytes that training may use: the capacity less the safety margin."""
         return int(self.capacity * (1 - self.safety_margin))
 
-    def observe(self, peak_without_state: int) -> None:
-        """Record one step's forward/backward peak without optimizer state, in bytes."""
-        self._peaks.append(max(0, int(peak_without_state)))
+    def observe(self, peak_without_state: int | None) -> None:
+        """Record one step's forward/backward peak without optimizer state, in bytes.
+
+        ``None`` for a step whose exact peak is unknown: it counts as a step of the window and nothing else.
+        """
+        peak = None if peak_without_state is None else max(0, int(peak_without_state))
+        self._peaks.append(peak)
+        if peak is not None:
+            self._last_exact = peak
 
     @property
     def predicted_peak(self) -> int | None:
-        """The forward/backward peak without optimizer state expected next, ``None`` before any measurement."""
-        return max(self._peaks) if self._peaks else None
+        """The forward/backward peak without optimizer state expected next, ``None`` before any exact measurement.
+
+        The highest exact peak of the last ``window`` steps, else the last exact peak, which never expires.
+        """
+        return max((peak for peak in self._peaks if peak is not None), default=self._last_exact)
 
     def resting_budget(self) -> int | None:
-        """The budget for the coming forward/backward, ``None`` (leave it) before any measurement."""
+        """The budget for the coming forward/backward, ``None`` (leave it) before any step was observed.
+
+        0 while the observed steps had no exact peak: nothing is known to fit beside the activations.
+        """
         predicted = self.predicted_peak
-        return None if predicted is None else max(0, self.usable - predicted)
+        if predicted is None:
+            return 0 if self._peaks else None
+        return max(0, self.usable - predicted)
 
     def step_budget(self, state_bytes: int, workspace: int, minimum: int) -> int:
         """The budget while the optimizer steps: what the step leaves free, at least ``minimum`` bytes."""

@@ -10,7 +10,8 @@ folds what it saw into the other open marks first, so every key's peak is exact.
 ``reset_peaks=False`` the global mark is left alone, for readers that rely on it (the Trainer's
 ``skip_memory_metrics=False`` reads ``torch.cuda.max_memory_allocated`` at the end of training): a phase
 that sets a new high still gets its exact peak, otherwise its peak is the highest level the probe sampled
-(at marks, :meth:`sample` and :meth:`peak`).
+(at marks, :meth:`sample` and :meth:`peak`), which may miss the phase's transient peak. :meth:`exact_peak`
+tells the two apart.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class _Mark:
     """The device's high-water mark when the mark was set, bytes."""
     resets: int
     """The probe's reset count when the mark was set."""
+    exact: bool
+    """Whether ``level`` is the device's high-water mark over the whole phase, not only sampled levels."""
 
 
 class MemoryProbe:
@@ -103,10 +106,12 @@ class MemoryProbe:
     def mark(self, key: str) -> None:
         """Start measuring the peak of phase ``key`` now (replacing an earlier mark of that key)."""
         self._fold()
-        if self.reset_peaks and self._memory.can_reset_peak:
+        reset = self.reset_peaks and self._memory.can_reset_peak
+        if reset:
             self._memory.reset_peak()
             self._resets += 1
-        self._marks[key] = _Mark(self._memory.allocated(), self._memory.peak(), self._resets)
+        device_peak = self._memory.peak()
+        self._marks[key] = _Mark(self._memory.allocated(), device_peak, self._resets, reset and device_peak is not None)
 
     def sample(self) -> None:
         """Record the current level in every open mark (improves peaks where the device keeps none)."""
@@ -119,6 +124,15 @@ class MemoryProbe:
         self._fold()
         return self._marks[key].level
 
+    def exact_peak(self, key: str) -> int | None:
+        """The highest allocation since :meth:`mark` of ``key`` if the device's high-water mark covers it.
+
+        ``None`` when only sampled levels are known: without resets, a phase that stays below an earlier
+        high; a device that keeps no high-water mark.
+        """
+        peak = self.peak(key)
+        return peak if self._marks[key].exact else None
+
     def _fold(self) -> None:
         """Bring every mark's level up to the current level and, where it covers the mark, the device's peak."""
         level = self._memory.allocated()
@@ -127,6 +141,8 @@ class MemoryProbe:
             mark.level = max(mark.level, level)
             if device_peak is not None and (mark.resets < self._resets or device_peak > (mark.baseline or 0)):
                 mark.level = max(mark.level, device_peak)
+                # A new high since the mark, with no reset in between, is the phase's peak so far and after.
+                mark.exact = mark.exact or mark.resets == self._resets
 
 
 _probes: dict[str, MemoryProbe] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import pytest
 import transformers
@@ -36,3 +37,26 @@ def test_missing_tables_give_an_error_naming_the_version(monkeypatch):
     monkeypatch.delattr(trainer_optimizer, "_OPTIMIZER_HANDLERS")
     with pytest.raises(internals.RegistrationError, match=rf"transformers {transformers.__version__}.*_OPTIMIZER_HANDLERS"):
         internals.set_optimizer_handler("hf_paged_adamw_8bit", lambda context: None)
+
+
+def test_trainer_loads_optimizers_through_the_method_we_replace():
+    from transformers import trainer
+
+    method = trainer.Trainer._load_optimizer_and_scheduler
+    assert method.hf_paged_original is not None, "hf_paged did not replace Trainer._load_optimizer_and_scheduler"
+    for name in internals._TRAINER_LOAD_NAMES:
+        assert hasattr(trainer, name), f"transformers {transformers.__version__}: transformers.trainer.{name} is gone"
+    source = inspect.getsource(trainer.Trainer)
+    for flag in ("is_deepspeed_enabled", "is_fsdp_enabled"):
+        assert f"self.{flag} =" in source, f"transformers {transformers.__version__}: Trainer.{flag} is gone"
+    # What the replacement exists for: the Trainer's own method maps the state to args.device with several ranks.
+    assert "self.args.device if self.args.world_size > 1" in inspect.getsource(method.hf_paged_original)
+
+
+def test_missing_trainer_names_give_an_error_naming_the_version(monkeypatch):
+    from transformers import trainer
+
+    monkeypatch.setattr(trainer.Trainer, "_load_optimizer_and_scheduler", lambda self, checkpoint: None)
+    monkeypatch.delattr(trainer, "SCHEDULER_NAME")
+    with pytest.raises(internals.RegistrationError, match=rf"resume.*transformers {transformers.__version__}.*SCHEDULER_NAME"):
+        internals.load_optimizer_state_on_cpu(lambda optimizer: True)

@@ -4,28 +4,34 @@ transformers has no public registry of optimizers: names are members of the ``Op
 ``transformers.training_args`` (``TrainingArguments.__post_init__`` converts ``optim`` with it, and
 ``HfArgumentParser`` lists its values as ``--optim`` choices), and each name's factory is an entry of
 ``_OPTIMIZER_HANDLERS`` in ``transformers.trainer_optimizer``. A callback's handler is found in the frame of
-``CallbackHandler.call_event``. All are used here and nowhere else;
+``CallbackHandler.call_event``. Resuming replaces ``Trainer._load_optimizer_and_scheduler`` for our
+optimizers, to load their state to the CPU. All are used here and nowhere else;
 ``tests/test_transformers_internals.py`` fails loudly when a release changes them.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 
 class RegistrationError(RuntimeError):
     """transformers' optimizer tables are not where this module expects them."""
 
 
-def _fail(expected: str) -> RegistrationError:
+def _fail(
+    expected: str,
+    action: str = "register hf-paged optimizers",
+    instead: str = "pass the optimizer to the Trainer with Trainer(optimizers=(optimizer, None)) instead",
+) -> RegistrationError:
     version = importlib.import_module("transformers").__version__
-    return RegistrationError(
-        f"cannot register hf-paged optimizers with transformers {version}: expected {expected}; "
-        "pass the optimizer to the Trainer with Trainer(optimizers=(optimizer, None)) instead"
-    )
+    return RegistrationError(f"cannot {action} with transformers {version}: expected {expected}; {instead}")
 
 
 def _optimizer_names() -> type:
@@ -92,3 +98,56 @@ def calling_callback_handler(max_depth: int = 4) -> Any | None:
             return candidate
         frame = frame.f_back
     return None
+
+
+_TRAINER_LOAD_NAMES = (
+    "OPTIMIZER_NAME",
+    "SCHEDULER_NAME",
+    "check_torch_load_is_safe",
+    "reissue_pt_warnings",
+    "is_torch_xla_available",
+    "is_sagemaker_mp_enabled",
+)
+"""What the replacement of ``Trainer._load_optimizer_and_scheduler`` uses from ``transformers.trainer``."""
+
+
+def load_optimizer_state_on_cpu(is_ours: Callable[[Any], bool]) -> None:
+    """Make the Trainer load a checkpoint's optimizer state to the CPU when ``is_ours(trainer.optimizer)``.
+
+    ``Trainer._load_optimizer_and_scheduler`` loads ``optimizer.pt`` with ``map_location=args.device`` when
+    ``args.world_size > 1``: the whole state on the accelerator before ``load_state_dict`` copies it back
+    to the host, which is the memory a paged optimizer lacks. For a plain checkpoint (no DeepSpeed, FSDP,
+    XLA or SageMaker) this loads it with ``map_location="cpu"``, and the scheduler as the Trainer does;
+    every other case, and other optimizers, keep the Trainer's own method. Idempotent.
+    """
+    module = importlib.import_module("transformers.trainer")
+    trainer_cls = getattr(module, "Trainer", None)
+    original = getattr(trainer_cls, "_load_optimizer_and_scheduler", None)
+    if getattr(original, "hf_paged_original", None) is not None:
+        return
+    if original is None or not all(hasattr(module, name) for name in _TRAINER_LOAD_NAMES):
+        raise _fail(
+            "Trainer._load_optimizer_and_scheduler and " + ", ".join(_TRAINER_LOAD_NAMES) + " in transformers.trainer",
+            action="make the Trainer resume hf-paged optimizers from the CPU",
+            instead="load the checkpoint's optimizer.pt with map_location='cpu' and call optimizer.load_state_dict",
+        )
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        special = any(getattr(self, flag, True) for flag in ("is_deepspeed_enabled", "is_fsdp_enabled"))
+        special = special or module.is_torch_xla_available() or module.is_sagemaker_mp_enabled()
+        if checkpoint is None or special or not is_ours(self.optimizer):
+            return original(self, checkpoint)
+        optimizer_file = os.path.join(checkpoint, module.OPTIMIZER_NAME)
+        scheduler_file = os.path.join(checkpoint, module.SCHEDULER_NAME)
+        if not (os.path.isfile(optimizer_file) and os.path.isfile(scheduler_file)):
+            return original(self, checkpoint)
+        module.check_torch_load_is_safe()
+        self.optimizer.load_state_dict(torch.load(optimizer_file, map_location="cpu", weights_only=True))
+        with warnings.catch_warnings(record=True) as caught_warnings:
+            module.check_torch_load_is_safe()
+            self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+        module.reissue_pt_warnings(caught_warnings)
+
+    _load_optimizer_and_scheduler.hf_paged_original = original
+    _load_optimizer_and_scheduler.__doc__ = original.__doc__
+    trainer_cls._load_optimizer_and_scheduler = _load_optimizer_and_scheduler

@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from ..memory import probe_for
-from ..optim import PagedAdamW, PagedAdamW8bit, PagedLion, PagedLion8bit
+from ..optim import PagedAdamW, PagedAdamW8bit, PagedLion, PagedLion8bit, PagedOptimizer
 from ..sizes import parse_size
 from . import _transformers_internals as internals
 
@@ -117,6 +117,16 @@ def register_handlers(replace_bitsandbytes: bool | None = None) -> None:
         )
 
 
+def is_paged(optimizer: Any) -> bool:
+    """Whether ``optimizer`` (or the optimizer that accelerate's ``AcceleratedOptimizer`` wraps) is ours."""
+    return isinstance(getattr(optimizer, "optimizer", optimizer), PagedOptimizer)
+
+
+def register_resume() -> None:
+    """Make the Trainer load our optimizers' state from a checkpoint to the CPU, under any world size."""
+    internals.load_optimizer_state_on_cpu(is_paged)
+
+
 def register(replace_bitsandbytes: bool | None = None) -> None:
     """Register the ``hf_paged_*`` optimizer names with transformers (idempotent).
 
@@ -127,3 +137,4 @@ def register(replace_bitsandbytes: bool | None = None) -> None:
     """
     register_names()
     register_handlers(replace_bitsandbytes)
+    register_resume()

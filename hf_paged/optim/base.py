@@ -211,7 +211,8 @@ class PagedOptimizer(Optimizer):
         used: dict[int, int] = {}
         for param in params:
             numel = local_tensor(param).numel()
-            kind = "8bit" if self.eight_bit and numel >= group["min_8bit_size"] else "32bit"
+            # From the whole parameter's size (a DTensor's numel), so that every rank picks the same codec.
+            kind = "8bit" if self.eight_bit and param.numel() >= group["min_8bit_size"] else "32bit"
             page_format = self._formats[kind]
             segments = []
             start = 0
@@ -332,18 +333,15 @@ class PagedOptimizer(Optimizer):
 
         Each parameter's entry holds ``step`` (a tensor) and, per state, its fp32 values (``exp_avg``) or,
         for 8-bit state, its codes shaped like the parameter and one fp32 scale per block
-        (``exp_avg_codes``, ``exp_avg_scales``). For a sharded (DTensor) parameter the values and codes are
-        DTensors placed like the parameter, on its device, so ``torch.distributed.checkpoint`` can reshard
-        them; the scales of 8-bit state stay this rank's own.
+        (``exp_avg_codes``, ``exp_avg_scales``). For a sharded (DTensor) parameter every state is exported as
+        fp32 values in a DTensor placed like the parameter, so ``torch.distributed.checkpoint`` saves each
+        rank's shard and reshards it (see :meth:`_sharded_entry`).
         """
         packed = super().state_dict()
         exported = self._export_state(sorted(packed["state"]))
         for index, entry in exported.items():
-            param = self._params[index]
-            if local_tensor(param) is not param:
-                for name, codec in zip(self.state_names, self._formats[self._param_codecs[index]].codecs):
-                    key = self._state_keys(codec, name)[0]
-                    entry[key] = _like_shards_of(param, entry[key])
+            if local_tensor(self._params[index]) is not self._params[index]:
+                exported[index] = self._sharded_entry(index, entry)
         packed["state"] = {
             index: {"step": entry["step"].detach().to("cpu", torch.float32, copy=True), **exported[index]}
             for index, entry in packed["state"].items()
@@ -388,6 +386,23 @@ class PagedOptimizer(Optimizer):
                 key = self._state_keys(codec, name)[0]
                 entry[key] = entry[key].view(shape)
         return exported
+
+    def _sharded_entry(self, index: int, entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The exported state of sharded parameter ``index`` as fp32 DTensors placed like the parameter.
+
+        Encoded (8-bit) state is decoded: its blocks and scales belong to this rank's shard, which a
+        checkpoint saved on other shard boundaries could not split. Loading encodes the values again, into
+        the same codes and scales when the layout is unchanged (the largest value of a block decodes to
+        its scale exactly, and every other value to within rounding of its code).
+        """
+        param = self._params[index]
+        shard = local_tensor(param)
+        sharded = {}
+        for name, codec in zip(self.state_names, self._formats[self._param_codecs[index]].codecs):
+            fields = tuple(entry[key].reshape(-1) for key in self._state_keys(codec, name))
+            values = _SavedState(codec, fields, shard.numel()).values()
+            sharded[name] = _like_shards_of(param, values.view(shard.shape))
+        return sharded
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this class or of ``torch.optim`` (fp32 moments are quantized for 8-bit state).
@@ -550,7 +565,8 @@ class PagedOptimizer(Optimizer):
     def _begin_auto_step(self) -> None:
         """Record the forward/backward peak just ended and give the step what it leaves free."""
         auto, store = self._auto_budget, self._store
-        auto.observe(auto.probe.peak(_BETWEEN_STEPS) - store.device_bytes)
+        peak = auto.probe.exact_peak(_BETWEEN_STEPS)
+        auto.observe(None if peak is None else peak - store.device_bytes)
         workspace = _STEP_WORKSPACE_PAGES * self.page_size
         store.set_budget(auto.step_budget(store.device_bytes, workspace, minimum=store.max_page_bytes))
 
@@ -580,17 +596,18 @@ class PagedOptimizer(Optimizer):
 
 
 def _like_shards_of(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` (shaped like this rank's shard of DTensor ``param``) as a DTensor placed like ``param``."""
-    from torch.distributed.tensor import DTensor
+    """CPU tensor ``local`` (shaped like this rank's shard of DTensor ``param``) as a DTensor placed like ``param``.
 
-    return DTensor.from_local(
-        local.to(local_tensor(param).device),
-        param.device_mesh,
-        param.placements,
-        run_check=False,
-        shape=param.shape,
-        stride=param.stride(),
-    )
+    The local tensor stays on the CPU, as FSDP2's CPU offload keeps its sharded parameters on a device
+    mesh: ``DTensor.from_local`` would copy it to the mesh's device. ``torch.distributed.checkpoint`` reads
+    and writes such local tensors where they are, and gathers them through the mesh's device one at a time.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    meta = TensorMeta(param.shape, param.stride(), local.dtype)
+    spec = DTensorSpec(param.device_mesh, tuple(param.placements), tensor_meta=meta)
+    return DTensor(local, spec, requires_grad=False)
 
 
 class _SavedState:

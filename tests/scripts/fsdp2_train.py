@@ -1,11 +1,16 @@
-"""FSDP2 (fully_shard) with a paged optimizer, two ranks (torchrun, gloo on CPU).
+"""FSDP2 (fully_shard) with paged optimizers, two ranks (torchrun, gloo on CPU).
 
-Trains ``--steps`` steps, saving model and optimizer with ``torch.distributed.checkpoint`` after
-``--save-at`` steps, then loads them into a fresh sharded model and optimizer (another budget) and
-continues. Rank 0 writes the full parameters to ``--output`` (a ``torch.save`` file).
+For each optimizer: trains ``--save-at`` steps, saves model and optimizer with
+``torch.distributed.checkpoint``, trains on to ``--steps`` (the uninterrupted run), then loads the
+checkpoint into a fresh sharded model and optimizer (another budget) and trains the same further steps
+(the resumed run). The last layer, ``Linear(64, 5)``, is sharded unevenly (3 and 2 rows). Rank 0 writes
+to ``--output`` (a ``torch.save`` file), per optimizer: the resumed run's full parameters, its paging
+statistics, and the mismatches each rank found between the loaded and the saved state and between the
+resumed and the uninterrupted run.
 """
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -15,7 +20,21 @@ from torch.distributed.fsdp import fully_shard
 
 import hf_paged
 
-OPTIMIZERS = {"PagedAdamW": hf_paged.PagedAdamW, "PagedLion": hf_paged.PagedLion}
+EIGHT_BIT = {"block_size": 64, "min_8bit_size": 160}
+"""8-bit settings under which the uneven ``Linear(64, 5)`` weight (320 elements; 192 and 128 per rank) is
+8-bit on both ranks, its blocks of 64 falling on the same elements sharded and unsharded."""
+
+OPTIMIZERS = {
+    "PagedAdamW": (hf_paged.PagedAdamW, {}),
+    "PagedLion": (hf_paged.PagedLion, {}),
+    "PagedAdamW8bit": (hf_paged.PagedAdamW8bit, EIGHT_BIT),
+    "PagedLion8bit": (hf_paged.PagedLion8bit, EIGHT_BIT),
+}
+
+
+def make_optimizer(name: str, params, budget: int | None = None) -> hf_paged.PagedOptimizer:
+    cls, settings = OPTIMIZERS[name]
+    return cls(params, lr=1e-2, weight_decay=0.1, page_size=512, device_budget=budget, **settings)
 
 
 def build_model() -> torch.nn.Module:
@@ -34,8 +53,7 @@ def sharded(optimizer_name: str, budget: int | None):
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer)
     fully_shard(model)
-    optimizer = OPTIMIZERS[optimizer_name](model.parameters(), lr=1e-2, weight_decay=0.1, page_size=1024, device_budget=budget)
-    return model, optimizer
+    return model, make_optimizer(optimizer_name, model.parameters(), budget)
 
 
 def train(model, optimizer, data, rank: int, world: int) -> None:
@@ -46,38 +64,93 @@ def train(model, optimizer, data, rank: int, world: int) -> None:
         optimizer.step()
 
 
+def local_state(optimizer_state: dict) -> dict[str, torch.Tensor]:
+    """This rank's tensors of a ``get_state_dict`` optimizer state, by ``parameter/key``, as copies."""
+    return {
+        f"{fqn}/{key}": (value.to_local() if hasattr(value, "to_local") else value).clone()
+        for fqn, entry in optimizer_state["state"].items()
+        for key, value in entry.items()
+    }
+
+
+def page_buffers(optimizer: hf_paged.PagedOptimizer) -> list:
+    """This rank's pages as stored (codes and scales of 8-bit state), to check that a load is bitwise."""
+    return [optimizer._store.read(page) for page in optimizer._store.pages]
+
+
+def mismatches(expected: dict, actual: dict, what: str) -> list[str]:
+    """The keys of two dicts of tensors (or of tuples of tensors) that are missing or not bitwise equal."""
+    found = [f"{what}: {key} missing or extra" for key in sorted(set(expected) ^ set(actual), key=str)]
+    for key in sorted(set(expected) & set(actual), key=str):
+        left, right = expected[key], actual[key]
+        if isinstance(left, torch.Tensor):
+            left, right = (left,), (right,)
+        if left is None or right is None:
+            equal = left is right
+        else:
+            equal = len(left) == len(right) and all(
+                a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(left, right)
+            )
+        if not equal:
+            found.append(f"{what}: {key}")
+    return found
+
+
+def run(optimizer_name: str, data, save_at: int, checkpoint: str, rank: int, world: int) -> dict:
+    model, optimizer = sharded(optimizer_name, budget=None)
+    train(model, optimizer, data[:save_at], rank, world)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    saved_state, saved_pages = local_state(optimizer_state), dict(enumerate(page_buffers(optimizer)))
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint)
+    train(model, optimizer, data[save_at:], rank, world)
+    _, uninterrupted = get_state_dict(model, optimizer)
+    uninterrupted_params = {name: param.to_local().clone() for name, param in model.named_parameters()}
+
+    model, optimizer = sharded(optimizer_name, budget=512)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=checkpoint)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    found = mismatches(saved_state, local_state(get_state_dict(model, optimizer)[1]), "loaded state")
+    found += mismatches(saved_pages, dict(enumerate(page_buffers(optimizer))), "loaded page")
+    train(model, optimizer, data[save_at:], rank, world)
+    found += mismatches(local_state(uninterrupted), local_state(get_state_dict(model, optimizer)[1]), "resumed state")
+    params = {name: param.to_local() for name, param in model.named_parameters()}
+    found += mismatches(uninterrupted_params, params, "resumed parameter")
+
+    state = optimizer.state_dict()["state"]
+    state_like_params = all(
+        state[index][name].placements == param.placements and state[index][name].shape == param.shape
+        for index, param in enumerate(model.parameters())
+        for name in optimizer.state_names
+    )
+    every_rank: list = [None] * world
+    dist.all_gather_object(every_rank, found)
+    return {
+        "params": {name: param.full_tensor() for name, param in model.named_parameters()},
+        "paging": optimizer.paging_stats(),
+        "state_like_params": state_like_params,
+        "mismatches": [f"rank {r}: {line}" for r, lines in enumerate(every_rank) for line in lines],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), required=True)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--optimizers", nargs="+", choices=sorted(OPTIMIZERS), required=True)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--save-at", type=int, default=3)
-    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--checkpoint", required=True, help="a folder: one checkpoint per optimizer in it")
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     data = batches(args.steps)
-    model, optimizer = sharded(args.optimizer, budget=None)
-    train(model, optimizer, data[: args.save_at], rank, world)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=args.checkpoint)
-
-    model, optimizer = sharded(args.optimizer, budget=1024)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=args.checkpoint)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    train(model, optimizer, data[args.save_at :], rank, world)
-    full = {name: param.full_tensor() for name, param in model.named_parameters()}
-    state = optimizer.state_dict()["state"]
-    state_like_params = all(
-        state[index]["exp_avg"].placements == param.placements and state[index]["exp_avg"].shape == param.shape
-        for index, param in enumerate(model.parameters())
-    )
+    results = {
+        name: run(name, data, args.save_at, os.path.join(args.checkpoint, name), rank, world)
+        for name in args.optimizers
+    }
     if rank == 0:
-        torch.save(
-            {"params": full, "paging": optimizer.paging_stats(), "state_like_params": state_like_params}, args.output
-        )
+        torch.save(results, args.output)
     dist.destroy_process_group()
 
 
