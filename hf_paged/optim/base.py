@@ -25,8 +25,13 @@ from ..store import Page, PageStore, Segment
 DEFAULT_PAGE_SIZE = 4 * 2**20
 """Default page size in bytes (see ``benchmarks/optimizer_step.py``)."""
 
-_STEP_WORKSPACE_PAGES = 4
-"""Pages' worth of device memory an automatic budget leaves for the update's temporaries (decoded state)."""
+_CHUNKS_PER_PAGE_BYTES = 16
+"""A segment is updated in chunks of ``page_size // 16`` elements (whole blocks), bounding its temporaries."""
+
+_WORKSPACE_BYTES_PER_ELEMENT = {"fp32": 24, "quantized": 32}
+"""Bytes of temporaries per element of a chunk's update, for fp32 state and for quantized state: the eager
+update's measured peak (fp32 and bf16 parameters, tests/test_workspace.py) rounded up. With chunks of
+``page_size // 16`` elements a step's workspace is about two pages, whatever the page and model size."""
 
 _BETWEEN_STEPS = "hf_paged.optimizer.between_steps"
 """The probe mark an automatic budget sets at the end of each step: the forward/backward phase."""
@@ -490,19 +495,37 @@ class PagedOptimizer(Optimizer):
         grad: torch.Tensor,
         scalars: dict[str, float],
     ) -> None:
-        """Run ``kernel`` on a segment: its whole blocks in place, a partial last block through padded copies."""
+        """Run ``kernel`` on a segment: its whole blocks in place, in chunks, a partial last block through padded copies."""
         codecs = page.format.codecs
         alignment = page.format.alignment
+        chunk = self._chunk_elements(page.format)
         body = segment.length - segment.length % alignment
-        if body:
-            encoded = [codec.select(array, segment.offset, body) for codec, array in zip(codecs, arrays)]
-            kernel(codecs, to_blocks(param[:body], alignment), to_blocks(grad[:body], alignment), encoded, scalars)
+        for start in range(0, body, chunk):
+            end = min(start + chunk, body)
+            encoded = [codec.select(array, segment.offset + start, end - start) for codec, array in zip(codecs, arrays)]
+            kernel(codecs, to_blocks(param[start:end], alignment), to_blocks(grad[start:end], alignment), encoded, scalars)
         if body < segment.length:
             tail = segment.length - body
             encoded = [codec.select(array, segment.offset + body, tail) for codec, array in zip(codecs, arrays)]
             padded = to_blocks(param[body:], alignment)
             kernel(codecs, padded, to_blocks(grad[body:], alignment), encoded, scalars)
             param[body:].copy_(padded.view(-1)[:tail])
+
+    def _chunk_elements(self, page_format: PageFormat) -> int:
+        """Elements of a segment updated by one kernel call: ``page_size // 16``, in whole blocks."""
+        alignment = page_format.alignment
+        return max(alignment, self.page_size // _CHUNKS_PER_PAGE_BYTES // alignment * alignment)
+
+    @property
+    def step_workspace(self) -> int:
+        """Bytes of temporaries a step may hold on the device besides the state (a chunk's decoded state)."""
+        workspaces = []
+        for page_format in self._formats.values():
+            fp32 = all(isinstance(codec, Float32Codec) for codec in page_format.codecs)
+            per_element = _WORKSPACE_BYTES_PER_ELEMENT["fp32" if fp32 else "quantized"]
+            padded_tail = 3 * page_format.alignment * 4  # a partial last block's padded parameter, gradient, zeros
+            workspaces.append(per_element * self._chunk_elements(page_format) + padded_tail)
+        return max(workspaces)
 
     # Budget ---------------------------------------------------------------------------------------------
 
@@ -551,7 +574,7 @@ class PagedOptimizer(Optimizer):
         """Record the forward/backward peak just ended and give the step what it leaves free."""
         auto, store = self._auto_budget, self._store
         auto.observe(auto.probe.peak(_BETWEEN_STEPS) - store.device_bytes)
-        workspace = _STEP_WORKSPACE_PAGES * self.page_size
+        workspace = self.step_workspace
         store.set_budget(auto.step_budget(store.device_bytes, workspace, minimum=store.max_page_bytes))
 
     def evict(self, nbytes: int | str | None = None) -> int:
