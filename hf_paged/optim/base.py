@@ -254,8 +254,17 @@ class PagedOptimizer(Optimizer):
         """The rule's scalar arguments for a parameter of ``group`` at ``step`` (1 for the first update)."""
         raise NotImplementedError
 
-    def update_page_fast(self, page: Page, work: list[tuple[Segment, torch.Tensor, torch.Tensor, float]]) -> bool:
-        """Update a whole page with a multi-tensor kernel if the subclass has one; return whether it did."""
+    def update_page_fast(
+        self,
+        page: Page,
+        work: list[tuple[Segment, torch.Tensor, torch.Tensor, float, dict[str, Any]]],
+        step_tensors: dict[tuple[torch.device, float], torch.Tensor],
+    ) -> bool:
+        """Update a whole page with a multi-tensor kernel if the subclass has one; return whether it did.
+
+        ``step_tensors`` holds each step count of this step as a 0-d fp32 tensor on each parameter device,
+        made before the page loop, for kernels that read the step on the device.
+        """
         return False
 
     # Step ---------------------------------------------------------------------------------------------
@@ -297,6 +306,7 @@ class PagedOptimizer(Optimizer):
             return loss
         kernel = segment_kernel(self.update_rule(), self.compiled)
         by_page: dict[int, list[tuple[Segment, torch.Tensor, torch.Tensor, float, dict[str, Any]]]] = defaultdict(list)
+        step_devices: set[tuple[torch.device, float]] = set()
         for index, grad, group in work:
             param = self._params[index]
             state = self.state[param]
@@ -308,13 +318,16 @@ class PagedOptimizer(Optimizer):
             for page, segment in self._param_segments[index]:
                 end = segment.start + segment.length
                 by_page[page.index].append((segment, flat_param[segment.start : end], grad[segment.start : end], step, group))
+            step_devices.add((flat_param.device, step))
         pages = [self._store.pages[i] for i in sorted(by_page)]
         if self._auto_budget is not None:
             self._begin_auto_step()
+        # Made once per step: a tensor built from a number on a device per page would wait for a host copy.
+        step_tensors = {key: torch.full((), key[1], dtype=torch.float32, device=key[0]) for key in step_devices}
         scalars_cache: dict[tuple[int, float], dict[str, float]] = {}
         for page in self._store.stream(pages):
             items = by_page[page.index]
-            if self.update_page_fast(page, items):
+            if self.update_page_fast(page, items, step_tensors):
                 continue
             arrays = page.format.arrays(page.device)
             for segment, param_slice, grad_slice, step, group in items:
