@@ -26,7 +26,7 @@ from ..stores import DeviceBudget, DeviceStores, device_key
 DEFAULT_PAGE_SIZE = 4 * 2**20
 """Default page size in bytes (see ``benchmarks/optimizer_step.py``)."""
 
-_CHUNKS_PER_PAGE_BYTES = 16
+_PAGE_BYTES_PER_CHUNK_ELEMENT = 16
 """A segment is updated in chunks of ``page_size // 16`` elements (whole blocks), bounding its temporaries."""
 
 _WORKSPACE_BYTES_PER_ELEMENT = {"fp32": 24, "quantized": 32}
@@ -205,7 +205,7 @@ class PagedOptimizer(Optimizer):
         return store
 
     def _layout(self, params: Sequence[torch.Tensor], group: dict[str, Any]) -> None:
-        """Pack the state of ``params`` into new pages, one open page per device and format, the last ones trimmed."""
+        """Pack the state of ``params`` into new pages, one open page per device and format, the last trimmed."""
         open_pages: dict[tuple[str, str], Page] = {}
         used: dict[int, int] = {}
         for param in params:
@@ -504,7 +504,8 @@ class PagedOptimizer(Optimizer):
         grad: torch.Tensor,
         scalars: dict[str, float],
     ) -> None:
-        """Run ``kernel`` on a segment: its whole blocks in place, in chunks, a partial last block through padded copies."""
+        """Run ``kernel`` on a segment: its whole blocks in place, chunk by chunk; a partial last block through
+        padded copies."""
         codecs = page.format.codecs
         alignment = page.format.alignment
         chunk = self._chunk_elements(page.format)
@@ -512,7 +513,8 @@ class PagedOptimizer(Optimizer):
         for start in range(0, body, chunk):
             end = min(start + chunk, body)
             encoded = [codec.select(array, segment.offset + start, end - start) for codec, array in zip(codecs, arrays)]
-            kernel(codecs, to_blocks(param[start:end], alignment), to_blocks(grad[start:end], alignment), encoded, scalars)
+            param_chunk, grad_chunk = to_blocks(param[start:end], alignment), to_blocks(grad[start:end], alignment)
+            kernel(codecs, param_chunk, grad_chunk, encoded, scalars)
         if body < segment.length:
             tail = segment.length - body
             encoded = [codec.select(array, segment.offset + body, tail) for codec, array in zip(codecs, arrays)]
@@ -523,7 +525,7 @@ class PagedOptimizer(Optimizer):
     def _chunk_elements(self, page_format: PageFormat) -> int:
         """Elements of a segment updated by one kernel call: ``page_size // 16``, in whole blocks."""
         alignment = page_format.alignment
-        return max(alignment, self.page_size // _CHUNKS_PER_PAGE_BYTES // alignment * alignment)
+        return max(alignment, self.page_size // _PAGE_BYTES_PER_CHUNK_ELEMENT // alignment * alignment)
 
     @property
     def step_workspace(self) -> int:
