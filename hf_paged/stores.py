@@ -32,7 +32,7 @@ def device_key(device: torch.device | str) -> str:
     device = torch.device(device)
     if device.type != "cpu" and device.index is None:
         module = getattr(torch, device.type, None)
-        if module is not None and getattr(module, "is_available", lambda: False)():
+        if hasattr(module, "current_device") and module.is_available():
             device = torch.device(device.type, module.current_device())
     return str(device)
 
