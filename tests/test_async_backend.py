@@ -161,7 +161,8 @@ class WaitsForEveryPageIn(PageStore):
 def run_with_store(store_class, name: str, delay: float):
     with simulated_streams(delay=delay) as backends:
         model, optimizer = build(name, device_budget=PAGE_SIZE, prefetch=1)
-        optimizer._store.__class__ = store_class
+        (store,) = optimizer._store.stores.values()
+        store.__class__ = store_class
         train(model, optimizer, regression_batches(STEPS))
         optimizer.state_dict()
     return model, optimizer, backends[0]

@@ -70,9 +70,9 @@ def test_non_floating_point_parameters(optimizer_name):
         make(optimizer_name, params=[torch.zeros(4, dtype=torch.int64)])
 
 
-def test_parameters_on_different_devices(optimizer_name):
+def test_parameters_on_the_meta_device(optimizer_name):
     params = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4, device="meta"))]
-    with pytest.raises(ValueError, match="one device"):
+    with pytest.raises(ValueError, match="meta device"):
         make(optimizer_name, params=params)
 
 

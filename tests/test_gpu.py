@@ -119,7 +119,8 @@ def test_page_ins_are_ordered_on_the_device_not_waited_for_by_the_host(optimizer
     model = make_mlp().to(DEVICE)
     paging = optimizer_kwargs(optimizer_name, device_budget=2 * 4096, prefetch=2)
     optimizer = OPTIMIZERS[optimizer_name](decay_groups(model), **paging)
-    backend = optimizer._store.backend
+    (store,) = optimizer._store.stores.values()
+    backend = store.backend
     page_in_events, waited = [], []  # the events themselves, so that no id is reused
     copy_to_device, wait = backend.copy_to_device, backend.wait
 
@@ -192,3 +193,159 @@ def test_capacity_honours_the_per_process_memory_fraction_on_cuda():
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, DEVICE)
     assert MemoryProbe(DEVICE).capacity == total
+
+
+def _steps_and_grads(model, batches):
+    """Forward and backward of each batch on CUDA, yielding before each optimizer step."""
+    for inputs, targets in batches:
+        model.zero_grad()
+        output = model(inputs.to(DEVICE, next(model.parameters()).dtype))
+        torch.nn.functional.mse_loss(output.float(), targets.to(DEVICE).float()).backward()
+        yield
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("budget", [None, 2 * 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_never_synchronizes_the_host(optimizer_name, compiled, budget, dtype):
+    from hf_paged.kernels import compile_available
+
+    if compiled and not compile_available(DEVICE):
+        pytest.skip("no usable Triton for torch.compile")
+    model = make_mlp(dtype=dtype).to(DEVICE)
+    optimizer = OPTIMIZERS[optimizer_name](
+        decay_groups(model), **optimizer_kwargs(optimizer_name, device_budget=budget, compiled=compiled)
+    )
+    for step, _ in enumerate(_steps_and_grads(model, regression_batches(4))):
+        if step < 2:  # the first steps compile kernels and allocate pinned host pages
+            optimizer.step()
+            continue
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            optimizer.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    if budget is not None:
+        assert optimizer.paging_stats()["page_outs"] > 0
+
+
+@pytest.mark.parametrize("budget", [2 * 4096, "auto"])
+def test_bf16_params_on_cuda_page_invariantly_and_match_the_cpu(optimizer_name, budget):
+    batches = regression_batches(6, dtype=torch.bfloat16)
+    results = []
+    for device, paging in ((DEVICE, {}), (DEVICE, {"device_budget": budget}), (torch.device("cpu"), {})):
+        model = make_mlp(dtype=torch.bfloat16).to(device)
+        optimizer = OPTIMIZERS[optimizer_name](
+            decay_groups(model), **optimizer_kwargs(optimizer_name, compiled=False, **paging)
+        )
+        for inputs, targets in batches:
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(inputs.to(device)).float(), targets.to(device).float()).backward()
+            optimizer.step()
+        results.append([param.detach().cpu() for param in model.parameters()])
+    unlimited, paged, on_cpu = results
+    for mine, theirs, reference in zip(paged, unlimited, on_cpu):
+        assert mine.dtype == torch.bfloat16 and torch.equal(mine, theirs)
+        assert ((mine.float() - reference.float()).norm() / reference.float().norm()).item() < 2e-2
+
+
+def test_default_compiled_path_on_cuda(optimizer_name, monkeypatch):
+    from hf_paged.kernels import compile_available
+
+    monkeypatch.delenv("HF_PAGED_COMPILE", raising=False)
+    default_model, default = run(optimizer_name)  # compiled=None: compiled where Triton is usable
+    assert default.compiled == compile_available(DEVICE)
+    eager_model, _ = run(optimizer_name, compiled=False)
+    for param, expected in zip(default_model.parameters(), eager_model.parameters()):
+        assert ((param - expected).norm() / expected.norm()).item() < 1e-3
+    paged_model, paged = run(optimizer_name, device_budget=4096, prefetch=1)
+    assert paged.paging_stats()["page_outs"] > 0
+    for param, expected in zip(paged_model.parameters(), default_model.parameters()):
+        assert torch.equal(param, expected)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_workspace_on_cuda_is_what_the_optimizer_reserves(optimizer_name, compiled, dtype):
+    from hf_paged.kernels import compile_available
+
+    if compiled and not compile_available(DEVICE):
+        pytest.skip("no usable Triton for torch.compile")
+    page_size = 256 * 2**10
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, dtype=dtype, device=DEVICE)) for n in (6 * 2**16 + 37, 300)]
+    kwargs = {"page_size": page_size, "compiled": compiled}
+    if optimizer_name.endswith("8bit"):
+        kwargs.update(block_size=256, min_8bit_size=4096)
+    optimizer = OPTIMIZERS[optimizer_name](params, **kwargs)
+    for step in range(3):
+        for param in params:
+            param.grad = torch.randn_like(param)
+        if step == 2:  # pages resident and kernels compiled: only the step's temporaries allocate
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated(DEVICE)
+            torch.cuda.reset_peak_memory_stats(DEVICE)
+        optimizer.step()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated(DEVICE) - before
+    assert optimizer.step_workspace <= 3 * page_size
+    assert extra <= optimizer.step_workspace, (extra / page_size, "pages")
+
+
+def _split_mlp(devices):
+    """make_mlp() with its first layer on ``devices[0]`` and the rest on ``devices[1]`` (as device_map="auto")."""
+
+    class Split(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            mlp = make_mlp()
+            self.first = mlp[:2].to(devices[0])
+            self.rest = mlp[2:].to(devices[1])
+
+        def forward(self, inputs):
+            return self.rest(self.first(inputs.to(devices[0])).to(devices[1]))
+
+    return Split()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("compiled", [False, None])
+def test_parameters_on_two_cuda_devices(optimizer_name, compiled, monkeypatch):
+    monkeypatch.delenv("HF_PAGED_COMPILE", raising=False)
+    devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    batches = regression_batches(6)
+
+    def fit(model, **paging):
+        optimizer = OPTIMIZERS[optimizer_name](
+            decay_groups(model), **optimizer_kwargs(optimizer_name, compiled=compiled, **paging)
+        )
+        for inputs, targets in batches:
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(inputs), targets.to(devices[1])).backward()
+            optimizer.step()
+        return optimizer
+
+    unlimited_model = _split_mlp(devices)
+    unlimited = fit(unlimited_model)
+    model = _split_mlp(devices)
+    budgets = {"cuda:0": 4096, devices[1]: "8KiB"}
+    optimizer = fit(model, device_budget=budgets)
+    for param, expected in zip(model.parameters(), unlimited_model.parameters()):
+        assert torch.equal(param, expected)
+    assert_state_equal(optimizer.state_dict(), unlimited.state_dict())
+    stats = optimizer.paging_stats()
+    assert set(stats["devices"]) == {"cuda:0", "cuda:1"} and stats["page_outs"] > 0
+    assert optimizer.device_budgets == {"cuda:0": 4096, "cuda:1": 8192}
+    for device, store in optimizer._store.stores.items():
+        assert store.device_bytes <= optimizer.device_budgets[device]
+        for page in store.pages:
+            if page.device is not None:
+                assert all(buffer.device == torch.device(device) for buffer in page.device)
+
+    single_model = make_mlp().to(devices[0])
+    kwargs = optimizer_kwargs(optimizer_name, compiled=compiled)
+    single = OPTIMIZERS[optimizer_name](decay_groups(single_model), **kwargs)
+    single.load_state_dict(optimizer.state_dict())
+    assert_state_equal(single.state_dict(), optimizer.state_dict())
+    assert optimizer.evict() > 0 and optimizer.paging_stats()["device_bytes"] == 0

@@ -118,7 +118,12 @@ class _PagedAdamWBase(PagedOptimizer):
     def rule_scalars(self, group: dict[str, Any], step: float) -> dict[str, float]:
         return adamw_scalars(group, step)
 
-    def update_page_fast(self, page: Page, work: list[tuple[Segment, torch.Tensor, torch.Tensor, float, dict]]) -> bool:
+    def update_page_fast(
+        self,
+        page: Page,
+        work: list[tuple[Segment, torch.Tensor, torch.Tensor, float, dict]],
+        step_tensors: dict[tuple[torch.device, float], torch.Tensor],
+    ) -> bool:
         """fp32 parameters with fp32 state on CPU or CUDA: PyTorch's fused AdamW kernel, one call per page."""
         device = page.device[0].device
         if (
@@ -138,7 +143,7 @@ class _PagedAdamWBase(PagedOptimizer):
             [grad for _, _, grad, _, _ in work],
             list(exp_avgs),
             list(exp_avg_sqs),
-            [torch.tensor(step, dtype=torch.float32, device=device) for _, _, _, step, _ in work],
+            [step_tensors[param.device, step] for _, param, _, step, _ in work],
             lr=float(group["lr"]),
             weight_decay=group["weight_decay"],
             beta1=beta1,

@@ -21,12 +21,18 @@ from ..device import backend_for
 from ..kernels import UpdateRule, resolve_compiled, segment_kernel
 from ..sizes import parse_size
 from ..store import Page, PageStore, Segment
+from ..stores import DeviceBudget, DeviceStores, device_key
 
 DEFAULT_PAGE_SIZE = 4 * 2**20
 """Default page size in bytes (see ``benchmarks/optimizer_step.py``)."""
 
-_STEP_WORKSPACE_PAGES = 4
-"""Pages' worth of device memory an automatic budget leaves for the update's temporaries (decoded state)."""
+_PAGE_BYTES_PER_CHUNK_ELEMENT = 16
+"""A segment is updated in chunks of ``page_size // 16`` elements (whole blocks), bounding its temporaries."""
+
+_WORKSPACE_BYTES_PER_ELEMENT = {"fp32": 24, "quantized": 32}
+"""Bytes of temporaries per element of a chunk's update, for fp32 state and for quantized state: the eager
+update's measured peak (fp32 and bf16 parameters, tests/test_workspace.py) rounded up. With chunks of
+``page_size // 16`` elements a step's workspace is about two pages, whatever the page and model size."""
 
 _BETWEEN_STEPS = "hf_paged.optimizer.between_steps"
 """The probe mark an automatic budget sets at the end of each step: the forward/backward phase."""
@@ -88,10 +94,12 @@ class PagedOptimizer(Optimizer):
         params: parameters or param groups, as for any ``torch.optim.Optimizer``.
         defaults: the subclass's hyperparameter defaults.
         page_size: bytes of one page, an integer or a string such as ``"4MiB"``.
-        device_budget: the most bytes of optimizer state on the device at any time (at least one page);
+        device_budget: the most bytes of optimizer state on each device at any time (at least one page);
             ``None`` for no limit; ``"auto"`` or an :class:`~hf_paged.budget.AutoBudget` to follow measured
             memory: after each step the state is evicted down to what the coming forward/backward leaves
-            free, and a step uses what the step leaves free.
+            free, and a step uses what the step leaves free. A dict of device (``"cuda:1"`` or a
+            ``torch.device``) to any of these sets each device's own (devices it does not name: no limit);
+            ``"auto"`` measures each device apart.
         prefetch: pages copied to the device ahead of the page being updated.
         eight_bit: store tensors of ``min_8bit_size`` or more elements in blockwise 8-bit codes.
         block_size: elements per quantization block (8-bit state), a power of two from 16 to 4096.
@@ -109,7 +117,7 @@ class PagedOptimizer(Optimizer):
         defaults: dict[str, Any],
         *,
         page_size: int | str = DEFAULT_PAGE_SIZE,
-        device_budget: int | str | AutoBudget | None = None,
+        device_budget: int | str | AutoBudget | dict | None = None,
         prefetch: int = 2,
         eight_bit: bool = False,
         block_size: int = 256,
@@ -139,11 +147,12 @@ class PagedOptimizer(Optimizer):
         if compiled is not None and not isinstance(compiled, bool):
             raise TypeError(f"compiled must be True, False or None, got {compiled!r}")
         self._compiled_setting = compiled
-        self._store: PageStore | None = None
+        self._store = DeviceStores(self._new_store)
         self._params: list[torch.Tensor] = []
         self._param_segments: list[list[tuple[Page, Segment]]] = []
         self._param_codecs: list[str] = []
-        self._device_budget, self._auto_budget = self._parse_budget(device_budget, "device_budget")
+        self._budget = DeviceBudget.parse(device_budget, "device_budget", self.page_size)
+        self._auto_budgets: dict[str, AutoBudget] = {}
         super().__init__(params, defaults)
 
     # Layout -------------------------------------------------------------------------------------------
@@ -156,32 +165,10 @@ class PagedOptimizer(Optimizer):
             )
         return formats
 
-    def _parse_budget(
-        self, budget: int | str | AutoBudget | None, name: str
-    ) -> tuple[int | None, AutoBudget | None]:
-        """A fixed budget in bytes (``None``: no limit) and no automatic one, or ``None`` and the automatic one."""
-        if budget is None:
-            return None, None
-        if isinstance(budget, str) and budget.strip().lower() == "auto":
-            return None, AutoBudget()
-        if isinstance(budget, AutoBudget):
-            return None, budget
-        try:
-            nbytes = parse_size(budget, name)
-        except ValueError as error:
-            raise ValueError(f"{error}; or 'auto' to follow measured memory") from None
-        if nbytes < self.page_size:
-            raise ValueError(
-                f"{name}={budget!r} is smaller than one page ({self.page_size} bytes): use None for no limit, "
-                "'auto', or a budget of at least page_size (to free device memory before a spike, call evict())"
-            )
-        return nbytes, None
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group and lay out pages for its parameters' state."""
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        device = self._params[0].device if self._params else None
         for param in params:
             if not isinstance(param, torch.Tensor):
                 raise TypeError(f"params must be tensors, got {type(param).__name__}")
@@ -191,37 +178,50 @@ class PagedOptimizer(Optimizer):
                 raise TypeError(f"{type(self).__name__} does not support parameters with layout {param.layout}")
             if not local_tensor(param).is_contiguous():
                 raise ValueError(f"{type(self).__name__} needs contiguous parameters")
-            device = device or param.device
-            if param.device != device:
+            if param.device.type == "meta":
                 raise ValueError(
-                    f"all parameters of one optimizer must be on one device, got {device} and {param.device}"
+                    f"{type(self).__name__} needs parameters with data, got one on the meta device: materialize "
+                    "the model first (to_empty() and load its weights)"
                 )
         self.check_group({**self.defaults, **param_group})
+        new_devices = {self._state_device(param) for param in params}.difference(self._store.stores)
+        self._budget.resolve([*self._store.stores, *sorted(new_devices)])  # raises before anything changes
         super().add_param_group({**param_group, "params": params})
-        first_group = self._store is None
-        if first_group:
-            self._store = PageStore(backend_for(device), self._device_budget, self.prefetch)
         self._layout(self.param_groups[-1]["params"], self.param_groups[-1])
-        if first_group and self._auto_budget is not None:
-            self._bind_auto_budget()
+
+    def _state_device(self, param: torch.Tensor) -> str:
+        """The device that holds the state of ``param``: its own (tests give parameters pseudo devices)."""
+        return device_key(local_tensor(param).device)
+
+    def _new_store(self, device: str) -> PageStore:
+        """The page store of ``device``, under its budget."""
+        budget = self._budget.resolve([device])[device]
+        store = PageStore(
+            backend_for(torch.device(device)), None if isinstance(budget, AutoBudget) else budget, self.prefetch
+        )
+        if isinstance(budget, AutoBudget):
+            self._auto_budgets[device] = budget
+            self._bind_auto_budget(device)
+        return store
 
     def _layout(self, params: Sequence[torch.Tensor], group: dict[str, Any]) -> None:
-        """Pack the state of ``params`` into new pages, one open page per format, the last ones trimmed."""
-        open_pages: dict[str, Page] = {}
+        """Pack the state of ``params`` into new pages, one open page per device and format, the last trimmed."""
+        open_pages: dict[tuple[str, str], Page] = {}
         used: dict[int, int] = {}
         for param in params:
             numel = local_tensor(param).numel()
             # From the whole parameter's size (a DTensor's numel), so that every rank picks the same codec.
             kind = "8bit" if self.eight_bit and param.numel() >= group["min_8bit_size"] else "32bit"
             page_format = self._formats[kind]
+            device = self._state_device(param)
             segments = []
             start = 0
             while start < numel:
-                page = open_pages.get(kind)
+                page = open_pages.get((device, kind))
                 if page is None or used[page.index] == page.capacity:
                     capacity = page_format.capacity_for(self.page_size)
-                    page = self._store.add_page(page_format, capacity)
-                    open_pages[kind] = page
+                    page = self._store.add_page(page_format, capacity, device)
+                    open_pages[device, kind] = page
                     used[page.index] = 0
                 length = min(numel - start, page.capacity - used[page.index])
                 segment = Segment(len(self._params), start, length, used[page.index])
@@ -250,8 +250,17 @@ class PagedOptimizer(Optimizer):
         """The rule's scalar arguments for a parameter of ``group`` at ``step`` (1 for the first update)."""
         raise NotImplementedError
 
-    def update_page_fast(self, page: Page, work: list[tuple[Segment, torch.Tensor, torch.Tensor, float]]) -> bool:
-        """Update a whole page with a multi-tensor kernel if the subclass has one; return whether it did."""
+    def update_page_fast(
+        self,
+        page: Page,
+        work: list[tuple[Segment, torch.Tensor, torch.Tensor, float, dict[str, Any]]],
+        step_tensors: dict[tuple[torch.device, float], torch.Tensor],
+    ) -> bool:
+        """Update a whole page with a multi-tensor kernel if the subclass has one; return whether it did.
+
+        ``step_tensors`` holds each step count of this step as a 0-d fp32 tensor on each parameter device,
+        made before the page loop, for kernels that read the step on the device.
+        """
         return False
 
     # Step ---------------------------------------------------------------------------------------------
@@ -293,6 +302,7 @@ class PagedOptimizer(Optimizer):
             return loss
         kernel = segment_kernel(self.update_rule(), self.compiled)
         by_page: dict[int, list[tuple[Segment, torch.Tensor, torch.Tensor, float, dict[str, Any]]]] = defaultdict(list)
+        step_devices: set[tuple[torch.device, float]] = set()
         for index, grad, group in work:
             param = self._params[index]
             state = self.state[param]
@@ -304,13 +314,16 @@ class PagedOptimizer(Optimizer):
             for page, segment in self._param_segments[index]:
                 end = segment.start + segment.length
                 by_page[page.index].append((segment, flat_param[segment.start : end], grad[segment.start : end], step, group))
+            step_devices.add((flat_param.device, step))
         pages = [self._store.pages[i] for i in sorted(by_page)]
-        if self._auto_budget is not None:
+        if self._auto_budgets:
             self._begin_auto_step()
+        # Made once per step: a tensor built from a number on a device per page would wait for a host copy.
+        step_tensors = {key: torch.full((), key[1], dtype=torch.float32, device=key[0]) for key in step_devices}
         scalars_cache: dict[tuple[int, float], dict[str, float]] = {}
         for page in self._store.stream(pages):
             items = by_page[page.index]
-            if self.update_page_fast(page, items):
+            if self.update_page_fast(page, items, step_tensors):
                 continue
             arrays = page.format.arrays(page.device)
             for segment, param_slice, grad_slice, step, group in items:
@@ -318,9 +331,10 @@ class PagedOptimizer(Optimizer):
                 if key not in scalars_cache:
                     scalars_cache[key] = self.rule_scalars(group, step)
                 self._update_segment(kernel, page, arrays, segment, param_slice, grad_slice, scalars_cache[key])
-        if self._auto_budget is not None:
+        if self._auto_budgets:
             self.prepare_forward()
-            self._auto_budget.probe.mark(_BETWEEN_STEPS)
+            for auto in self._auto_budgets.values():
+                auto.probe.mark(_BETWEEN_STEPS)
         return loss
 
     # Saving and loading -------------------------------------------------------------------------------
@@ -505,13 +519,17 @@ class PagedOptimizer(Optimizer):
         grad: torch.Tensor,
         scalars: dict[str, float],
     ) -> None:
-        """Run ``kernel`` on a segment: its whole blocks in place, a partial last block through padded copies."""
+        """Run ``kernel`` on a segment: its whole blocks in place, chunk by chunk; a partial last block through
+        padded copies."""
         codecs = page.format.codecs
         alignment = page.format.alignment
+        chunk = self._chunk_elements(page.format)
         body = segment.length - segment.length % alignment
-        if body:
-            encoded = [codec.select(array, segment.offset, body) for codec, array in zip(codecs, arrays)]
-            kernel(codecs, to_blocks(param[:body], alignment), to_blocks(grad[:body], alignment), encoded, scalars)
+        for start in range(0, body, chunk):
+            end = min(start + chunk, body)
+            encoded = [codec.select(array, segment.offset + start, end - start) for codec, array in zip(codecs, arrays)]
+            param_chunk, grad_chunk = to_blocks(param[start:end], alignment), to_blocks(grad[start:end], alignment)
+            kernel(codecs, param_chunk, grad_chunk, encoded, scalars)
         if body < segment.length:
             tail = segment.length - body
             encoded = [codec.select(array, segment.offset + body, tail) for codec, array in zip(codecs, arrays)]
@@ -519,81 +537,124 @@ class PagedOptimizer(Optimizer):
             kernel(codecs, padded, to_blocks(grad[body:], alignment), encoded, scalars)
             param[body:].copy_(padded.view(-1)[:tail])
 
+    def _chunk_elements(self, page_format: PageFormat) -> int:
+        """Elements of a segment updated by one kernel call: ``page_size // 16``, in whole blocks."""
+        alignment = page_format.alignment
+        return max(alignment, self.page_size // _PAGE_BYTES_PER_CHUNK_ELEMENT // alignment * alignment)
+
+    @property
+    def step_workspace(self) -> int:
+        """Bytes of temporaries a step may hold on the device besides the state (a chunk's decoded state)."""
+        workspaces = []
+        for page_format in self._formats.values():
+            fp32 = all(isinstance(codec, Float32Codec) for codec in page_format.codecs)
+            per_element = _WORKSPACE_BYTES_PER_ELEMENT["fp32" if fp32 else "quantized"]
+            padded_tail = 3 * page_format.alignment * 4  # a partial last block's padded parameter, gradient, zeros
+            workspaces.append(per_element * self._chunk_elements(page_format) + padded_tail)
+        return max(workspaces)
+
     # Budget ---------------------------------------------------------------------------------------------
 
     @property
     def device_budget(self) -> int | None:
-        """The budget in bytes of optimizer state on the device now, ``None`` for no limit."""
-        return self._store.device_budget if self._store is not None else self._device_budget
+        """The budget in bytes of optimizer state on the devices now (their sum), ``None`` for no limit."""
+        return self._store.device_budget
+
+    @property
+    def device_budgets(self) -> dict[str, int | None]:
+        """The budget in bytes of each device now, ``None`` for no limit."""
+        return {device: store.device_budget for device, store in self._store.stores.items()}
 
     @property
     def auto_budget(self) -> AutoBudget | None:
-        """The automatic budget, if the budget is ``"auto"``."""
-        return self._auto_budget
+        """The automatic budget, if the budget is ``"auto"`` (of the first device, see :attr:`auto_budgets`)."""
+        return next(iter(self._auto_budgets.values()), None)
 
-    def set_device_budget(self, budget: int | str | AutoBudget | None) -> None:
-        """Set the device budget (bytes, a string such as ``"512MiB"``, ``"auto"``; ``None``: no limit).
+    @property
+    def auto_budgets(self) -> dict[str, AutoBudget]:
+        """The automatic budget of each device that has one."""
+        return dict(self._auto_budgets)
+
+    def set_device_budget(self, budget: int | str | AutoBudget | dict | None) -> None:
+        """Set the device budget (bytes, a string such as ``"512MiB"``, ``"auto"``; ``None``: no limit) of
+        every device, or a dict of device to budget (devices it does not name: no limit).
 
         A fixed budget takes effect at once, evicting down to it; an automatic one at the next step.
         """
-        self._device_budget, self._auto_budget = self._parse_budget(budget, "budget")
-        if self._auto_budget is None:
-            self._store.set_budget(self._device_budget)
-        else:
-            self._bind_auto_budget()
+        parsed = DeviceBudget.parse(budget, "budget", self.page_size)
+        resolved = parsed.resolve(list(self._store.stores))
+        self._budget, self._auto_budgets = parsed, {}
+        for device, device_budget in resolved.items():
+            if isinstance(device_budget, AutoBudget):
+                self._auto_budgets[device] = device_budget
+                self._bind_auto_budget(device)
+            else:
+                self._store.stores[device].set_budget(device_budget)
 
     def prepare_forward(self) -> int:
-        """Evict down to the automatic budget for the coming forward/backward; return the device bytes freed.
+        """Evict down to the automatic budgets for the coming forward/backward; return the device bytes freed.
 
         The optimizer does this at the end of each step; call it again (as ``MemorySpikeCallback`` does
         at each step's start) when memory may have changed since. Does nothing with a fixed budget.
         """
-        if self._auto_budget is None or self._store is None:
-            return 0
-        budget = self._auto_budget.resting_budget()
-        if budget is None:
-            return 0
-        before = self._store.device_bytes
-        self._store.set_budget(budget)
-        return before - self._store.device_bytes
+        freed = 0
+        for device, auto in self._auto_budgets.items():
+            budget = auto.resting_budget()
+            if budget is not None:
+                store = self._store.stores[device]
+                before = store.device_bytes
+                store.set_budget(budget)
+                freed += before - store.device_bytes
+        return freed
 
-    def _bind_auto_budget(self) -> None:
-        """Measure the parameters' device; the first forward/backward is measured from now."""
-        self._auto_budget.bind(self._params[0].device)
-        self._auto_budget.probe.mark(_BETWEEN_STEPS)
+    def _bind_auto_budget(self, device: str) -> None:
+        """Measure ``device``; its first forward/backward is measured from now."""
+        auto = self._auto_budgets[device]
+        auto.bind(torch.device(device))
+        auto.probe.mark(_BETWEEN_STEPS)
 
     def _begin_auto_step(self) -> None:
-        """Record the forward/backward peak just ended and give the step what it leaves free."""
-        auto, store = self._auto_budget, self._store
-        peak = auto.probe.exact_peak(_BETWEEN_STEPS)
-        auto.observe(None if peak is None else peak - store.device_bytes)
-        workspace = _STEP_WORKSPACE_PAGES * self.page_size
-        store.set_budget(auto.step_budget(store.device_bytes, workspace, minimum=store.max_page_bytes))
+        """Record each device's forward/backward peak just ended and give the step what it leaves free."""
+        for device, auto in self._auto_budgets.items():
+            store = self._store.stores[device]
+            peak = auto.probe.exact_peak(_BETWEEN_STEPS)
+            auto.observe(None if peak is None else peak - store.device_bytes)
+            store.set_budget(auto.step_budget(store.device_bytes, self.step_workspace, minimum=store.max_page_bytes))
 
     def evict(self, nbytes: int | str | None = None) -> int:
-        """Write state back to host memory until at least ``nbytes`` of the device are freed (``None``: all).
+        """Write state back to host memory until at least ``nbytes`` of the devices are freed (``None``: all).
 
         Returns the device bytes freed. The next :meth:`step` brings the pages back.
         """
         return self._store.evict(None if nbytes is None else parse_size(nbytes, "nbytes"))
 
-    def paging_stats(self) -> dict[str, int | float | None]:
-        """Page counts, bytes (on the device, in host memory, moved each way) and copy stall seconds."""
-        store, stats = self._store, self._store.stats
-        return {
-            "pages_total": len(store.pages),
-            "pages_resident": store.pages_resident(),
-            "device_bytes": store.device_bytes,
-            "host_bytes": store.host_bytes,
-            "bytes_to_device": stats.bytes_to_device,
-            "bytes_to_host": stats.bytes_to_host,
-            "page_ins": stats.page_ins,
-            "page_outs": stats.page_outs,
-            "stall_seconds": stats.stall_seconds,
-            "device_budget": self.device_budget,
-            "page_size": self.page_size,
-        }
+    def paging_stats(self) -> dict[str, Any]:
+        """Page counts, bytes (on the devices, in host memory, moved each way) and copy stall seconds.
 
+        The figures are totals over the devices; ``"devices"`` has the same figures for each device.
+        """
+        stats = _store_stats(self._store)
+        stats["device_budget"] = self.device_budget
+        stats["page_size"] = self.page_size
+        stats["devices"] = {device: _store_stats(store) for device, store in self._store.stores.items()}
+        return stats
+
+
+def _store_stats(store: PageStore | DeviceStores) -> dict[str, int | float | None]:
+    """The paging figures of one store, or the totals of a store per device."""
+    stats = store.stats
+    return {
+        "pages_total": len(store.pages),
+        "pages_resident": store.pages_resident(),
+        "device_bytes": store.device_bytes,
+        "host_bytes": store.host_bytes,
+        "bytes_to_device": stats.bytes_to_device,
+        "bytes_to_host": stats.bytes_to_host,
+        "page_ins": stats.page_ins,
+        "page_outs": stats.page_outs,
+        "stall_seconds": stats.stall_seconds,
+        "device_budget": store.device_budget,
+    }
 
 def _like_shards_of(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """CPU tensor ``local`` (shaped like this rank's shard of DTensor ``param``) as a DTensor placed like ``param``.

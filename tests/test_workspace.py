@@ -1,0 +1,85 @@
+"""The step's temporaries stay within the workspace the optimizer reserves: a few pages, whatever the sizes."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from conftest import OPTIMIZERS
+
+
+class PeakAllocation(TorchDispatchMode):
+    """Bytes of the storages that operators allocate under this mode and that are still alive, and their peak.
+
+    A storage counts from the operator that returned it (not one of its inputs: views and in-place results
+    are not new) until it is freed.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._tracked: weakref.WeakSet = weakref.WeakSet()
+
+    def _release(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        result = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(result):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            if id(storage) in inputs or storage in self._tracked:
+                continue
+            self._tracked.add(storage)
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._release, storage.nbytes())
+        return result
+
+
+def make_params(numel: int, dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    """One large parameter over several pages, and small ones (fp32 state, a partial last block)."""
+    torch.manual_seed(0)
+    sizes = (numel, 1024 + 37, 300, 5)
+    return [torch.nn.Parameter(torch.randn(size, dtype=dtype)) for size in sizes]
+
+
+def stepped(name: str, dtype: torch.dtype, page_size: int, steps: int = 2):
+    params = make_params(2 * page_size, dtype)
+    kwargs = {"page_size": page_size, "compiled": False}
+    if name.endswith("8bit"):
+        kwargs.update(block_size=256, min_8bit_size=1024)
+    optimizer = OPTIMIZERS[name](params, **kwargs)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=generator).to(dtype)
+        optimizer.step()
+    return params, optimizer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [4 * 2**10, 32 * 2**10])
+def test_step_temporaries_fit_the_reserved_workspace(optimizer_name, dtype, page_size):
+    params, optimizer = stepped(optimizer_name, dtype, page_size)  # pages resident: only temporaries allocate
+    assert optimizer.paging_stats()["pages_total"] >= 4
+    with PeakAllocation() as allocation:
+        optimizer.step()
+    assert allocation.live == 0
+    assert 0 < optimizer.step_workspace <= 3 * page_size
+    assert allocation.peak <= optimizer.step_workspace, (allocation.peak / page_size, "pages")
+
+
+def test_chunked_update_is_bitwise_the_whole_segment_update(optimizer_name, monkeypatch):
+    chunked, _ = stepped(optimizer_name, torch.bfloat16, 4 * 2**10, steps=3)
+    monkeypatch.setattr(OPTIMIZERS[optimizer_name], "_chunk_elements", lambda self, page_format: 2**40)
+    whole, _ = stepped(optimizer_name, torch.bfloat16, 4 * 2**10, steps=3)
+    for mine, theirs in zip(chunked, whole):
+        assert torch.equal(mine, theirs)
