@@ -12,14 +12,14 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests", "scripts"))
 
-from fsdp2_train import OPTIMIZERS, batches, build_model  # noqa: E402
+from fsdp2_train import OPTIMIZERS, batches, build_model, make_optimizer  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
 
 def unsharded(optimizer_name: str, steps: int) -> dict[str, torch.Tensor]:
     model = build_model()
-    optimizer = OPTIMIZERS[optimizer_name](model.parameters(), lr=1e-2, weight_decay=0.1, page_size=1024)
+    optimizer = make_optimizer(optimizer_name, model.parameters(), page_size=1024)
     for inputs, targets in batches(steps):
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(model(inputs), targets).backward()

@@ -15,7 +15,13 @@ from torch.distributed.fsdp import fully_shard
 
 import hf_paged
 
-OPTIMIZERS = {"PagedAdamW": hf_paged.PagedAdamW, "PagedLion": hf_paged.PagedLion}
+OPTIMIZERS = {"PagedAdamW": hf_paged.PagedAdamW, "PagedAdamW4bit": hf_paged.PagedAdamW4bit, "PagedLion": hf_paged.PagedLion}
+LAYOUT = {"PagedAdamW4bit": {"block_size": 16, "min_4bit_size": 512}}
+"""Layout arguments that give the first layer's weight (1024 elements, 512 a rank) quantized state."""
+
+
+def make_optimizer(optimizer_name: str, params, **paging):
+    return OPTIMIZERS[optimizer_name](params, lr=1e-2, weight_decay=0.1, **LAYOUT.get(optimizer_name, {}), **paging)
 
 
 def build_model() -> torch.nn.Module:
@@ -34,7 +40,7 @@ def sharded(optimizer_name: str, budget: int | None):
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer)
     fully_shard(model)
-    optimizer = OPTIMIZERS[optimizer_name](model.parameters(), lr=1e-2, weight_decay=0.1, page_size=1024, device_budget=budget)
+    optimizer = make_optimizer(optimizer_name, model.parameters(), page_size=1024, device_budget=budget)
     return model, optimizer
 
 
@@ -73,6 +79,7 @@ def main() -> None:
     state_like_params = all(
         state[index]["exp_avg"].placements == param.placements and state[index]["exp_avg"].shape == param.shape
         for index, param in enumerate(model.parameters())
+        if "exp_avg" in state[index]
     )
     if rank == 0:
         torch.save(
