@@ -178,6 +178,17 @@ def test_bad_state_dict_leaves_state_unchanged(optimizer_name, corrupt):
     train(model, optimizer, regression_batches(1))
 
 
+@pytest.mark.parametrize("name", ["PagedAdamW8bit", "PagedAdamW4bit"])
+def test_saved_block_size_of_quantized_state_is_checked(name):
+    model, optimizer = trained(name, device_budget=8192)
+    before = state_snapshot(model, optimizer)
+    state_dict = optimizer.state_dict()
+    state_dict["param_groups"][0]["block_size"] = 48
+    with pytest.raises(ValueError, match="block_size 48, expected a power of two"):
+        optimizer.load_state_dict(state_dict)
+    assert_unchanged(before, state_snapshot(model, optimizer))
+
+
 def test_core_does_not_import_integrations():
     import subprocess
     import sys

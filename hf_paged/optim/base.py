@@ -16,7 +16,15 @@ import torch
 from torch.optim import Optimizer
 
 from ..budget import AutoBudget
-from ..codecs import QUANTIZED_CODECS, Blockwise4bitCodec, Blockwise8bitCodec, Codec, Float32Codec, PageFormat, to_blocks
+from ..codecs import (
+    QUANTIZED_CODECS,
+    Blockwise4bitCodec,
+    Blockwise8bitCodec,
+    Codec,
+    Float32Codec,
+    PageFormat,
+    to_blocks,
+)
 from ..device import backend_for
 from ..kernels import UpdateRule, resolve_compiled, segment_kernel
 from ..sizes import parse_size
@@ -452,12 +460,17 @@ class PagedOptimizer(Optimizer):
         block_size = saved_group.get("block_size", self.defaults.get("block_size", 256))
         states = {}
         for name, signed in zip(self.state_names, self.signed_states):
-            candidates: list[Codec] = [Float32Codec(), Blockwise8bitCodec(block_size, signed), Blockwise4bitCodec(block_size, signed)]
+            candidates: list[Codec] = [
+                Float32Codec(),
+                Blockwise8bitCodec(block_size, signed),
+                Blockwise4bitCodec(block_size, signed),
+            ]
             codec = next((c for c in candidates if all(key in entry for key in self._state_keys(c, name))), None)
             if codec is None:
                 raise ValueError(
                     f"state of parameter {saved_id!r} has neither {name!r}, nor {name + '_codes'!r} and "
-                    f"{name + '_scales'!r}, nor {name + '_packed_codes'!r} and {name + '_scales'!r} (keys: {sorted(entry)})"
+                    f"{name + '_scales'!r}, nor {name + '_packed_codes'!r} and {name + '_scales'!r} "
+                    f"(keys: {sorted(entry)})"
                 )
             if not isinstance(codec, Float32Codec) and (
                 not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1)
