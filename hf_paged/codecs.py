@@ -165,7 +165,9 @@ class Blockwise8bitCodec:
 class Blockwise4bitCodec:
     """State stored as 4-bit codes, two per byte, with an fp32 scale per block of ``block_size`` elements.
 
-    Element ``2i`` of a segment is the low nibble of byte ``i``, element ``2i + 1`` its high nibble.
+    Byte ``i`` of a block's ``block_size // 2`` bytes holds element ``i`` of the block in its low nibble and
+    element ``i + block_size // 2`` in its high nibble, so that packing and unpacking read and write whole
+    half-blocks (saved codes therefore cover whole blocks).
     """
 
     block_size: int
@@ -192,7 +194,7 @@ class Blockwise4bitCodec:
     def decode(self, encoded: EncodedSegment) -> torch.Tensor:
         """fp32 values of a segment, shaped ``(blocks, block_size)``."""
         packed, scales = encoded
-        codes = torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.shape[0], -1).float()
+        codes = torch.cat([packed & 15, packed >> 4], dim=1).float()
         if self.signed:
             levels = codes - 7
             magnitude = levels * levels.abs() * (1.0 / 49)
@@ -214,12 +216,14 @@ class Blockwise4bitCodec:
             codes = magnitude.clamp(max=7) * normalized.sign() + 7
         else:
             codes = (torch.round(normalized.sqrt().sqrt() * 16) - 1).clamp(0, 15)
-        codes = codes.to(torch.uint8).view(codes.shape[0], -1, 2)
-        packed.copy_(codes[..., 0] | (codes[..., 1] << 4))
+        codes = codes.to(torch.uint8)
+        half = self.block_size // 2
+        packed.copy_(codes[:, :half] | (codes[:, half:] << 4))
         scales.copy_(block_scales)
 
     def field_lengths(self, length: int) -> tuple[int, ...]:
-        return -(-length // 2), -(-length // self.block_size)
+        blocks = -(-length // self.block_size)
+        return blocks * self.block_size // 2, blocks
 
     def field_offsets(self, start: int) -> tuple[int, ...]:
         return start // 2, start // self.block_size

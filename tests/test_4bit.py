@@ -135,8 +135,9 @@ def test_codec_rounds_to_the_nearest_level_and_packs_two_codes_per_byte(signed, 
     assert torch.allclose(decoded, nearest * scales.unsqueeze(1), rtol=1e-6, atol=0)
     if not signed:
         assert (decoded > 0).all()  # the second moment's map excludes zero
-    # element 2i is the low nibble of byte i, element 2i + 1 its high nibble; code c stands for level c
-    codes = torch.stack([packed & 15, packed >> 4], dim=-1).view(blocks.shape[0], -1)
+    # byte i of a block holds element i in its low nibble and element i + block_size / 2 in its high one;
+    # code c stands for level c
+    codes = torch.cat([packed & 15, packed >> 4], dim=1)
     assert torch.equal(decoded, levels[codes.long()] * scales.unsqueeze(1))
 
 

@@ -349,7 +349,7 @@ class PagedOptimizer(Optimizer):
         Each parameter's entry holds ``step`` (a tensor) and, per state, its fp32 values (``exp_avg``) or,
         for 8-bit state, its codes shaped like the parameter and one fp32 scale per block
         (``exp_avg_codes``, ``exp_avg_scales``), for 4-bit state its codes packed two per byte (flat, one
-        byte per two elements) and one fp32 scale per block (``exp_avg_packed_codes``, ``exp_avg_scales``).
+        byte per two elements of whole blocks) and one fp32 scale per block (``exp_avg_packed_codes``, ``exp_avg_scales``).
         For a sharded (DTensor) parameter the values and codes are DTensors placed like the parameter, on its
         device, so ``torch.distributed.checkpoint`` can reshard them; the scales of 8-bit state and the packed
         codes and scales of 4-bit state stay this rank's own.
