@@ -184,7 +184,7 @@ class Blockwise4bitCodec:
         return (capacity // 2, torch.uint8), (capacity // self.block_size, torch.float32)
 
     def select(self, arrays: EncodedSegment, offset: int, length: int) -> EncodedSegment:
-        """Packed codes as a ``(blocks, block_size // 2)`` view and the blocks' scales, for the blocks ``length`` touches."""
+        """Packed codes as a ``(blocks, block_size // 2)`` view and the scales of the blocks ``length`` touches."""
         packed, scales = arrays
         blocks = -(-length // self.block_size)
         first = offset // self.block_size
@@ -211,7 +211,7 @@ class Blockwise4bitCodec:
         inverse = torch.where(block_scales > 0, block_scales.reciprocal(), torch.zeros_like(block_scales))
         normalized = values * inverse.unsqueeze(1)
         if self.signed:
-            # the nearest of the values (k / 7)^2: |x| lies above the midpoint of k - 1 and k for k <= this
+            # nearest level (k / 7)^2: |x| >= the midpoint of levels k - 1 and k iff 196 |x| - 1 >= (2k - 1)^2
             magnitude = torch.floor((torch.sqrt(torch.relu(normalized.abs() * 196 - 1)) + 1) * 0.5)
             codes = magnitude.clamp(max=7) * normalized.sign() + 7
         else:

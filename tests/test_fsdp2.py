@@ -36,7 +36,10 @@ _DCP_OF_QUANTIZED_STATE = pytest.mark.xfail(
 
 @pytest.mark.parametrize(
     "optimizer_name",
-    [pytest.param(name, marks=_DCP_OF_QUANTIZED_STATE) if name.endswith("bit") else name for name in sorted(OPTIMIZERS)],
+    [
+        pytest.param(name, marks=_DCP_OF_QUANTIZED_STATE) if name.endswith("bit") else name
+        for name in sorted(OPTIMIZERS)
+    ],
 )
 def test_fsdp2_two_ranks_with_checkpoint_match_unsharded_run(tmp_path, optimizer_name):
     output = tmp_path / "result.pt"

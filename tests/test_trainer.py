@@ -154,7 +154,9 @@ def test_every_lr_scheduler(tmp_path, scheduler):
     assert runs["hf_paged_lion_8bit"] == runs["adamw_torch"]
 
 
-@pytest.mark.parametrize("optim", ["hf_paged_adamw_32bit", "hf_paged_adamw_8bit", "hf_paged_adamw_4bit", "hf_paged_lion_8bit"])
+@pytest.mark.parametrize(
+    "optim", ["hf_paged_adamw_32bit", "hf_paged_adamw_8bit", "hf_paged_adamw_4bit", "hf_paged_lion_8bit"]
+)
 def test_resume_from_checkpoint_is_bitwise_identical(tmp_path, optim):
     options = {"max_steps": 6, "save_strategy": "steps", "save_steps": 3,
                "optim_args": "device_budget=48KiB,page_size=16KiB"}

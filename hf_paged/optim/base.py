@@ -168,7 +168,8 @@ class PagedOptimizer(Optimizer):
         formats = {"32bit": PageFormat(tuple(Float32Codec() for _ in self.state_names))}
         if self.state_bits != 32:
             codec = QUANTIZED_CODECS[self.state_bits]
-            formats[f"{self.state_bits}bit"] = PageFormat(tuple(codec(block_size, signed) for signed in self.signed_states))
+            codecs = tuple(codec(block_size, signed) for signed in self.signed_states)
+            formats[f"{self.state_bits}bit"] = PageFormat(codecs)
         return formats
 
     def _parse_budget(

@@ -15,7 +15,11 @@ from torch.distributed.fsdp import fully_shard
 
 import hf_paged
 
-OPTIMIZERS = {"PagedAdamW": hf_paged.PagedAdamW, "PagedAdamW4bit": hf_paged.PagedAdamW4bit, "PagedLion": hf_paged.PagedLion}
+OPTIMIZERS = {
+    "PagedAdamW": hf_paged.PagedAdamW,
+    "PagedAdamW4bit": hf_paged.PagedAdamW4bit,
+    "PagedLion": hf_paged.PagedLion,
+}
 LAYOUT = {"PagedAdamW4bit": {"block_size": 16, "min_4bit_size": 512}}
 """Layout arguments that give the first layer's weight (1024 elements, 512 a rank) quantized state."""
 
