@@ -253,11 +253,17 @@ def baseline_builders() -> dict[str, Builder]:
 
         return AdamW8bit(params, **HYPERPARAMETERS)
 
+    def torchao_adamw4bit(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        from torchao.optim import AdamW4bit
+
+        return AdamW4bit(params, **HYPERPARAMETERS)
+
     return {
         REFERENCE: lambda params: torch.optim.AdamW(params, fused=True, **HYPERPARAMETERS),
         "torch AdamW foreach": lambda params: torch.optim.AdamW(params, foreach=True, **HYPERPARAMETERS),
         "bitsandbytes AdamW8bit": bitsandbytes_adamw8bit,
         "torchao AdamW8bit": torchao_adamw8bit,
+        "torchao AdamW4bit": torchao_adamw4bit,
     }
 
 
@@ -282,7 +288,7 @@ def run_dtype(
         record(measure(name, "-", build, master, args), name)
     for page_size in args.page_size:
         pages = f"{format_size(page_size)} pages"
-        for cls in (hf_paged.PagedAdamW, hf_paged.PagedAdamW8bit):
+        for cls in (hf_paged.PagedAdamW, hf_paged.PagedAdamW8bit, hf_paged.PagedAdamW4bit):
             name = cls.__name__
             unlimited = record(
                 measure(
@@ -379,6 +385,7 @@ def targets(results: list[Result], page_size: int) -> str:
     reference = next((result for result in results if result.name == REFERENCE), None)
     adamw, adamw_budget = find("PagedAdamW", False), find("PagedAdamW", True)
     adamw8, adamw8_budget = find("PagedAdamW8bit", False), find("PagedAdamW8bit", True)
+    adamw4 = find("PagedAdamW4bit", False)
     return "; ".join(
         [
             check("PagedAdamW8bit unlimited", ratio(adamw8, reference), 1.0, "x fused"),
@@ -386,6 +393,7 @@ def targets(results: list[Result], page_size: int) -> str:
             check("PagedAdamW 25% budget", ratio(adamw_budget, adamw), 1.3, "x unlimited"),
             check("PagedAdamW8bit 25% budget", ratio(adamw8_budget, adamw8), 1.3, "x unlimited"),
             check("PagedAdamW8bit state", adamw8.state_bytes / adamw8.numel if adamw8 else None, 2.04, " B/param"),
+            check("PagedAdamW4bit state", adamw4.state_bytes / adamw4.numel if adamw4 else None, 1.07, " B/param"),
         ]
     )
 

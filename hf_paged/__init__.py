@@ -5,13 +5,14 @@ or rest in host memory, and work the same on CUDA, other accelerators and the CP
 """
 
 from . import _autoregister
-from .optim import PagedAdamW, PagedAdamW8bit, PagedLion, PagedLion8bit, PagedOptimizer
+from .optim import PagedAdamW, PagedAdamW4bit, PagedAdamW8bit, PagedLion, PagedLion8bit, PagedOptimizer
 from .sizes import parse_size
 
 __version__ = "0.1.0"
 
 __all__ = [
     "PagedAdamW",
+    "PagedAdamW4bit",
     "PagedAdamW8bit",
     "PagedLion",
     "PagedLion8bit",

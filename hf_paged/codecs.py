@@ -20,11 +20,27 @@ segment as a ``(blocks, block_size)`` matrix, so that a compiled kernel has a st
 
 A state's bytes per element are ``1 + 4 / block_size``: 2.03125 bytes per parameter for AdamW's two
 moments with blocks of 256.
+
+* :class:`Blockwise4bitCodec` stores two 4-bit codes per byte and one fp32 scale per block (the block's
+  largest magnitude), after Li et al., "Memory Efficient Optimizers with 4-bit States" (NeurIPS 2023).
+  A signed state (first moments) uses the 15 codes ``q`` in [-7, 7] of a quadratic map that contains
+  zero, encoded by rounding to the nearest value; a non-negative state (second moments) uses 16 codes
+  ``q`` in [0, 15] of a quartic map that excludes zero, encoded by rounding to the nearest code in the
+  ``(x / s) ** (1/4)`` domain:
+
+  .. math::
+      x_{signed} = s \\, \\frac{q \\, |q|}{49}, \\qquad x_{non-negative} = s \\left(\\frac{q + 1}{16}\\right)^{4}
+
+  Excluding zero from the second moment's map keeps a small squared gradient from becoming zero in the
+  denominator of Adam's step (the paper's "zero-point problem"); including it in the first moment's map
+  keeps a zero momentum from moving the parameter. A state's bytes per element are
+  ``0.5 + 4 / block_size``: 1.0625 bytes per parameter for AdamW's two moments with blocks of 128.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -41,6 +57,8 @@ class Float32Codec:
 
     alignment: int = 1
     fields: tuple[str, ...] = ("",)
+    saved_like_param: ClassVar[bool] = True
+    """Whether the first field holds one entry per element, so that it is saved shaped like the parameter."""
 
     def buffer_specs(self, capacity: int) -> tuple[BufferSpec, ...]:
         """The buffers that hold ``capacity`` elements of this state: the fp32 values."""
@@ -79,6 +97,7 @@ class Blockwise8bitCodec:
     block_size: int
     signed: bool
     fields: tuple[str, ...] = ("codes", "scales")
+    saved_like_param: ClassVar[bool] = True
 
     @property
     def alignment(self) -> int:
@@ -142,7 +161,84 @@ class Blockwise8bitCodec:
         return self.code_dtype, torch.float32
 
 
-Codec = Float32Codec | Blockwise8bitCodec
+@dataclass(frozen=True)
+class Blockwise4bitCodec:
+    """State stored as 4-bit codes, two per byte, with an fp32 scale per block of ``block_size`` elements.
+
+    Byte ``i`` of a block's ``block_size // 2`` bytes holds element ``i`` of the block in its low nibble and
+    element ``i + block_size // 2`` in its high nibble, so that packing and unpacking read and write whole
+    half-blocks (saved codes therefore cover whole blocks).
+    """
+
+    block_size: int
+    signed: bool
+    fields: tuple[str, ...] = ("packed_codes", "scales")
+    saved_like_param: ClassVar[bool] = False
+
+    @property
+    def alignment(self) -> int:
+        return self.block_size
+
+    def buffer_specs(self, capacity: int) -> tuple[BufferSpec, ...]:
+        """The packed codes (one byte per two elements) and the fp32 scales (one per block)."""
+        return (capacity // 2, torch.uint8), (capacity // self.block_size, torch.float32)
+
+    def select(self, arrays: EncodedSegment, offset: int, length: int) -> EncodedSegment:
+        """Packed codes as a ``(blocks, block_size // 2)`` view and the scales of the blocks ``length`` touches."""
+        packed, scales = arrays
+        blocks = -(-length // self.block_size)
+        first = offset // self.block_size
+        start, half = offset // 2, self.block_size // 2
+        return packed[start : start + blocks * half].view(blocks, half), scales[first : first + blocks]
+
+    def decode(self, encoded: EncodedSegment) -> torch.Tensor:
+        """fp32 values of a segment, shaped ``(blocks, block_size)``."""
+        packed, scales = encoded
+        codes = torch.cat([packed & 15, packed >> 4], dim=1).float()
+        if self.signed:
+            levels = codes - 7
+            magnitude = levels * levels.abs() * (1.0 / 49)
+        else:
+            root = (codes + 1) * (1.0 / 16)
+            squared = root * root
+            magnitude = squared * squared
+        return magnitude * scales.unsqueeze(1)
+
+    def encode(self, values: torch.Tensor, encoded: EncodedSegment) -> None:
+        """Store fp32 ``values`` shaped ``(blocks, block_size)`` into a segment's packed codes and scales."""
+        packed, scales = encoded
+        block_scales = values.abs().amax(dim=1)
+        inverse = torch.where(block_scales > 0, block_scales.reciprocal(), torch.zeros_like(block_scales))
+        normalized = values * inverse.unsqueeze(1)
+        if self.signed:
+            # nearest level (k / 7)^2: |x| >= the midpoint of levels k - 1 and k iff 196 |x| - 1 >= (2k - 1)^2
+            magnitude = torch.floor((torch.sqrt(torch.relu(normalized.abs() * 196 - 1)) + 1) * 0.5)
+            codes = magnitude.clamp(max=7) * normalized.sign() + 7
+        else:
+            codes = (torch.round(normalized.sqrt().sqrt() * 16) - 1).clamp(0, 15)
+        codes = codes.to(torch.uint8)
+        half = self.block_size // 2
+        packed.copy_(codes[:, :half] | (codes[:, half:] << 4))
+        scales.copy_(block_scales)
+
+    def field_lengths(self, length: int) -> tuple[int, ...]:
+        blocks = -(-length // self.block_size)
+        return blocks * self.block_size // 2, blocks
+
+    def field_offsets(self, start: int) -> tuple[int, ...]:
+        return start // 2, start // self.block_size
+
+    def field_dtypes(self) -> tuple[torch.dtype, ...]:
+        return torch.uint8, torch.float32
+
+
+Codec = Float32Codec | Blockwise8bitCodec | Blockwise4bitCodec
+
+QUANTIZED_CODECS: dict[int, type[Blockwise8bitCodec] | type[Blockwise4bitCodec]] = {
+    8: Blockwise8bitCodec,
+    4: Blockwise4bitCodec,
+}
+"""The blockwise codec for each number of bits per element, built as ``codec(block_size, signed)``."""
 
 
 def to_blocks(values: torch.Tensor, alignment: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ import hf_paged
 
 OPTIMIZERS = {
     "PagedAdamW": hf_paged.PagedAdamW,
+    "PagedAdamW4bit": hf_paged.PagedAdamW4bit,
     "PagedAdamW8bit": hf_paged.PagedAdamW8bit,
     "PagedLion": hf_paged.PagedLion,
     "PagedLion8bit": hf_paged.PagedLion8bit,
@@ -70,6 +71,8 @@ def optimizer_kwargs(name: str, **paging) -> dict:
     kwargs = {"lr": 1e-3 if "Lion" in name else 1e-2, "page_size": 4096, **paging}
     if name.endswith("8bit"):
         kwargs.update(block_size=64, min_8bit_size=256)
+    if name.endswith("4bit"):
+        kwargs.update(block_size=64, min_4bit_size=256)
     return kwargs
 
 

@@ -155,6 +155,23 @@ def test_a_seed_gives_the_same_run(tmp_path):
     assert all(weights[0][key].equal(weights[1][key]) for key in weights[0])
 
 
+def test_adamw_4bit_from_a_config(tmp_path):
+    from hf_paged.cli.train import run
+
+    overrides = [
+        "training.max_steps=2",
+        "memory.enabled=false",
+        f"training.output_dir={tmp_path}",
+        "training.disable_tqdm=true",
+        "training.logging_steps=1",
+        "training.optim=hf_paged_adamw_4bit",
+        "training.optim_args=device_budget=auto,page_size=64KiB,min_4bit_size=1024,compiled=false",
+    ]
+    summary = run(load_config(overrides=overrides))
+    assert summary["optimizer"] == "hf_paged_adamw_4bit"
+    assert len(_losses(tmp_path)) == 2
+
+
 def test_plain_text_file_trains_on_every_token(tmp_path):
     text = tmp_path / "lines.txt"
     text.write_text("the cat sat\nthe dog ran\n")

@@ -16,11 +16,11 @@ SCRIPT = os.path.join(REPO, "tests", "scripts", "train_unmodified.py")
 pytestmark = pytest.mark.skipif(shutil.which("accelerate") is None, reason="accelerate's launcher is not on PATH")
 
 
-def launch(output_dir, *extra: str) -> list[dict]:
+def launch(output_dir, optim: str, *extra: str) -> list[dict]:
     command = [
         "accelerate", "launch", "--config_file", os.path.join(REPO, "configs", "accelerate", "ddp.yaml"),
         "--num_processes", "2", "--main_process_port", "29517", "-m", "hf_paged.run", SCRIPT,
-        "--use_cpu", "--output_dir", str(output_dir), "--optim", "hf_paged_adamw_8bit",
+        "--use_cpu", "--output_dir", str(output_dir), "--optim", optim,
         "--optim_args", "device_budget=48KiB,page_size=16KiB",
         "--per_device_train_batch_size", "2", "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2",
         "--seed", "0", *extra,
@@ -33,12 +33,15 @@ def launch(output_dir, *extra: str) -> list[dict]:
     return sorted(rows, key=lambda row: row["rank"])
 
 
-def test_ddp_two_processes_train_identically_and_resume(tmp_path):
-    uninterrupted = launch(tmp_path / "full")
+@pytest.mark.parametrize(
+    ("optim", "optimizer_name"), [("hf_paged_adamw_8bit", "PagedAdamW8bit"), ("hf_paged_adamw_4bit", "PagedAdamW4bit")]
+)
+def test_ddp_two_processes_train_identically_and_resume(tmp_path, optim, optimizer_name):
+    uninterrupted = launch(tmp_path / "full", optim)
     assert [row["rank"] for row in uninterrupted] == [0, 1]
-    assert all(row["optimizer"] == "PagedAdamW8bit" for row in uninterrupted)
+    assert all(row["optimizer"] == optimizer_name for row in uninterrupted)
     assert uninterrupted[0]["checksum"] == uninterrupted[1]["checksum"]
     checkpoint = tmp_path / "full" / "checkpoint-2"
     assert (checkpoint / "optimizer.pt").exists()
-    resumed = launch(tmp_path / "resumed", "--resume_from_checkpoint", str(checkpoint))
+    resumed = launch(tmp_path / "resumed", optim, "--resume_from_checkpoint", str(checkpoint))
     assert [row["checksum"] for row in resumed] == [row["checksum"] for row in uninterrupted]

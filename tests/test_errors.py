@@ -37,7 +37,7 @@ def test_bad_hyperparameters_name_the_argument(optimizer_name, overrides, messag
         make(optimizer_name, **overrides)
 
 
-@pytest.mark.parametrize("name", ["PagedAdamW", "PagedAdamW8bit"])
+@pytest.mark.parametrize("name", ["PagedAdamW", "PagedAdamW8bit", "PagedAdamW4bit"])
 @pytest.mark.parametrize("eps", [0.0, -1e-8, float("nan")])
 def test_bad_eps(name, eps):
     with pytest.raises(ValueError, match="eps"):
@@ -58,6 +58,25 @@ def test_bad_eps(name, eps):
 def test_bad_8bit_layout(name, overrides, message):
     with pytest.raises(ValueError, match=message):
         make(name, **overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"page_size": 32, "block_size": 64}, "smaller than one block"),
+        ({"page_size": 4096 + 64, "block_size": 128}, "multiple of block_size"),
+        ({"block_size": 96}, "block_size must be a power of two"),
+        ({"block_size": 8}, "block_size must be an integer >= 16"),
+        ({"block_size": 8192}, "block_size must be a power of two from 16 to 4096"),
+        ({"block_size": 128.0}, "block_size must be an integer"),
+        ({"min_4bit_size": -1}, "min_4bit_size must be an integer >= 0"),
+        ({"min_4bit_size": 4096.0}, "min_4bit_size must be an integer"),
+        ({"min_4bit_size": True}, "min_4bit_size must be an integer"),
+    ],
+)
+def test_bad_4bit_layout(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        make("PagedAdamW4bit", **overrides)
 
 
 def test_32bit_page_must_hold_state(optimizer_name):
@@ -157,6 +176,17 @@ def test_bad_state_dict_leaves_state_unchanged(optimizer_name, corrupt):
         optimizer.load_state_dict(state_dict)
     assert_unchanged(before, state_snapshot(model, optimizer))
     train(model, optimizer, regression_batches(1))
+
+
+@pytest.mark.parametrize("name", ["PagedAdamW8bit", "PagedAdamW4bit"])
+def test_saved_block_size_of_quantized_state_is_checked(name):
+    model, optimizer = trained(name, device_budget=8192)
+    before = state_snapshot(model, optimizer)
+    state_dict = optimizer.state_dict()
+    state_dict["param_groups"][0]["block_size"] = 48
+    with pytest.raises(ValueError, match="block_size 48, expected a power of two"):
+        optimizer.load_state_dict(state_dict)
+    assert_unchanged(before, state_snapshot(model, optimizer))
 
 
 def test_core_does_not_import_integrations():

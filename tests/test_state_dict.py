@@ -59,6 +59,11 @@ def test_state_dict_layout(optimizer_name):
         for name in names:
             if name in entry:
                 assert entry[name].shape == params[index].shape and entry[name].dtype == torch.float32
+            elif optimizer_name.endswith("4bit"):
+                assert params[index].numel() >= 256
+                assert entry[f"{name}_packed_codes"].shape == (-(-params[index].numel() // 64) * 32,)
+                assert entry[f"{name}_packed_codes"].dtype == torch.uint8
+                assert entry[f"{name}_scales"].numel() == -(-params[index].numel() // 64)
             else:
                 assert optimizer_name.endswith("8bit") and params[index].numel() >= 256
                 assert entry[f"{name}_codes"].shape == params[index].shape
@@ -79,7 +84,7 @@ def test_state_dict_is_a_copy(optimizer_name):
             assert torch.equal(value, frozen[index][key])
 
 
-@pytest.mark.parametrize("cls", [hf_paged.PagedAdamW, hf_paged.PagedAdamW8bit])
+@pytest.mark.parametrize("cls", [hf_paged.PagedAdamW, hf_paged.PagedAdamW8bit, hf_paged.PagedAdamW4bit])
 def test_torch_adamw_state_dict_loads(cls):
     batches = regression_batches(12)
     reference = make_mlp()
@@ -90,7 +95,11 @@ def test_torch_adamw_state_dict_loads(cls):
 
     model = make_mlp(seed=5)
     model.load_state_dict(saved_model)
-    kwargs = {"block_size": 64, "min_8bit_size": 256} if cls is hf_paged.PagedAdamW8bit else {}
+    kwargs = {
+        hf_paged.PagedAdamW: {},
+        hf_paged.PagedAdamW8bit: {"block_size": 64, "min_8bit_size": 256},
+        hf_paged.PagedAdamW4bit: {"block_size": 64, "min_4bit_size": 256},
+    }[cls]
     optimizer = cls(decay_groups(model), lr=1e-2, page_size=4096, device_budget=8192, **kwargs)
     optimizer.load_state_dict(saved_optimizer)
     loaded = optimizer.state_dict()["state"]
@@ -99,8 +108,15 @@ def test_torch_adamw_state_dict_loads(cls):
         if cls is hf_paged.PagedAdamW:
             assert torch.equal(loaded[index]["exp_avg"], entry["exp_avg"])
             assert torch.equal(loaded[index]["exp_avg_sq"], entry["exp_avg_sq"])
+    if cls is hf_paged.PagedAdamW4bit:
+        decoded = hf_paged.PagedAdamW(decay_groups(model), lr=1e-2)
+        decoded.load_state_dict(optimizer.state_dict())
+        for index, entry in decoded.state_dict()["state"].items():
+            for name in ("exp_avg", "exp_avg_sq"):
+                expected = saved_optimizer["state"][index][name]
+                assert ((entry[name] - expected).norm() / expected.norm()).item() < 0.2, (index, name)
     train(model, optimizer, batches[6:])
-    tolerance = 1e-6 if cls is hf_paged.PagedAdamW else 2e-2
+    tolerance = {hf_paged.PagedAdamW: 1e-6, hf_paged.PagedAdamW8bit: 2e-2, hf_paged.PagedAdamW4bit: 0.1}[cls]
     for param, expected in zip(model.parameters(), reference.parameters()):
         assert ((param - expected).norm() / expected.norm()).item() < tolerance
 

@@ -72,6 +72,31 @@ def test_trainer_creates_our_optimizer_with_its_hyperparameters(tmp_path):
     assert trainer.optimizer.optimizer.paging_stats()["page_outs"] > 0
 
 
+def test_trainer_creates_adamw_4bit_with_its_layout_arguments(tmp_path):
+    trainer = Trainer(
+        model=tiny_llama(),
+        args=training_args(tmp_path, optim="hf_paged_adamw_4bit", adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-7,
+                           optim_args="device_budget=32KiB,page_size=16KiB,block_size=64,min_4bit_size=8192"),
+        train_dataset=token_dataset(),
+    )
+    trainer.create_optimizer()
+    optimizer = trainer.optimizer
+    assert isinstance(optimizer, hf_paged.PagedAdamW4bit)
+    decay = optimizer.param_groups[0]
+    assert decay["betas"] == (0.8, 0.95) and decay["eps"] == 1e-7 and decay["weight_decay"] == 0.1
+    assert decay["block_size"] == 64 and decay["min_4bit_size"] == 8192
+    trainer.train()
+    state = trainer.optimizer.optimizer.state_dict()["state"]
+    sizes = {index: param.numel() for index, param in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    assert any("exp_avg_packed_codes" in entry for entry in state.values())
+    assert all(("exp_avg_packed_codes" in entry) == (sizes[index] >= 8192) for index, entry in state.items())
+    assert trainer.optimizer.optimizer.paging_stats()["page_outs"] > 0
+    with pytest.raises(ValueError, match="min_8bit_size"):
+        parse_optim_args({"min_8bit_size": "1024"}, hf_paged.PagedAdamW4bit)
+    assert parse_optim_args({"min_4bit_size": "1024", "block_size": "128"}, hf_paged.PagedAdamW4bit) == {
+        "min_4bit_size": 1024, "block_size": 128}
+
+
 def test_optim_args_are_typed_and_checked():
     parsed = parse_optim_args(
         {"device_budget": "2GiB", "page_size": "8MiB", "prefetch": "2", "min_8bit_size": "4096", "block_size": "256"},
@@ -129,7 +154,9 @@ def test_every_lr_scheduler(tmp_path, scheduler):
     assert runs["hf_paged_lion_8bit"] == runs["adamw_torch"]
 
 
-@pytest.mark.parametrize("optim", ["hf_paged_adamw_32bit", "hf_paged_adamw_8bit", "hf_paged_lion_8bit"])
+@pytest.mark.parametrize(
+    "optim", ["hf_paged_adamw_32bit", "hf_paged_adamw_8bit", "hf_paged_adamw_4bit", "hf_paged_lion_8bit"]
+)
 def test_resume_from_checkpoint_is_bitwise_identical(tmp_path, optim):
     options = {"max_steps": 6, "save_strategy": "steps", "save_steps": 3,
                "optim_args": "device_budget=48KiB,page_size=16KiB"}
@@ -149,10 +176,11 @@ def test_resume_from_checkpoint_is_bitwise_identical(tmp_path, optim):
 
 def test_save_only_model_and_8bit_checkpoint_size(tmp_path):
     sizes = {}
-    for optim in ("hf_paged_adamw_32bit", "hf_paged_adamw_8bit"):
+    for optim in ("hf_paged_adamw_32bit", "hf_paged_adamw_8bit", "hf_paged_adamw_4bit"):
         fit(tmp_path, optim, max_steps=2, save_strategy="steps", save_steps=2)
         sizes[optim] = os.path.getsize(tmp_path / optim / "checkpoint-2" / "optimizer.pt")
     assert 0.2 < sizes["hf_paged_adamw_8bit"] / sizes["hf_paged_adamw_32bit"] < 0.35
+    assert sizes["hf_paged_adamw_4bit"] / sizes["hf_paged_adamw_8bit"] < 0.6
     fit(tmp_path / "only", "hf_paged_adamw_8bit", max_steps=2, save_strategy="steps", save_steps=2, save_only_model=True)
     checkpoint = tmp_path / "only" / "hf_paged_adamw_8bit" / "checkpoint-2"
     assert (checkpoint / "model.safetensors").exists() and not (checkpoint / "optimizer.pt").exists()

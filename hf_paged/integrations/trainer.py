@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from ..memory import probe_for
-from ..optim import PagedAdamW, PagedAdamW8bit, PagedLion, PagedLion8bit, PagedOptimizer
+from ..optim import PagedAdamW, PagedAdamW4bit, PagedAdamW8bit, PagedLion, PagedLion8bit, PagedOptimizer
 from ..sizes import parse_size
 from . import _transformers_internals as internals
 
@@ -16,6 +16,7 @@ logger = logging.getLogger(__name__)
 OPTIMIZER_NAMES: dict[str, type] = {
     "hf_paged_adamw_32bit": PagedAdamW,
     "hf_paged_adamw_8bit": PagedAdamW8bit,
+    "hf_paged_adamw_4bit": PagedAdamW4bit,
     "hf_paged_lion_32bit": PagedLion,
     "hf_paged_lion_8bit": PagedLion8bit,
 }
@@ -53,11 +54,16 @@ _COMMON_ARGS = {
     "compiled": _boolean,
 }
 _EIGHT_BIT_ARGS = {"block_size": int, "min_8bit_size": int}
+_FOUR_BIT_ARGS = {"block_size": int, "min_4bit_size": int}
 
 
 def parse_optim_args(optim_args: dict[str, str], optimizer_cls: type) -> dict[str, Any]:
     """Convert the Trainer's ``optim_args`` strings to typed keyword arguments of ``optimizer_cls``."""
-    allowed = {**_COMMON_ARGS, **(_EIGHT_BIT_ARGS if optimizer_cls in (PagedAdamW8bit, PagedLion8bit) else {})}
+    allowed = {
+        **_COMMON_ARGS,
+        **(_EIGHT_BIT_ARGS if optimizer_cls in (PagedAdamW8bit, PagedLion8bit) else {}),
+        **(_FOUR_BIT_ARGS if optimizer_cls is PagedAdamW4bit else {}),
+    }
     parsed = {}
     for key, value in optim_args.items():
         if key not in allowed:
@@ -85,7 +91,7 @@ def _handler(optimizer_cls: type):
     def build(context) -> tuple[type, dict[str, Any]]:
         kwargs = dict(context.optimizer_kwargs)
         kwargs["betas"] = context.adam_kwargs["betas"]
-        if optimizer_cls in (PagedAdamW, PagedAdamW8bit):
+        if optimizer_cls in (PagedAdamW, PagedAdamW8bit, PagedAdamW4bit):
             kwargs["eps"] = context.adam_kwargs["eps"]
         kwargs.update(parse_optim_args(context.optim_args, optimizer_cls))
         if kwargs.get("device_budget") == "auto":

@@ -1,4 +1,5 @@
-r"""AdamW with paged state: :class:`PagedAdamW` (fp32 moments) and :class:`PagedAdamW8bit` (8-bit moments).
+r"""AdamW with paged state: :class:`PagedAdamW` (fp32 moments), :class:`PagedAdamW8bit` (8-bit moments) and
+:class:`PagedAdamW4bit` (4-bit moments).
 
 For a parameter :math:`\theta` with gradient :math:`g_t` at step :math:`t` (decoupled weight decay,
 Loshchilov and Hutter, as ``torch.optim.AdamW``):
@@ -222,5 +223,48 @@ class PagedAdamW8bit(_PagedAdamWBase):
             eight_bit=True,
             block_size=block_size,
             min_8bit_size=min_8bit_size,
+            compiled=compiled,
+        )
+
+
+class PagedAdamW4bit(_PagedAdamWBase):
+    """AdamW with blockwise 4-bit moments (1.06 bytes per parameter) in pages under a device budget.
+
+    The first moment uses a signed quadratic map with zero, the second a zero-excluding quartic map, each
+    with one fp32 scale per block (see :class:`~hf_paged.codecs.Blockwise4bitCodec`). Tensors with fewer
+    than ``min_4bit_size`` elements keep fp32 moments.
+
+    Args:
+        params, lr, betas, eps, weight_decay: as :class:`PagedAdamW`.
+        block_size: elements per quantization block (one fp32 scale each), a power of two from 16 to 4096.
+        min_4bit_size: tensors with fewer elements keep fp32 state.
+        page_size, device_budget, prefetch, compiled: paging settings, see :class:`PagedOptimizer`.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        block_size: int = 128,
+        min_4bit_size: int = 4096,
+        page_size: int | str = DEFAULT_PAGE_SIZE,
+        device_budget: int | str | None = None,
+        prefetch: int = 2,
+        compiled: bool | None = None,
+    ) -> None:
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(
+            params,
+            defaults,
+            page_size=page_size,
+            device_budget=device_budget,
+            prefetch=prefetch,
+            four_bit=True,
+            block_size=block_size,
+            min_4bit_size=min_4bit_size,
             compiled=compiled,
         )

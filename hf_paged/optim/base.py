@@ -16,7 +16,15 @@ import torch
 from torch.optim import Optimizer
 
 from ..budget import AutoBudget
-from ..codecs import Blockwise8bitCodec, Codec, Float32Codec, PageFormat, to_blocks
+from ..codecs import (
+    QUANTIZED_CODECS,
+    Blockwise4bitCodec,
+    Blockwise8bitCodec,
+    Codec,
+    Float32Codec,
+    PageFormat,
+    to_blocks,
+)
 from ..device import backend_for
 from ..kernels import UpdateRule, resolve_compiled, segment_kernel
 from ..sizes import parse_size
@@ -37,7 +45,7 @@ update's measured peak (fp32 and bf16 parameters, tests/test_workspace.py) round
 _BETWEEN_STEPS = "hf_paged.optimizer.between_steps"
 """The probe mark an automatic budget sets at the end of each step: the forward/backward phase."""
 
-_LAYOUT_KEYS = ("block_size", "min_8bit_size")
+_LAYOUT_KEYS = ("block_size", "min_8bit_size", "min_4bit_size")
 """Group entries that fix the state layout: saved with the state, never taken from a loaded state dict."""
 
 
@@ -102,8 +110,10 @@ class PagedOptimizer(Optimizer):
             ``"auto"`` measures each device apart.
         prefetch: pages copied to the device ahead of the page being updated.
         eight_bit: store tensors of ``min_8bit_size`` or more elements in blockwise 8-bit codes.
-        block_size: elements per quantization block (8-bit state), a power of two from 16 to 4096.
+        block_size: elements per quantization block (8-bit or 4-bit state), a power of two from 16 to 4096.
         min_8bit_size: tensors with fewer elements keep 32-bit state.
+        four_bit: store tensors of ``min_4bit_size`` or more elements in blockwise 4-bit codes instead.
+        min_4bit_size: tensors with fewer elements keep 32-bit state (4-bit state).
         compiled: fuse each segment's decode-update-encode with ``torch.compile``; ``None`` chooses by the
             ``HF_PAGED_COMPILE`` environment variable, else by whether a compiler is available.
     """
@@ -122,19 +132,25 @@ class PagedOptimizer(Optimizer):
         eight_bit: bool = False,
         block_size: int = 256,
         min_8bit_size: int = 4096,
+        four_bit: bool = False,
+        min_4bit_size: int = 4096,
         compiled: bool | None = None,
     ) -> None:
         if isinstance(defaults.get("betas"), list):
             defaults = {**defaults, "betas": tuple(defaults["betas"])}
         self.page_size = parse_size(page_size, "page_size")
         self.prefetch = _check_int("prefetch", prefetch, 0)
+        if eight_bit and four_bit:
+            raise ValueError("eight_bit and four_bit cannot both be set")
         self.eight_bit = eight_bit
-        if eight_bit:
+        self.state_bits = 8 if eight_bit else 4 if four_bit else 32
+        if self.state_bits != 32:
             _check_int("block_size", block_size, 16)
             if block_size & (block_size - 1) or block_size > 4096:
                 raise ValueError(f"block_size must be a power of two from 16 to 4096, got {block_size}")
-            _check_int("min_8bit_size", min_8bit_size, 0)
-            defaults = {**defaults, "block_size": block_size, "min_8bit_size": min_8bit_size}
+            min_name, min_size = ("min_8bit_size", min_8bit_size) if eight_bit else ("min_4bit_size", min_4bit_size)
+            _check_int(min_name, min_size, 0)
+            defaults = {**defaults, "block_size": block_size, min_name: min_size}
         self._formats = self._page_formats(block_size)
         for page_format in self._formats.values():
             if page_format.capacity_for(self.page_size) == 0:
@@ -142,7 +158,7 @@ class PagedOptimizer(Optimizer):
                 raise ValueError(
                     f"page_size={self.page_size} bytes is smaller than one block of state ({one_block} bytes)"
                 )
-        if eight_bit and self.page_size % block_size:
+        if self.state_bits != 32 and self.page_size % block_size:
             raise ValueError(f"page_size={self.page_size} must be a multiple of block_size={block_size}")
         if compiled is not None and not isinstance(compiled, bool):
             raise TypeError(f"compiled must be True, False or None, got {compiled!r}")
@@ -159,10 +175,10 @@ class PagedOptimizer(Optimizer):
 
     def _page_formats(self, block_size: int) -> dict[str, PageFormat]:
         formats = {"32bit": PageFormat(tuple(Float32Codec() for _ in self.state_names))}
-        if self.eight_bit:
-            formats["8bit"] = PageFormat(
-                tuple(Blockwise8bitCodec(block_size, signed) for signed in self.signed_states)
-            )
+        if self.state_bits != 32:
+            codec = QUANTIZED_CODECS[self.state_bits]
+            codecs = tuple(codec(block_size, signed) for signed in self.signed_states)
+            formats[f"{self.state_bits}bit"] = PageFormat(codecs)
         return formats
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -211,7 +227,8 @@ class PagedOptimizer(Optimizer):
         for param in params:
             numel = local_tensor(param).numel()
             # From the whole parameter's size (a DTensor's numel), so that every rank picks the same codec.
-            kind = "8bit" if self.eight_bit and param.numel() >= group["min_8bit_size"] else "32bit"
+            bits = self.state_bits
+            kind = f"{bits}bit" if bits != 32 and param.numel() >= group[f"min_{bits}bit_size"] else "32bit"
             page_format = self._formats[kind]
             device = self._state_device(param)
             segments = []
@@ -347,9 +364,11 @@ class PagedOptimizer(Optimizer):
 
         Each parameter's entry holds ``step`` (a tensor) and, per state, its fp32 values (``exp_avg``) or,
         for 8-bit state, its codes shaped like the parameter and one fp32 scale per block
-        (``exp_avg_codes``, ``exp_avg_scales``). For a sharded (DTensor) parameter every state is exported as
-        fp32 values in a DTensor placed like the parameter, so ``torch.distributed.checkpoint`` saves each
-        rank's shard and reshards it (see :meth:`_sharded_entry`).
+        (``exp_avg_codes``, ``exp_avg_scales``), for 4-bit state its codes packed two per byte (flat, one
+        byte per two elements of whole blocks) and one fp32 scale per block (``exp_avg_packed_codes``,
+        ``exp_avg_scales``). For a sharded (DTensor) parameter every state is exported as fp32 values in a
+        DTensor placed like the parameter, so ``torch.distributed.checkpoint`` saves each rank's shard and
+        reshards it (see :meth:`_sharded_entry`).
         """
         packed = super().state_dict()
         exported = self._export_state(sorted(packed["state"]))
@@ -397,8 +416,9 @@ class PagedOptimizer(Optimizer):
             shape = local_tensor(self._params[index]).shape
             codecs = self._formats[self._param_codecs[index]].codecs
             for name, codec in zip(self.state_names, codecs):
-                key = self._state_keys(codec, name)[0]
-                entry[key] = entry[key].view(shape)
+                if codec.saved_like_param:
+                    key = self._state_keys(codec, name)[0]
+                    entry[key] = entry[key].view(shape)
         return exported
 
     def _sharded_entry(self, index: int, entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -469,14 +489,23 @@ class PagedOptimizer(Optimizer):
         block_size = saved_group.get("block_size", self.defaults.get("block_size", 256))
         states = {}
         for name, signed in zip(self.state_names, self.signed_states):
-            if name in entry:
-                codec: Codec = Float32Codec()
-            elif f"{name}_codes" in entry and f"{name}_scales" in entry:
-                codec = Blockwise8bitCodec(block_size, signed)
-            else:
+            candidates: list[Codec] = [
+                Float32Codec(),
+                Blockwise8bitCodec(block_size, signed),
+                Blockwise4bitCodec(block_size, signed),
+            ]
+            codec = next((c for c in candidates if all(key in entry for key in self._state_keys(c, name))), None)
+            if codec is None:
                 raise ValueError(
-                    f"state of parameter {saved_id!r} has neither {name!r} nor {name + '_codes'!r} and "
-                    f"{name + '_scales'!r} (keys: {sorted(entry)})"
+                    f"state of parameter {saved_id!r} has neither {name!r}, nor {name + '_codes'!r} and "
+                    f"{name + '_scales'!r}, nor {name + '_packed_codes'!r} and {name + '_scales'!r} "
+                    f"(keys: {sorted(entry)})"
+                )
+            if not isinstance(codec, Float32Codec) and (
+                not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1)
+            ):
+                raise ValueError(
+                    f"param group of parameter {saved_id!r} has block_size {block_size!r}, expected a power of two >= 16"
                 )
             fields = []
             for key, length, dtype in zip(self._state_keys(codec, name), codec.field_lengths(numel), codec.field_dtypes()):
@@ -683,8 +712,12 @@ class _SavedState:
     def values(self) -> torch.Tensor:
         """The state as fp32 values (decoded once)."""
         if self._values is None:
-            codes, *scales = self.fields
-            encoded = (to_blocks(codes, self.codec.alignment), *scales)
+            padded = -(-self.numel // self.codec.alignment) * self.codec.alignment
+            fields = [
+                torch.cat([field, field.new_zeros(length - field.numel())]) if length > field.numel() else field
+                for field, length in zip(self.fields, self.codec.field_lengths(padded))
+            ]
+            encoded = self.codec.select(tuple(fields), 0, padded)
             self._values = self.codec.decode(encoded).reshape(-1)[: self.numel]
         return self._values
 

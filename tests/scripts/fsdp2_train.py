@@ -23,12 +23,15 @@ import hf_paged
 EIGHT_BIT = {"block_size": 64, "min_8bit_size": 160}
 """8-bit settings under which the uneven ``Linear(64, 5)`` weight (320 elements; 192 and 128 per rank) is
 8-bit on both ranks, its blocks of 64 falling on the same elements sharded and unsharded."""
+FOUR_BIT = {"block_size": 64, "min_4bit_size": 160}
+"""The same for 4-bit state."""
 
 OPTIMIZERS = {
     "PagedAdamW": (hf_paged.PagedAdamW, {}),
     "PagedLion": (hf_paged.PagedLion, {}),
     "PagedAdamW8bit": (hf_paged.PagedAdamW8bit, EIGHT_BIT),
     "PagedLion8bit": (hf_paged.PagedLion8bit, EIGHT_BIT),
+    "PagedAdamW4bit": (hf_paged.PagedAdamW4bit, FOUR_BIT),
 }
 
 

@@ -1,0 +1,178 @@
+"""4-bit state: fidelity against fp32 AdamW and torchao's AdamW4bit, bytes per parameter, codec round trips."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+
+import hf_paged
+from hf_paged.codecs import Blockwise4bitCodec, to_blocks
+from conftest import decay_groups, make_mlp, regression_batches, train
+
+STEPS = 200
+
+
+def student() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 512), torch.nn.GELU(), torch.nn.Linear(512, 16)
+    )
+
+
+def teacher_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A regression task: targets from a fixed random linear teacher."""
+    generator = torch.Generator().manual_seed(1)
+    teacher = torch.randn(128, 16, generator=generator) / math.sqrt(128)
+    return [(inputs, inputs @ teacher) for inputs in (torch.randn(256, 128, generator=generator) for _ in range(STEPS))]
+
+
+def fit(make_optimizer) -> tuple[torch.nn.Module, float, float]:
+    """Train the student; return it with its first and final (mean of the last 20 steps) loss."""
+    model = student()
+    optimizer = make_optimizer(model.parameters())
+    losses = []
+    for inputs, targets in teacher_batches():
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return model, losses[0], sum(losses[-20:]) / 20
+
+
+def deviation(model: torch.nn.Module, reference: torch.nn.Module) -> float:
+    flat = torch.cat([param.detach().reshape(-1) for param in model.parameters()])
+    expected = torch.cat([param.detach().reshape(-1) for param in reference.parameters()])
+    return ((flat - expected).norm() / expected.norm()).item()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The 200-step runs are small matrix products: one thread each avoids oversubscribing a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def fp32_run():
+    return fit(lambda params: torch.optim.AdamW(params, lr=1e-3))
+
+
+@pytest.fixture(scope="module")
+def ours_run():
+    return fit(lambda params: hf_paged.PagedAdamW4bit(params, lr=1e-3, device_budget="256KiB", page_size="64KiB"))
+
+
+def test_adamw4bit_final_loss_within_5_percent_of_fp32(fp32_run, ours_run):
+    _, first, reference_loss = fp32_run
+    _, _, loss = ours_run
+    assert reference_loss < 0.05 * first
+    assert abs(loss - reference_loss) <= 0.05 * reference_loss
+
+
+def test_adamw4bit_deviates_from_fp32_no_more_than_torchao(fp32_run, ours_run, monkeypatch):
+    torchao_optim = pytest.importorskip("torchao.optim")
+    reference, _, reference_loss = fp32_run
+    ours, _, loss = ours_run
+    # torchao compiles its update with torch.compile; run the same function eagerly to keep the test fast
+    monkeypatch.setattr(torch, "compile", lambda function, **options: function)
+    theirs, _, their_loss = fit(lambda params: torchao_optim.AdamW4bit(params, lr=1e-3))
+    assert deviation(ours, reference) <= deviation(theirs, reference)
+    assert abs(loss - reference_loss) <= abs(their_loss - reference_loss)
+    assert deviation(ours, reference) > 0
+
+
+def test_adamw4bit_state_bytes_per_parameter_in_memory_and_saved():
+    params = [torch.nn.Parameter(torch.zeros(1024, 1024)) for _ in range(4)]
+    optimizer = hf_paged.PagedAdamW4bit(params)
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer.step()
+    numel = sum(param.numel() for param in params)
+    assert optimizer.paging_stats()["device_bytes"] / numel <= 1.07
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    assert buffer.tell() / numel <= 1.07
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)["state"]
+    assert state[0]["exp_avg_packed_codes"].dtype == torch.uint8
+    assert state[0]["exp_avg_packed_codes"].numel() == params[0].numel() // 2
+    assert state[0]["exp_avg_sq_scales"].dtype == torch.float32
+    assert state[0]["exp_avg_sq_scales"].numel() == params[0].numel() // 128
+
+
+def reference_levels(signed: bool) -> torch.Tensor:
+    """The 4-bit maps written as value tables: signed q|q|/49 for q in [-7, 7]; unsigned ((q+1)/16)^4."""
+    if signed:
+        return torch.tensor([q * abs(q) / 49 for q in range(-7, 8)])
+    return torch.tensor([((q + 1) / 16) ** 4 for q in range(16)])
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_codec_rounds_to_the_nearest_level_and_packs_two_codes_per_byte(signed, block_size):
+    codec = Blockwise4bitCodec(block_size, signed)
+    torch.manual_seed(0)
+    numel = 10 * block_size + 3
+    values = torch.randn(numel) * torch.logspace(-6, 0, numel)
+    values = values if signed else values.square()
+    blocks = to_blocks(values, block_size)
+    packed = torch.zeros(blocks.shape[0], block_size // 2, dtype=torch.uint8)
+    scales = torch.zeros(blocks.shape[0])
+    codec.encode(blocks, (packed, scales))
+    decoded = codec.decode((packed, scales))
+    assert torch.equal(scales, blocks.abs().amax(dim=1))
+    levels = reference_levels(signed)
+    normalized = blocks / scales.unsqueeze(1)
+    # signed: nearest in value; non-negative: nearest in the fourth-root domain (ties are measure-zero here)
+    distance = (normalized.unsqueeze(-1) - levels) if signed else (normalized.unsqueeze(-1) ** 0.25 - levels**0.25)
+    nearest = levels[distance.abs().argmin(dim=-1)]
+    assert torch.allclose(decoded, nearest * scales.unsqueeze(1), rtol=1e-6, atol=0)
+    if not signed:
+        assert (decoded > 0).all()  # the second moment's map excludes zero
+    # byte i of a block holds element i in its low nibble and element i + block_size / 2 in its high one;
+    # code c stands for level c
+    codes = torch.cat([packed & 15, packed >> 4], dim=1)
+    assert torch.equal(decoded, levels[codes.long()] * scales.unsqueeze(1))
+
+
+def test_zero_block_decodes_to_zero():
+    for signed in (True, False):
+        codec = Blockwise4bitCodec(64, signed)
+        packed, scales = torch.zeros(2, 32, dtype=torch.uint8), torch.zeros(2)
+        codec.encode(torch.stack([torch.zeros(64), torch.rand(64)]), (packed, scales))
+        assert scales[0] == 0 and torch.equal(codec.decode((packed, scales))[0], torch.zeros(64))
+
+
+def test_4bit_and_8bit_state_dicts_are_told_apart_and_load_into_each_other():
+    batches = regression_batches(8)
+    model = make_mlp()
+    four = hf_paged.PagedAdamW4bit(decay_groups(model), lr=1e-2, page_size=4096, block_size=64, min_4bit_size=256)
+    train(model, four, batches)
+    saved = four.state_dict()
+    assert "exp_avg_packed_codes" in saved["state"][0] and "exp_avg_codes" not in saved["state"][0]
+    exact = hf_paged.PagedAdamW(decay_groups(model), lr=1e-2, page_size=4096)
+    exact.load_state_dict(saved)
+    again = hf_paged.PagedAdamW4bit(decay_groups(model), lr=1e-2, page_size=4096, block_size=64, min_4bit_size=256)
+    again.load_state_dict(exact.state_dict())
+    eight = hf_paged.PagedAdamW8bit(decay_groups(model), lr=1e-2, page_size=4096, block_size=128, min_8bit_size=256)
+    eight.load_state_dict(saved)
+    exact_state, again_state, eight_state = (optimizer.state_dict()["state"] for optimizer in (exact, again, eight))
+    assert "exp_avg_codes" in eight_state[0]
+    for index, entry in exact_state.items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            # decoding to fp32 and encoding again gives the same codes and scales back
+            for key in (f"{name}_packed_codes", f"{name}_scales"):
+                if key in saved["state"][index]:
+                    assert torch.equal(again_state[index][key], saved["state"][index][key]), (index, key)
+            if f"{name}_codes" in eight_state[index]:
+                numel = entry[name].numel()
+                codec = hf_paged.codecs.Blockwise8bitCodec(128, name == "exp_avg")
+                codes = to_blocks(eight_state[index][f"{name}_codes"].reshape(-1), 128)
+                values = codec.decode((codes, eight_state[index][f"{name}_scales"])).reshape(-1)[:numel]
+                assert ((values - entry[name].reshape(-1)).abs().max() / entry[name].abs().max()).item() < 0.05
