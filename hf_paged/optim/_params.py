@@ -122,7 +122,7 @@ class StridedRange:
 
     def gather(self) -> torch.Tensor:
         if len(self.views) == 1:
-            return self.views[0].reshape(-1)
+            return self.views[0].contiguous().view(-1)
         return torch.cat([view.reshape(-1) for view in self.views])
 
     def scatter(self, values: torch.Tensor) -> None:
