@@ -63,10 +63,9 @@ def test_deepcopy_is_an_independent_optimizer_with_the_same_state(name):
     # as torch does, a copy of the optimizer alone holds copies of the parameters
     assert all(a is not b and torch.equal(a, b) for a, b in zip(duplicate.param_groups[0]["params"], decay_groups(model)[0]["params"]))
     if name is not None:
-        for setting in ("page_size", "prefetch", "eight_bit", "device_budget", "compiled"):
+        for setting in ("page_size", "prefetch", "device_budget", "compiled"):
             assert getattr(duplicate, setting) == getattr(optimizer, setting), setting
         assert duplicate.paging_stats()["pages_total"] == optimizer.paging_stats()["pages_total"]
-        assert duplicate._store is not optimizer._store
     before = optimizer.state_dict()
     for param in itertools.chain.from_iterable(group["params"] for group in duplicate.param_groups):
         param.grad = torch.ones_like(param)
@@ -112,6 +111,29 @@ def test_pickle_round_trip_steps_and_saves(name):
     train(model_copy, optimizer_copy, batches)
     assert torch.equal(flat(model), flat(model_copy))
     assert_same_state(optimizer.state_dict(), optimizer_copy.state_dict())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_deepcopy_and_pickle_on_cuda(name):
+    def train_on_cuda(model, optimizer, batches):
+        for inputs, targets in batches:
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(inputs.cuda()), targets.cuda()).backward()
+            optimizer.step()
+
+    model = make_mlp().cuda()
+    optimizer = paged(name, decay_groups(model), device_budget=8192)
+    train_on_cuda(model, optimizer, regression_batches(2))
+    copies = [copy.deepcopy((model, optimizer)), pickle.loads(pickle.dumps((model, optimizer)))]
+    batches = regression_batches(2, seed=7)
+    train_on_cuda(model, optimizer, batches)
+    for model_copy, optimizer_copy in copies:
+        train_on_cuda(model_copy, optimizer_copy, batches)
+        assert torch.equal(flat(model), flat(model_copy))
+        assert_same_state(optimizer.state_dict(), optimizer_copy.state_dict())
+        assert optimizer_copy.paging_stats()["device_bytes"] <= 8192
 
 
 @pytest.mark.parametrize("name", [None, "PagedAdamW8bit"], ids=lambda name: name or "torch.AdamW")
@@ -323,13 +345,14 @@ def test_one_element_tensor_lr_follows_schedulers_as_in_torch():
 # 6. non-contiguous parameters -------------------------------------------------------------------------
 
 
-def strided_params(seed: int = 0) -> list[torch.nn.Parameter]:
+def strided_params(seed: int = 0, device: str = "cpu") -> list[torch.nn.Parameter]:
     """A transposed matrix, a strided vector and a permuted 3-d tensor, none contiguous, as leaf parameters."""
     generator = torch.Generator().manual_seed(seed)
+    bases = [torch.randn(shape, generator=generator).to(device) for shape in ((12, 100), (600,), (5, 6, 20))]
     params = [
-        torch.nn.Parameter(torch.randn(12, 100, generator=generator).t()),
-        torch.nn.Parameter(torch.randn(600, generator=generator)[::2]),
-        torch.nn.Parameter(torch.randn(5, 6, 20, generator=generator).permute(2, 0, 1)),
+        torch.nn.Parameter(bases[0].t()),
+        torch.nn.Parameter(bases[1][::2]),
+        torch.nn.Parameter(bases[2].permute(2, 0, 1)),
     ]
     assert not any(param.is_contiguous() for param in params)
     return params
@@ -339,13 +362,17 @@ def step_with(params, optimizer, steps: int = 3) -> None:
     generator = torch.Generator().manual_seed(5)
     for _ in range(steps):
         for param in params:
-            param.grad = torch.randn(param.shape, generator=generator)
+            param.grad = torch.randn(param.shape, generator=generator).to(param.device)
         optimizer.step()
 
 
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])],
+)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_non_contiguous_parameters_update_exactly_like_contiguous_ones(name):
-    strided = strided_params()
+def test_non_contiguous_parameters_update_exactly_like_contiguous_ones(name, device):
+    strided = strided_params(device=device)
     contiguous = [torch.nn.Parameter(param.detach().contiguous()) for param in strided]
     layouts = [(param.data_ptr(), param.stride()) for param in strided]
     runs = []
@@ -359,6 +386,11 @@ def test_non_contiguous_parameters_update_exactly_like_contiguous_ones(name):
     assert [(param.data_ptr(), param.stride()) for param in strided] == layouts  # updated in place, no new storage
     stats = [optimizer.paging_stats() for optimizer in runs]
     assert stats[0]["host_bytes"] + stats[0]["device_bytes"] == stats[1]["host_bytes"] + stats[1]["device_bytes"]
+    strided_copy, optimizer_copy = copy.deepcopy((strided, runs[0]))
+    for params, optimizer in ((strided, runs[0]), (strided_copy, optimizer_copy)):
+        step_with(params, optimizer, steps=1)
+    assert all(torch.equal(a, b) for a, b in zip(strided, strided_copy))
+    assert_same_state(runs[0].state_dict(), optimizer_copy.state_dict())
 
 
 def test_non_contiguous_parameters_match_torch_adamw():
