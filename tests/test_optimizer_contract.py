@@ -449,6 +449,8 @@ def bad_groups(model):
         ({"params": [("a", fresh)]}, ValueError, r"param group 2 is with parameter names but param group 0 is not"),
         ({"params": {fresh}}, TypeError, r"param group 2: params must be an ordered collection"),
         ({"lr": 1.0}, ValueError, r"param group 2 has no 'params'"),
+        ({"params": [fresh, torch.zeros(3, device="meta", requires_grad=True)]}, ValueError,
+         r"parameter 1 of param group 2 is on meta, the optimizer's other parameters on cpu"),
     ]
 
 

@@ -187,11 +187,13 @@ class PagedOptimizer(Optimizer):
         param_group = normalize_param_group(param_group, self.param_groups, type(self).__name__)
         params = param_group["params"]
         device = self._params[0].device if self._params else None
-        for param in params:
+        for position, param in enumerate(params):
             device = device or param.device
             if param.device != device:
+                where = describe_parameter(len(self.param_groups), position, param_group.get("param_names"))
                 raise ValueError(
-                    f"all parameters of one optimizer must be on one device, got {device} and {param.device}"
+                    f"{where} is on {param.device}, the optimizer's other parameters on {device}: all parameters "
+                    "of one optimizer must be on one device"
                 )
         try:
             self.check_group({**self.defaults, **param_group})
