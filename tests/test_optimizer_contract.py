@@ -113,6 +113,19 @@ def test_pickle_round_trip_steps_and_saves(name):
     assert_same_state(optimizer.state_dict(), optimizer_copy.state_dict())
 
 
+@pytest.mark.parametrize("name", [None, "PagedAdamW"], ids=lambda name: name or "torch.AdamW")
+def test_copies_of_an_optimizer_with_a_scheduler_step_themselves(name):
+    _, optimizer = trained(name)
+    torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)  # wraps optimizer.step on the instance
+    for duplicate in (copy.deepcopy(optimizer), pickle.loads(pickle.dumps(optimizer))):
+        before = optimizer.state_dict()
+        for param in itertools.chain.from_iterable(group["params"] for group in duplicate.param_groups):
+            param.grad = torch.ones_like(param)
+        duplicate.step()
+        assert_same_state(before, optimizer.state_dict())
+        assert duplicate.state_dict()["state"][0]["step"] == before["state"][0]["step"] + 1
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))

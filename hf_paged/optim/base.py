@@ -561,10 +561,12 @@ class PagedOptimizer(Optimizer):
         """The settings, the param groups and the state as :meth:`state_dict` holds it (CPU tensors).
 
         The page store, its device buffers and the backend's streams are not copied: :meth:`__setstate__`
-        lays the state out again in new pages. As with ``torch.optim``, hooks are not copied.
+        lays the state out again in new pages. As with ``torch.optim``, hooks are not copied, nor are
+        instance attributes that stand in for methods (the ``step`` an LR scheduler wraps).
         """
         hooks = [name for name in vars(self) if name.startswith("_optimizer_") and name.endswith("_hooks")]
-        left_out = {*self._REBUILT_ATTRIBUTES, *hooks, "param_groups", "state"}
+        patched = [name for name in vars(self) if callable(getattr(type(self), name, None))]
+        left_out = {*self._REBUILT_ATTRIBUTES, *hooks, *patched, "param_groups", "state"}
         saved = {key: value for key, value in vars(self).items() if key not in left_out}
         saved["param_groups"] = [dict(group) for group in self.param_groups]
         saved["_saved_state"] = self._state_dict()
