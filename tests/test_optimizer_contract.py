@@ -460,6 +460,7 @@ def bad_groups(model):
         ({"params": [fresh], "lr": -1.0}, ValueError, r"param group 2: lr must be"),
         ({"params": [fresh], "betas": (0.9, 1.5)}, ValueError, r"param group 2: betas\[1\]"),
         ({"params": [("a", fresh)]}, ValueError, r"param group 2 is with parameter names but param group 0 is not"),
+        ({"params": [("a", fresh), first]}, ValueError, r"param group 2 mixes \(name, tensor\) pairs \(parameter 0\)"),
         ({"params": {fresh}}, TypeError, r"param group 2: params must be an ordered collection"),
         ({"lr": 1.0}, ValueError, r"param group 2 has no 'params'"),
         ({"params": [fresh, torch.zeros(3, device="meta", requires_grad=True)]}, ValueError,
