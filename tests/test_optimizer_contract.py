@@ -11,7 +11,6 @@ import pickle
 
 import pytest
 import torch
-
 from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -211,49 +210,51 @@ def test_load_state_dict_hooks_run_as_in_torch(name):
     assert runs[name][-2:] == [("post first", 0.125), ("post", 0.125)]
 
 
+def state_dict_hook_calls(optimizer) -> list:
+    calls = []
+    optimizer.register_state_dict_pre_hook(lambda opt: calls.append("pre"))
+    optimizer.register_state_dict_pre_hook(lambda opt: calls.append("pre first"), prepend=True)
+
+    def post(opt, state_dict):
+        calls.append(("post", bool(set(state_dict["state"][0]) & STATE_KEYS), "step" in state_dict["state"][0]))
+        return {**state_dict, "extra": "from a hook"}
+
+    optimizer.register_state_dict_post_hook(post)
+    assert optimizer.state_dict()["extra"] == "from a hook"
+    return calls
+
+
 @pytest.mark.parametrize("name", TWO_KINDS)
 def test_state_dict_hooks_run_as_in_torch_and_see_the_whole_state(name):
-    runs = {}
-    for key in (None, name):
-        _, optimizer = trained(key)
-        calls = []
-        optimizer.register_state_dict_pre_hook(lambda opt: calls.append("pre"))
-        optimizer.register_state_dict_pre_hook(lambda opt: calls.append("pre first"), prepend=True)
+    ours, theirs = state_dict_hook_calls(trained(name)[1]), state_dict_hook_calls(trained(None)[1])
+    assert ours == theirs == ["pre first", "pre", ("post", True, True)]
 
-        def post(opt, state_dict):
-            calls.append(("post", bool(set(state_dict["state"][0]) & STATE_KEYS), "step" in state_dict["state"][0]))
-            return {**state_dict, "extra": "from a hook"}
 
-        optimizer.register_state_dict_post_hook(post)
-        assert optimizer.state_dict()["extra"] == "from a hook"
-        runs[key] = calls
-    assert runs[name] == runs[None] == ["pre first", "pre", ("post", True, True)]
+def step_hook_calls(model, optimizer) -> tuple[list, bool]:
+    calls = []
+    inputs, targets = regression_batches(1, seed=3)[0]
+
+    def closure():
+        calls.append("closure")
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        return loss
+
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: calls.append("pre") or (args, {"closure": closure}))
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: calls.append(("post", "closure" in kwargs)))
+    handle = register_optimizer_step_pre_hook(lambda opt, args, kwargs: calls.append("global"))
+    try:
+        loss = optimizer.step()
+    finally:
+        handle.remove()
+    return calls, loss is not None
 
 
 @pytest.mark.parametrize("name", TWO_KINDS)
 def test_step_hooks_run_as_in_torch(name):
-    runs = {}
-    for key in (None, name):
-        model, optimizer = trained(key)
-        calls = []
-        inputs, targets = regression_batches(1, seed=3)[0]
-
-        def closure():
-            calls.append("closure")
-            optimizer.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(inputs), targets)
-            loss.backward()
-            return loss
-
-        optimizer.register_step_pre_hook(lambda opt, args, kwargs: calls.append("pre") or (args, {"closure": closure}))
-        optimizer.register_step_post_hook(lambda opt, args, kwargs: calls.append(("post", "closure" in kwargs)))
-        handle = register_optimizer_step_pre_hook(lambda opt, args, kwargs: calls.append("global"))
-        try:
-            loss = optimizer.step()
-        finally:
-            handle.remove()
-        runs[key] = (calls, loss is not None)
-    assert runs[name] == runs[None] == (["global", "pre", "closure", ("post", True)], True)
+    ours, theirs = step_hook_calls(*trained(name)), step_hook_calls(*trained(None))
+    assert ours == theirs == (["global", "pre", "closure", ("post", True)], True)
 
 
 # 3. named parameters ----------------------------------------------------------------------------------

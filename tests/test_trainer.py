@@ -15,6 +15,7 @@ from transformers import HfArgumentParser, Trainer, TrainingArguments
 import hf_paged
 from hf_paged.integrations import OPTIMIZER_NAMES, parse_optim_args
 from hf_paged.integrations import trainer as trainer_integration
+
 from trainer_utils import tiny_llama, token_dataset, training_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -59,9 +59,7 @@ def normalize_param_group(
     elif "param_names" in param_group:
         names = list(param_group["param_names"])
         if len(names) != len(params):
-            raise ValueError(
-                f"param group {group_index} has {len(names)} param_names for {len(params)} parameters"
-            )
+            raise ValueError(f"param group {group_index} has {len(names)} param_names for {len(params)} parameters")
     for index, group in enumerate(existing_groups):
         if ("param_names" in group) != (names is not None):
             raise ValueError(

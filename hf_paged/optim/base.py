@@ -433,7 +433,7 @@ class PagedOptimizer(Optimizer):
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("state_dict must be a dict with 'state' and 'param_groups'")
         if not isinstance(state_dict["param_groups"], (list, tuple)) or not isinstance(state_dict["state"], dict):
-            raise ValueError("state_dict['param_groups'] must be a list and state_dict['state'] a dict")
+            raise TypeError("state_dict['param_groups'] must be a list and state_dict['state'] a dict")
         saved_groups = copy.deepcopy(state_dict["param_groups"])
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
