@@ -49,6 +49,10 @@ class AutoBudget:
         self._last_exact: int | None = None
         self.probe = probe
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles keep the settings and measured peaks, not the probe: binding measures again."""
+        return {**self.__dict__, "probe": None}
+
     def bind(self, device: torch.device) -> None:
         """Measure ``device`` with its shared probe unless a probe was given."""
         if self.probe is None:

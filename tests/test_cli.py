@@ -278,6 +278,16 @@ def test_qlora_7b_recipe_parses_and_validates():
     assert args.optim_args == training["optim_args"] and args.warmup_steps == 0.03
 
 
+
+def test_bad_optim_args_are_a_config_error_before_anything_loads(tmp_path):
+    config = default_config()
+    update(config, {"training": {"output_dir": str(tmp_path / "out"), "optim_args": "device_budget=auto,budget=1GiB"}},
+           source="test")
+    with pytest.raises(ConfigError, match=r"training: .*optim_args key 'budget' is not accepted by PagedAdamW8bit"):
+        training_arguments(config)
+    assert not (tmp_path / "out").exists()
+
+
 # Data, prompt and tokenizer --------------------------------------------------------------------------------
 
 

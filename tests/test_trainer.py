@@ -14,6 +14,8 @@ from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 import hf_paged
 from hf_paged.integrations import OPTIMIZER_NAMES, parse_optim_args
+from hf_paged.integrations import trainer as trainer_integration
+
 from trainer_utils import tiny_llama, token_dataset, training_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,6 +118,46 @@ def test_optim_args_are_typed_and_checked():
 
 
 @pytest.mark.parametrize(
+    ("optim", "settings", "message"),
+    [
+        ("hf_paged_adamw_8bit", {"optim_args": "budget=1GiB"}, r"optim_args key 'budget' is not accepted by PagedAdamW8bit"),
+        ("hf_paged_adamw_32bit", {"optim_args": "prefetch=-1"}, r"prefetch must be an integer >= 0, got -1"),
+        ("hf_paged_lion_8bit", {"optim_args": "block_size=100"}, r"block_size must be a power of two"),
+        ("hf_paged_adamw_8bit", {"optim_args": "page_size=8MiB,device_budget=1MiB"}, r"device_budget=1048576 is smaller"),
+        ("hf_paged_lion_32bit", {"optim_args": "prefetch"}, r"optim_args entry 'prefetch' is not of the form key=value"),
+        ("hf_paged_adamw_32bit", {"adam_beta1": 1.5}, r"betas\[0\] must be in \[0, 1\)"),
+    ],
+)
+def test_bad_optimizer_settings_fail_when_the_arguments_are_built(tmp_path, optim, settings, message):
+    output = tmp_path / "out"
+    with pytest.raises(ValueError, match=rf"optim='{optim}'.*{message}"):
+        TrainingArguments(output_dir=str(output), optim=optim, use_cpu=True, **settings)
+    command_line = [f"--{key}={value}" for key, value in settings.items()]
+    with pytest.raises(ValueError, match=message):
+        HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+            ["--output_dir", str(output), "--optim", optim, "--use_cpu", *command_line]
+        )
+    if "optim_args" in settings:
+        args = TrainingArguments(output_dir=str(output), use_cpu=True)
+        before = args.to_dict()
+        with pytest.raises(ValueError, match=message):
+            args.set_optimizer(optim, args=settings["optim_args"])
+        assert args.to_dict() == before
+    assert not output.exists()
+
+
+def test_optimizer_settings_checked_early_only_for_our_optimizers(tmp_path, monkeypatch):
+    TrainingArguments(output_dir=str(tmp_path), optim="hf_paged_adamw_8bit", optim_args="device_budget=auto,prefetch=1")
+    TrainingArguments(output_dir=str(tmp_path), optim="adamw_torch", optim_args="anything=1")
+    monkeypatch.setattr(trainer_integration, "_replacing_bitsandbytes", False)
+    monkeypatch.delenv(trainer_integration.REPLACE_BITSANDBYTES_ENV, raising=False)
+    TrainingArguments(output_dir=str(tmp_path), optim="paged_adamw_8bit", optim_args="anything=1")
+    monkeypatch.setenv(trainer_integration.REPLACE_BITSANDBYTES_ENV, "1")
+    with pytest.raises(ValueError, match="'anything' is not accepted by PagedAdamW8bit"):
+        TrainingArguments(output_dir=str(tmp_path), optim="paged_adamw_8bit", optim_args="anything=1")
+
+
+@pytest.mark.parametrize(
     "overrides",
     [
         {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 2},
@@ -203,7 +245,7 @@ def test_runner_replaces_bitsandbytes_names_only_when_asked(tmp_path):
                           env={"HF_PAGED_REPLACE_BITSANDBYTES": "1"})
     assert replaced.returncode == 0, replaced.stderr
     assert json.loads(replaced.stdout.strip().splitlines()[-1])["optimizer"] == "PagedAdamW8bit"
-    assert "now select hf-paged optimizers" in replaced.stderr
+    assert replaced.stderr.count("now select hf-paged optimizers") == 1
     default = run_script("--output_dir", str(tmp_path), "--optim", "paged_adamw_8bit", "--max_steps", "1")
     assert default.returncode == 0, default.stderr
     assert json.loads(default.stdout.strip().splitlines()[-1])["optimizer"] != "PagedAdamW8bit"

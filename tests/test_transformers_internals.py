@@ -10,6 +10,7 @@ import transformers
 from transformers import trainer_optimizer, training_args
 
 from hf_paged.integrations import _transformers_internals as internals
+from hf_paged.integrations.trainer import check_training_arguments, split_optim_args
 
 
 def test_optimizer_names_enum_has_the_tables_we_extend():
@@ -60,3 +61,21 @@ def test_missing_trainer_names_give_an_error_naming_the_version(monkeypatch):
     monkeypatch.delattr(trainer, "SCHEDULER_NAME")
     with pytest.raises(internals.RegistrationError, match=rf"resume.*transformers {transformers.__version__}.*SCHEDULER_NAME"):
         internals.load_optimizer_state_on_cpu(lambda optimizer: True)
+
+
+def test_training_arguments_are_checked_after_post_init_and_set_optimizer():
+    for method in ("__post_init__", "set_optimizer"):
+        wrapped = getattr(training_args.TrainingArguments, method)
+        assert wrapped._hf_paged_check is check_training_arguments, method
+        assert callable(wrapped.__wrapped__)
+
+
+@pytest.mark.parametrize("text", [None, "", "a=1", "a=1,b=2", " device_budget = 2GiB , prefetch=1 "])
+def test_optim_args_split_as_transformers_does(text):
+    assert split_optim_args(text) == trainer_optimizer._parse_optim_args(text)
+
+
+def test_missing_training_arguments_give_an_error_naming_the_version(monkeypatch):
+    monkeypatch.setattr(training_args, "TrainingArguments", None)
+    with pytest.raises(internals.RegistrationError, match=r"TrainingArguments.__post_init__"):
+        internals.check_training_arguments_with(check_training_arguments)

@@ -3,14 +3,16 @@
 transformers has no public registry of optimizers: names are members of the ``OptimizerNames`` enum in
 ``transformers.training_args`` (``TrainingArguments.__post_init__`` converts ``optim`` with it, and
 ``HfArgumentParser`` lists its values as ``--optim`` choices), and each name's factory is an entry of
-``_OPTIMIZER_HANDLERS`` in ``transformers.trainer_optimizer``. A callback's handler is found in the frame of
-``CallbackHandler.call_event``. Resuming replaces ``Trainer._load_optimizer_and_scheduler`` for our
-optimizers, to load their state to the CPU. All are used here and nowhere else;
+``_OPTIMIZER_HANDLERS`` in ``transformers.trainer_optimizer``. ``optim_args`` are checked by wrapping
+``TrainingArguments.__post_init__`` and ``TrainingArguments.set_optimizer``. A callback's handler is found in
+the frame of ``CallbackHandler.call_event``. Resuming replaces ``Trainer._load_optimizer_and_scheduler`` for
+our optimizers, to load their state to the CPU. All are used here and nowhere else;
 ``tests/test_transformers_internals.py`` fails loudly when a release changes them.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -79,6 +81,40 @@ def optimizer_handler(value: str) -> Callable[..., Any] | None:
     """The handler the Trainer uses for optimizer ``value``, if any."""
     names = _optimizer_names()
     return _optimizer_handlers().get(names(value)) if value in names._value2member_map_ else None
+
+
+def check_training_arguments_with(check: Callable[[Any], None]) -> None:
+    """Call ``check(args)`` at the end of ``TrainingArguments.__post_init__`` and ``set_optimizer`` (idempotent);
+    when it raises, the arguments are put back as they were before the call.
+
+    The dataclass ``__init__`` calls ``__post_init__``, so every way of building the arguments is checked:
+    ``TrainingArguments(...)``, ``HfArgumentParser``, and subclasses such as TRL's ``SFTConfig``.
+    """
+    arguments = getattr(importlib.import_module("transformers.training_args"), "TrainingArguments", None)
+    for method_name in ("__post_init__", "set_optimizer"):
+        method = getattr(arguments, method_name, None)
+        if not callable(method):
+            raise _fail(f"TrainingArguments.{method_name}")
+        if getattr(method, "_hf_paged_check", None) is not None:
+            continue
+        setattr(arguments, method_name, _followed_by(method, check))
+
+
+def _followed_by(method: Callable[..., Any], check: Callable[[Any], None]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def checked(self, *args: Any, **kwargs: Any) -> Any:
+        before = dict(vars(self))
+        result = method(self, *args, **kwargs)
+        try:
+            check(self)
+        except ValueError:
+            vars(self).clear()
+            vars(self).update(before)
+            raise
+        return result
+
+    checked._hf_paged_check = check
+    return checked
 
 
 def calling_callback_handler(max_depth: int = 4) -> Any | None:

@@ -6,6 +6,8 @@ import logging
 import os
 from typing import Any
 
+import torch
+
 from ..memory import probe_for
 from ..optim import PagedAdamW, PagedAdamW4bit, PagedAdamW8bit, PagedLion, PagedLion8bit, PagedOptimizer
 from ..sizes import parse_size
@@ -32,6 +34,22 @@ BITSANDBYTES_NAMES: dict[str, str] = {
 
 REPLACE_BITSANDBYTES_ENV = "HF_PAGED_REPLACE_BITSANDBYTES"
 
+_replacing_bitsandbytes = False
+"""Whether ``register_handlers`` has routed bitsandbytes' paged names to ours in this process."""
+
+
+def _replace_requested_by_environment() -> bool:
+    return os.environ.get(REPLACE_BITSANDBYTES_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def optimizer_class_for(name: str) -> type | None:
+    """The hf-paged optimizer the Trainer builds for ``optim=name``, ``None`` for any other optimizer."""
+    if name in OPTIMIZER_NAMES:
+        return OPTIMIZER_NAMES[name]
+    if name in BITSANDBYTES_NAMES and (_replacing_bitsandbytes or _replace_requested_by_environment()):
+        return OPTIMIZER_NAMES[BITSANDBYTES_NAMES[name]]
+    return None
+
 
 def _budget(value: str) -> int | str | None:
     lowered = value.strip().lower()
@@ -55,6 +73,19 @@ _COMMON_ARGS = {
 }
 _EIGHT_BIT_ARGS = {"block_size": int, "min_8bit_size": int}
 _FOUR_BIT_ARGS = {"block_size": int, "min_4bit_size": int}
+
+
+def split_optim_args(optim_args: str | None) -> dict[str, str]:
+    """Split ``TrainingArguments.optim_args`` (``"key=value,key=value"``, spaces ignored) as the Trainer does."""
+    if not optim_args:
+        return {}
+    split = {}
+    for entry in optim_args.replace(" ", "").split(","):
+        if entry.count("=") != 1:
+            raise ValueError(f"optim_args entry {entry!r} is not of the form key=value (in {optim_args!r})")
+        key, value = entry.split("=")
+        split[key] = value
+    return split
 
 
 def parse_optim_args(optim_args: dict[str, str], optimizer_cls: type) -> dict[str, Any]:
@@ -87,13 +118,46 @@ def keep_trainer_memory_metrics(args) -> None:
         probe_for(args.device).reset_peaks = False
 
 
+def _optimizer_kwargs(
+    optimizer_cls: type, optimizer_kwargs: dict[str, Any], adam_kwargs: dict[str, Any], optim_args: dict[str, str]
+) -> dict[str, Any]:
+    """The keyword arguments the Trainer's optimizer settings and ``optim_args`` give ``optimizer_cls``."""
+    kwargs = dict(optimizer_kwargs)
+    kwargs["betas"] = adam_kwargs["betas"]
+    if optimizer_cls in (PagedAdamW, PagedAdamW8bit, PagedAdamW4bit):
+        kwargs["eps"] = adam_kwargs["eps"]
+    kwargs.update(parse_optim_args(optim_args, optimizer_cls))
+    return kwargs
+
+
+def check_training_arguments(args) -> None:
+    """Raise ValueError now for what the optimizer ``args.optim`` selects would reject when the Trainer builds it.
+
+    Runs when the ``TrainingArguments`` are built (before a model or data is loaded, before the output
+    folder exists): ``optim_args`` are parsed, and the optimizer is built once on a one-element CPU tensor
+    with them and the Trainer's learning rate, betas and epsilon, so that its own checks apply.
+    """
+    name = getattr(args.optim, "value", args.optim)
+    optimizer_cls = optimizer_class_for(name)
+    if optimizer_cls is None:
+        return
+    try:
+        kwargs = _optimizer_kwargs(
+            optimizer_cls,
+            {"lr": args.learning_rate},
+            {"betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon},
+            split_optim_args(args.optim_args),
+        )
+        if kwargs.get("device_budget") == "auto":
+            kwargs["device_budget"] = None
+        optimizer_cls([torch.zeros(1, requires_grad=True)], **kwargs)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"optim={name!r} with optim_args={args.optim_args!r}: {error}") from None
+
+
 def _handler(optimizer_cls: type):
     def build(context) -> tuple[type, dict[str, Any]]:
-        kwargs = dict(context.optimizer_kwargs)
-        kwargs["betas"] = context.adam_kwargs["betas"]
-        if optimizer_cls in (PagedAdamW, PagedAdamW8bit, PagedAdamW4bit):
-            kwargs["eps"] = context.adam_kwargs["eps"]
-        kwargs.update(parse_optim_args(context.optim_args, optimizer_cls))
+        kwargs = _optimizer_kwargs(optimizer_cls, context.optimizer_kwargs, context.adam_kwargs, context.optim_args)
         if kwargs.get("device_budget") == "auto":
             keep_trainer_memory_metrics(context.args)
         return optimizer_cls, kwargs
@@ -102,25 +166,29 @@ def _handler(optimizer_cls: type):
 
 
 def register_names() -> None:
-    """Add the ``hf_paged_*`` names to ``TrainingArguments``' choices (idempotent)."""
+    """Add the ``hf_paged_*`` names to ``TrainingArguments``' choices and check their ``optim_args`` (idempotent)."""
     for name in OPTIMIZER_NAMES:
         internals.add_optimizer_name(name)
+    internals.check_training_arguments_with(check_training_arguments)
 
 
 def register_handlers(replace_bitsandbytes: bool | None = None) -> None:
     """Make the Trainer build our optimizers for our names (and, if asked, for bitsandbytes' paged names)."""
+    global _replacing_bitsandbytes
     if replace_bitsandbytes is None:
-        replace_bitsandbytes = os.environ.get(REPLACE_BITSANDBYTES_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+        replace_bitsandbytes = _replace_requested_by_environment()
     register_names()
     for name, optimizer_cls in OPTIMIZER_NAMES.items():
         internals.set_optimizer_handler(name, _handler(optimizer_cls))
     if replace_bitsandbytes:
         for bitsandbytes_name, ours in BITSANDBYTES_NAMES.items():
             internals.set_optimizer_handler(bitsandbytes_name, _handler(OPTIMIZER_NAMES[ours]))
-        logger.warning(
-            "hf-paged: bitsandbytes' paged optimizer names (%s) now select hf-paged optimizers",
-            ", ".join(BITSANDBYTES_NAMES),
-        )
+        if not _replacing_bitsandbytes:
+            logger.warning(
+                "hf-paged: bitsandbytes' paged optimizer names (%s) now select hf-paged optimizers",
+                ", ".join(BITSANDBYTES_NAMES),
+            )
+        _replacing_bitsandbytes = True
 
 
 def is_paged(optimizer: Any) -> bool:

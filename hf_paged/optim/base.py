@@ -7,6 +7,7 @@ of ``torch.optim`` (``state`` keyed by parameter index, ``param_groups``) with C
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -30,6 +31,7 @@ from ..kernels import UpdateRule, resolve_compiled, segment_kernel
 from ..sizes import parse_size
 from ..store import Page, PageStore, Segment
 from ..stores import DeviceBudget, DeviceStores, device_key
+from ._params import StridedRange, describe_parameter, flat_elements, normalize_param_group
 
 DEFAULT_PAGE_SIZE = 4 * 2**20
 """Default page size in bytes (see ``benchmarks/optimizer_step.py``)."""
@@ -51,6 +53,8 @@ _LAYOUT_KEYS = ("block_size", "min_8bit_size", "min_4bit_size")
 
 def check_lr(lr: Any) -> None:
     if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
         lr = lr.item()
     if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr < 0:
         raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
@@ -169,6 +173,7 @@ class PagedOptimizer(Optimizer):
         self._param_codecs: list[str] = []
         self._budget = DeviceBudget.parse(device_budget, "device_budget", self.page_size)
         self._auto_budgets: dict[str, AutoBudget] = {}
+        self.check_group(defaults)
         super().__init__(params, defaults)
 
     # Layout -------------------------------------------------------------------------------------------
@@ -182,27 +187,23 @@ class PagedOptimizer(Optimizer):
         return formats
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group and lay out pages for its parameters' state."""
+        """Add a param group (tensors or ``(name, tensor)`` pairs) and lay out pages for its parameters' state."""
+        param_group = normalize_param_group(param_group, self.param_groups, type(self).__name__)
         params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        for param in params:
-            if not isinstance(param, torch.Tensor):
-                raise TypeError(f"params must be tensors, got {type(param).__name__}")
-            if not param.is_floating_point():
-                raise TypeError(f"{type(self).__name__} needs floating-point parameters, got one of dtype {param.dtype}")
-            if param.layout is not torch.strided:
-                raise TypeError(f"{type(self).__name__} does not support parameters with layout {param.layout}")
-            if not local_tensor(param).is_contiguous():
-                raise ValueError(f"{type(self).__name__} needs contiguous parameters")
+        for position, param in enumerate(params):
             if param.device.type == "meta":
+                where = describe_parameter(len(self.param_groups), position, param_group.get("param_names"))
                 raise ValueError(
-                    f"{type(self).__name__} needs parameters with data, got one on the meta device: materialize "
+                    f"{where} is on the meta device: {type(self).__name__} needs parameters with data; materialize "
                     "the model first (to_empty() and load its weights)"
                 )
-        self.check_group({**self.defaults, **param_group})
+        try:
+            self.check_group({**self.defaults, **param_group})
+        except ValueError as error:
+            raise ValueError(f"param group {len(self.param_groups)}: {error}") from None
         new_devices = {self._state_device(param) for param in params}.difference(self._store.stores)
         self._budget.resolve([*self._store.stores, *sorted(new_devices)])  # raises before anything changes
-        super().add_param_group({**param_group, "params": params})
+        super().add_param_group(param_group)
         self._layout(self.param_groups[-1]["params"], self.param_groups[-1])
 
     def _state_device(self, param: torch.Tensor) -> str:
@@ -292,18 +293,22 @@ class PagedOptimizer(Optimizer):
         """The parameters with gradients, with their flat local gradients; validates before any update."""
         work = []
         index = 0
-        for group in self.param_groups:
-            for param in group["params"]:
+        for group_index, group in enumerate(self.param_groups):
+            for position, param in enumerate(group["params"]):
                 if param.grad is not None:
                     grad = param.grad
                     if grad.is_sparse:
-                        raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                        raise RuntimeError(
+                            f"{describe_parameter(group_index, position, group.get('param_names'))} has a sparse "
+                            f"gradient; {type(self).__name__} does not support sparse gradients"
+                        )
                     if grad.shape != param.shape or grad.device != param.device:
                         raise RuntimeError(
-                            f"gradient of shape {tuple(grad.shape)} on {grad.device} for a parameter of shape "
-                            f"{tuple(param.shape)} on {param.device}"
+                            f"{describe_parameter(group_index, position, group.get('param_names'))} has a gradient "
+                            f"of shape {tuple(grad.shape)} on {grad.device}, expected shape {tuple(param.shape)} "
+                            f"on {param.device}"
                         )
-                    work.append((index, local_tensor(grad).reshape(-1), group))
+                    work.append((index, flat_elements(local_tensor(grad)), group))
                 index += 1
         return work
 
@@ -327,11 +332,11 @@ class PagedOptimizer(Optimizer):
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["step"] += 1
             step = state["step"].item()
-            flat_param = local_tensor(param).detach().view(-1)
+            flat_param = flat_elements(local_tensor(param).detach())
             for page, segment in self._param_segments[index]:
                 end = segment.start + segment.length
                 by_page[page.index].append((segment, flat_param[segment.start : end], grad[segment.start : end], step, group))
-            step_devices.add((flat_param.device, step))
+            step_devices.add((local_tensor(param).device, step))
         pages = [self._store.pages[i] for i in sorted(by_page)]
         if self._auto_budgets:
             self._begin_auto_step()
@@ -339,15 +344,16 @@ class PagedOptimizer(Optimizer):
         step_tensors = {key: torch.full((), key[1], dtype=torch.float32, device=key[0]) for key in step_devices}
         scalars_cache: dict[tuple[int, float], dict[str, float]] = {}
         for page in self._store.stream(pages):
-            items = by_page[page.index]
-            if self.update_page_fast(page, items, step_tensors):
-                continue
-            arrays = page.format.arrays(page.device)
-            for segment, param_slice, grad_slice, step, group in items:
-                key = (id(group), step)
-                if key not in scalars_cache:
-                    scalars_cache[key] = self.rule_scalars(group, step)
-                self._update_segment(kernel, page, arrays, segment, param_slice, grad_slice, scalars_cache[key])
+            items, strided_params = _gathered(by_page[page.index])
+            if not self.update_page_fast(page, items, step_tensors):
+                arrays = page.format.arrays(page.device)
+                for segment, param_slice, grad_slice, step, group in items:
+                    key = (id(group), step)
+                    if key not in scalars_cache:
+                        scalars_cache[key] = self.rule_scalars(group, step)
+                    self._update_segment(kernel, page, arrays, segment, param_slice, grad_slice, scalars_cache[key])
+            for strided, values in strided_params:
+                strided.scatter(values)
         if self._auto_budgets:
             self.prepare_forward()
             for auto in self._auto_budgets.values():
@@ -369,14 +375,29 @@ class PagedOptimizer(Optimizer):
         ``exp_avg_scales``). For a sharded (DTensor) parameter every state is exported as fp32 values in a
         DTensor placed like the parameter, so ``torch.distributed.checkpoint`` saves each rank's shard and
         reshards it (see :meth:`_sharded_entry`).
+        Keys of :attr:`state` that are not parameters pass through as they are. The state dict pre and post
+        hooks run as in ``torch.optim``.
         """
-        packed = super().state_dict()
-        exported = self._export_state(sorted(packed["state"]))
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = self._state_dict()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def _state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict` without its hooks."""
+        packed, param_indices = _packed(self.param_groups, self.state)
+        exported = self._export_state(sorted(param_indices))
         for index, entry in exported.items():
             if local_tensor(self._params[index]) is not self._params[index]:
                 exported[index] = self._sharded_entry(index, entry)
         packed["state"] = {
             index: {"step": entry["step"].detach().to("cpu", torch.float32, copy=True), **exported[index]}
+            if index in exported
+            else entry
             for index, entry in packed["state"].items()
         }
         return packed
@@ -442,10 +463,27 @@ class PagedOptimizer(Optimizer):
         """Load a state dict of this class or of ``torch.optim`` (fp32 moments are quantized for 8-bit state).
 
         Everything is checked before anything changes: a bad state dict leaves the optimizer as it was.
+        Keys of ``state`` that are not parameter indices are kept as they are; ``param_names`` are taken
+        from the saved groups where they have them. The load state dict pre hooks (which may replace the
+        state dict) and post hooks run as in ``torch.optim``.
         """
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._load_state_dict(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """:meth:`load_state_dict` without its hooks."""
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("state_dict must be a dict with 'state' and 'param_groups'")
-        saved_groups = state_dict["param_groups"]
+        if not isinstance(state_dict["param_groups"], (list, tuple)) or not isinstance(state_dict["state"], dict):
+            raise TypeError("state_dict['param_groups'] must be a list and state_dict['state'] a dict")
+        saved_groups = copy.deepcopy(state_dict["param_groups"])
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
                 f"state_dict has {len(saved_groups)} param groups, this optimizer has {len(self.param_groups)}"
@@ -454,6 +492,8 @@ class PagedOptimizer(Optimizer):
         index = 0
         new_groups = []
         for position, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            if not isinstance(saved, dict) or "params" not in saved:
+                raise ValueError(f"param group {position} of state_dict is not a dict with 'params'")
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
                     f"param group {position} of state_dict has {len(saved['params'])} parameters, "
@@ -463,10 +503,17 @@ class PagedOptimizer(Optimizer):
                 saved_to_index[saved_id] = (index, saved)
                 index += 1
             merged = {**group, **{key: value for key, value in saved.items() if key not in ("params", *_LAYOUT_KEYS)}}
-            self.check_group(merged)
+            try:
+                self.check_group(merged)
+            except ValueError as error:
+                raise ValueError(f"param group {position} of state_dict: {error}") from None
             new_groups.append(merged)
         sources = {}
+        other_state = {}
         for saved_id, entry in state_dict["state"].items():
+            if saved_id not in saved_to_index and not isinstance(saved_id, int):
+                other_state[saved_id] = entry
+                continue
             if saved_id not in saved_to_index:
                 raise ValueError(f"state_dict has state for parameter {saved_id!r}, which no param group lists")
             index, saved_group = saved_to_index[saved_id]
@@ -475,6 +522,7 @@ class PagedOptimizer(Optimizer):
         self.state = defaultdict(dict)
         for index, (step, _) in sources.items():
             self.state[self._params[index]] = {"step": torch.tensor(step, dtype=torch.float32)}
+        self.state.update(other_state)
         self._import_state({index: states for index, (_, states) in sources.items()})
 
     def _parse_saved_entry(
@@ -582,6 +630,46 @@ class PagedOptimizer(Optimizer):
             workspaces.append(per_element * self._chunk_elements(page_format) + padded_tail)
         return max(workspaces)
 
+    # Copying and pickling -------------------------------------------------------------------------------
+
+    _REBUILT_ATTRIBUTES: ClassVar[tuple[str, ...]] = (
+        "_store", "_auto_budgets", "_params", "_param_segments", "_param_codecs"
+    )
+    """Attributes that hold the page store and the layout: rebuilt from the param groups, never copied."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The settings, the param groups and the state as :meth:`state_dict` holds it (CPU tensors).
+
+        The page store, its device buffers and the backend's streams are not copied: :meth:`__setstate__`
+        lays the state out again in new pages. As with ``torch.optim``, hooks are not copied, nor are
+        instance attributes that stand in for methods (the ``step`` an LR scheduler wraps).
+        """
+        hooks = [name for name in vars(self) if name.startswith("_optimizer_") and name.endswith("_hooks")]
+        patched = [name for name in vars(self) if callable(getattr(type(self), name, None))]
+        left_out = {*self._REBUILT_ATTRIBUTES, *hooks, *patched, "param_groups", "state"}
+        saved = {key: value for key, value in vars(self).items() if key not in left_out}
+        saved["param_groups"] = [dict(group) for group in self.param_groups]
+        saved["_saved_state"] = self._state_dict()
+        return saved
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild a copy or an unpickled optimizer from :meth:`__getstate__`: new pages, the same state."""
+        if "_saved_state" not in state:
+            super().__setstate__(state)
+            return
+        state = dict(state)
+        saved_state = state.pop("_saved_state")
+        param_groups = state.pop("param_groups")
+        had_differentiable = "differentiable" in state["defaults"]
+        super().__setstate__({**state, "state": defaultdict(dict), "param_groups": []})
+        if not had_differentiable:
+            self.defaults.pop("differentiable", None)
+        self._store, self._auto_budgets = DeviceStores(self._new_store), {}
+        self._params, self._param_segments, self._param_codecs = [], [], []
+        for group in param_groups:
+            self.add_param_group(group)
+        self._load_state_dict(saved_state)
+
     # Budget ---------------------------------------------------------------------------------------------
 
     @property
@@ -684,6 +772,41 @@ def _store_stats(store: PageStore | DeviceStores) -> dict[str, int | float | Non
         "stall_seconds": stats.stall_seconds,
         "device_budget": store.device_budget,
     }
+
+def _packed(
+    param_groups: list[dict[str, Any]], state: dict[Any, Any]
+) -> tuple[dict[str, Any], list[int]]:
+    """``param_groups`` with parameters replaced by their indices, and ``state`` keyed by those indices (other
+    keys as they are), as ``torch.optim`` packs them; and the indices of the parameters that have state."""
+    index_of: dict[int, int] = {}
+    groups = []
+    for group in param_groups:
+        packed_group = {key: value for key, value in group.items() if key != "params"}
+        packed_group["params"] = [index_of.setdefault(id(param), len(index_of)) for param in group["params"]]
+        groups.append(packed_group)
+    packed_state = {}
+    param_indices = []
+    for key, entry in state.items():
+        if isinstance(key, torch.Tensor):
+            key = index_of[id(key)]
+            param_indices.append(key)
+        packed_state[key] = entry
+    return {"state": packed_state, "param_groups": groups}, param_indices
+
+
+def _gathered(items: list[tuple]) -> tuple[list[tuple], list[tuple[StridedRange, torch.Tensor]]]:
+    """A page's work items with the ranges of non-contiguous parameters and gradients copied to contiguous
+    tensors, and the parameters' copies to write back after the update."""
+    gathered, write_back = [], []
+    for segment, param_slice, grad_slice, *rest in items:
+        if isinstance(param_slice, StridedRange):
+            strided, param_slice = param_slice, param_slice.gather()
+            write_back.append((strided, param_slice))
+        if isinstance(grad_slice, StridedRange):
+            grad_slice = grad_slice.gather()
+        gathered.append((segment, param_slice, grad_slice, *rest))
+    return gathered, write_back
+
 
 def _like_shards_of(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """CPU tensor ``local`` (shaped like this rank's shard of DTensor ``param``) as a DTensor placed like ``param``.

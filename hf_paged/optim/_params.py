@@ -1,0 +1,155 @@
+"""Parameters as the paged optimizers take them: param groups with or without names, checked one by one,
+and the elements of a parameter that is not contiguous, read and written a range at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+def describe_parameter(group_index: int, position: int, names: Sequence[Any] | None) -> str:
+    """``"parameter 2 ('fc.weight') of param group 1"``: how error messages name a parameter."""
+    name = f" ({names[position]!r})" if names is not None and position < len(names) else ""
+    return f"parameter {position}{name} of param group {group_index}"
+
+
+def normalize_param_group(
+    param_group: Any, existing_groups: Sequence[dict[str, Any]], optimizer_name: str
+) -> dict[str, Any]:
+    """A new param group dict with ``params`` a list of tensors and, for ``(name, tensor)`` pairs, ``param_names``.
+
+    Raises TypeError or ValueError naming the group and parameter at fault, as ``torch.optim`` would
+    reject them and more: non-tensors, non-leaf tensors, tensors that are not floating point (complex
+    included) or not strided, a parameter listed twice or already in another group, names given for
+    some parameters only, or for some groups only.
+    """
+    group_index = len(existing_groups)
+    if not isinstance(param_group, dict):
+        raise TypeError(f"param group {group_index} must be a dict, got {type(param_group).__name__}")
+    if "params" not in param_group:
+        raise ValueError(f"param group {group_index} has no 'params'")
+    params = param_group["params"]
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    elif isinstance(params, set):
+        raise TypeError(
+            f"param group {group_index}: params must be an ordered collection (a set has no fixed order); use a list"
+        )
+    else:
+        params = list(params)
+    named = [isinstance(param, tuple) for param in params]
+    if any(named) and not all(named):
+        raise ValueError(
+            f"param group {group_index} mixes (name, tensor) pairs (parameter {named.index(True)}) and tensors "
+            f"(parameter {named.index(False)}); give all parameters with names or all without"
+        )
+    names = None
+    if params and all(named):
+        for position, pair in enumerate(params):
+            if len(pair) != 2:
+                raise ValueError(
+                    f"parameter {position} of param group {group_index} must be a (name, tensor) pair, "
+                    f"got a tuple of {len(pair)}"
+                )
+        names = [name for name, _ in params]
+        params = [tensor for _, tensor in params]
+    elif "param_names" in param_group:
+        names = list(param_group["param_names"])
+        if len(names) != len(params):
+            raise ValueError(f"param group {group_index} has {len(names)} param_names for {len(params)} parameters")
+    for index, group in enumerate(existing_groups):
+        if ("param_names" in group) != (names is not None):
+            raise ValueError(
+                f"param group {group_index} is {'with' if names is not None else 'without'} parameter names but "
+                f"param group {index} is not: give all param groups with names or all without"
+            )
+    seen: dict[int, int] = {}
+    elsewhere = {id(param): index for index, group in enumerate(existing_groups) for param in group["params"]}
+    for position, param in enumerate(params):
+        where = describe_parameter(group_index, position, names)
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(f"{where} must be a tensor, got {type(param).__name__}")
+        if param.is_complex():
+            raise TypeError(f"{where} is complex ({param.dtype}); {optimizer_name} does not support complex parameters")
+        if not param.is_floating_point():
+            raise TypeError(f"{where} has dtype {param.dtype}; {optimizer_name} needs floating-point parameters")
+        if param.layout is not torch.strided:
+            raise TypeError(f"{where} has layout {param.layout}; {optimizer_name} needs strided (dense) parameters")
+        if not (param.is_leaf or param.retains_grad):
+            raise ValueError(f"{where} is not a leaf tensor; only leaf tensors can be optimized")
+        if id(param) in seen:
+            raise ValueError(f"{where} is the same tensor as parameter {seen[id(param)]} of that group")
+        if id(param) in elsewhere:
+            raise ValueError(f"{where} is already in param group {elsewhere[id(param)]}")
+        seen[id(param)] = position
+    normalized = {**param_group, "params": params}
+    if names is not None:
+        normalized["param_names"] = names
+    return normalized
+
+
+def flat_elements(tensor: torch.Tensor) -> torch.Tensor | StridedElements:
+    """``tensor``'s elements in row-major order: a flat view, or for a non-contiguous tensor a sliceable stand-in."""
+    return tensor.view(-1) if tensor.is_contiguous() else StridedElements(tensor)
+
+
+class StridedElements:
+    """The row-major elements of a non-contiguous tensor; ``elements[start:end]`` is a :class:`StridedRange`."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def __getitem__(self, key: slice) -> StridedRange:
+        return StridedRange(self.tensor, key.start, key.stop)
+
+
+class StridedRange:
+    """Elements ``start`` to ``end`` (row-major) of a non-contiguous tensor, as a few strided views of it.
+
+    :meth:`gather` copies them into a new contiguous tensor (the range's size: a page's share of one
+    parameter at most) and :meth:`scatter` writes such a tensor back.
+    """
+
+    def __init__(self, tensor: torch.Tensor, start: int, end: int) -> None:
+        self.numel = end - start
+        self.views: list[torch.Tensor] = []
+        _collect_views(tensor, start, end, self.views)
+
+    def gather(self) -> torch.Tensor:
+        if len(self.views) == 1:
+            return self.views[0].contiguous().view(-1)
+        return torch.cat([view.reshape(-1) for view in self.views])
+
+    def scatter(self, values: torch.Tensor) -> None:
+        offset = 0
+        for view in self.views:
+            view.copy_(values[offset : offset + view.numel()].view(view.shape))
+            offset += view.numel()
+
+
+def _collect_views(tensor: torch.Tensor, start: int, end: int, views: list[torch.Tensor]) -> None:
+    """Append views of ``tensor`` whose row-major elements, one after another, are its elements ``start:end``."""
+    if start >= end:
+        return
+    if start == 0 and end == tensor.numel():
+        views.append(tensor)
+        return
+    if tensor.dim() == 1:
+        views.append(tensor[start:end])
+        return
+    row = tensor.numel() // tensor.shape[0]
+    first, last = start // row, (end - 1) // row
+    if first == last:
+        _collect_views(tensor[first], start - first * row, end - first * row, views)
+        return
+    if start % row:
+        _collect_views(tensor[first], start % row, row, views)
+        first += 1
+    whole_rows_end = end // row
+    if whole_rows_end > first:
+        views.append(tensor[first:whole_rows_end])
+    if end % row:
+        _collect_views(tensor[whole_rows_end], 0, end % row, views)
