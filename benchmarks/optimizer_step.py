@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 import hf_paged
-from hf_paged.kernels import resolve_compiled
+from hf_paged.kernels import COMPILE_MIN_ELEMENTS, resolve_compiled
 from hf_paged.optim.base import DEFAULT_PAGE_SIZE
 from hf_paged.sizes import format_size, parse_size
 
@@ -409,7 +409,11 @@ def machine(device: torch.device) -> str:
                 name = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
         except (OSError, StopIteration):
             pass
-    compiled = "torch.compile" if resolve_compiled(None, device) else "eager"
+    compiled = (
+        f"torch.compile from {COMPILE_MIN_ELEMENTS} state elements"
+        if resolve_compiled(None, device, COMPILE_MIN_ELEMENTS)
+        else "eager"
+    )
     return (
         f"torch {torch.__version__}, device {device} ({name}), {torch.get_num_threads()} threads, "
         f"hf_paged {hf_paged.__version__} kernels: {compiled}, {load_average()}"

@@ -76,16 +76,28 @@ def _log_eager_fallback(device_type: str, reason: str) -> None:
     logger.warning("hf_paged: torch.compile is not available on %s (%s); updating eagerly", device_type, reason)
 
 
-def resolve_compiled(compiled: bool | None, device: torch.device) -> bool:
-    """The ``compiled`` setting in force: the argument, else ``HF_PAGED_COMPILE`` (0/1), else availability."""
-    if compiled is None:
-        setting = os.environ.get("HF_PAGED_COMPILE", "").strip().lower()
-        if setting in ("0", "false", "no", "off"):
-            return False
-        if setting not in ("", "1", "true", "yes", "on"):
-            raise ValueError(f"HF_PAGED_COMPILE={setting!r} is not allowed: use 0 or 1")
-        compiled = compile_available(device)
-    return compiled
+COMPILE_MIN_ELEMENTS = 2**21
+"""State elements from which the default setting compiles: below, a compile (10 to 20 s on a CPU, cold
+cache) costs more than eager updates save over a short run, and the first step would stall for it."""
+
+
+def resolve_compiled(compiled: bool | None, device: torch.device, state_elements: int) -> bool:
+    """The ``compiled`` setting in force for an optimizer holding ``state_elements`` elements of state.
+
+    The argument when given; else ``HF_PAGED_COMPILE`` (``1`` compiles where a compiler is available,
+    ``0`` never does); else compile where a compiler is available and the state has at least
+    :data:`COMPILE_MIN_ELEMENTS` elements.
+    """
+    if compiled is not None:
+        return compiled
+    setting = os.environ.get("HF_PAGED_COMPILE", "").strip().lower()
+    if setting in ("0", "false", "no", "off"):
+        return False
+    if setting not in ("", "1", "true", "yes", "on"):
+        raise ValueError(f"HF_PAGED_COMPILE={setting!r} is not allowed: use 0 or 1")
+    if not setting and state_elements < COMPILE_MIN_ELEMENTS:
+        return False
+    return compile_available(device)
 
 
 @functools.cache

@@ -24,9 +24,25 @@ def test_compile_available_on_cuda_follows_torch_triton_check(monkeypatch, caplo
     with caplog.at_level(logging.WARNING, logger="hf_paged.kernels"):
         for _ in range(3):
             assert kernels.compile_available(cuda) is expected
-            assert kernels.resolve_compiled(None, cuda) is expected
+            assert kernels.resolve_compiled(None, cuda, kernels.COMPILE_MIN_ELEMENTS) is expected
     fallbacks = [record for record in caplog.records if record.name == "hf_paged.kernels"]
     assert len(fallbacks) == (0 if expected else 1)
     if not expected:
         assert "eagerly" in fallbacks[0].getMessage()
         assert ("6.1" in fallbacks[0].getMessage()) == has_triton
+
+
+def test_default_compiles_only_a_large_state(monkeypatch):
+    """Small states update eagerly by default (no compile stall); large ones compile where a compiler is."""
+    import hf_paged
+
+    monkeypatch.delenv("HF_PAGED_COMPILE", raising=False)
+    small = hf_paged.PagedAdamW8bit([torch.nn.Parameter(torch.zeros(300_000))])
+    large = hf_paged.PagedAdamW8bit([torch.nn.Parameter(torch.zeros(kernels.COMPILE_MIN_ELEMENTS))])
+    assert small.compiled is False
+    assert large.compiled is kernels.compile_available(torch.device("cpu"))
+    assert hf_paged.PagedAdamW8bit(small.param_groups[0]["params"], compiled=True).compiled is True
+    monkeypatch.setenv("HF_PAGED_COMPILE", "1")
+    assert small.compiled is kernels.compile_available(torch.device("cpu"))
+    monkeypatch.setenv("HF_PAGED_COMPILE", "0")
+    assert large.compiled is False

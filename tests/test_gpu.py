@@ -143,7 +143,7 @@ def test_page_ins_are_ordered_on_the_device_not_waited_for_by_the_host(optimizer
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_default_compiled_path_with_budget_and_prefetch_matches_unlimited(monkeypatch, optimizer_name, dtype):
-    monkeypatch.delenv("HF_PAGED_COMPILE", raising=False)
+    monkeypatch.setenv("HF_PAGED_COMPILE", "1")  # compiled, although the test's state is small
     torch._dynamo.reset()  # a fresh recompile budget: both runs below take the same kernels
 
     def run_compiled(**paging):
@@ -253,7 +253,7 @@ def test_bf16_params_on_cuda_page_invariantly_and_match_the_cpu(optimizer_name, 
 def test_default_compiled_path_on_cuda(optimizer_name, monkeypatch):
     from hf_paged.kernels import compile_available
 
-    monkeypatch.delenv("HF_PAGED_COMPILE", raising=False)
+    monkeypatch.setenv("HF_PAGED_COMPILE", "1")
     default_model, default = run(optimizer_name)  # compiled=None: compiled where Triton is usable
     assert default.compiled == compile_available(DEVICE)
     eager_model, _ = run(optimizer_name, compiled=False)
@@ -312,7 +312,7 @@ def _split_mlp(devices):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 @pytest.mark.parametrize("compiled", [False, None])
 def test_parameters_on_two_cuda_devices(optimizer_name, compiled, monkeypatch):
-    monkeypatch.delenv("HF_PAGED_COMPILE", raising=False)
+    monkeypatch.setenv("HF_PAGED_COMPILE", "1")
     devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
     batches = regression_batches(6)
 

@@ -119,7 +119,8 @@ class PagedOptimizer(Optimizer):
         four_bit: store tensors of ``min_4bit_size`` or more elements in blockwise 4-bit codes instead.
         min_4bit_size: tensors with fewer elements keep 32-bit state (4-bit state).
         compiled: fuse each segment's decode-update-encode with ``torch.compile``; ``None`` chooses by the
-            ``HF_PAGED_COMPILE`` environment variable, else by whether a compiler is available.
+            ``HF_PAGED_COMPILE`` environment variable, else compiles states of 2**21 elements or more where a
+            compiler is available (see :func:`~hf_paged.kernels.resolve_compiled`).
     """
 
     state_names: ClassVar[tuple[str, ...]]
@@ -285,9 +286,10 @@ class PagedOptimizer(Optimizer):
 
     @property
     def compiled(self) -> bool:
-        """Whether segment updates run through ``torch.compile``."""
+        """Whether segment updates run through ``torch.compile`` (see :func:`~hf_paged.kernels.resolve_compiled`)."""
         device = self._params[0].device if self._params else torch.device("cpu")
-        return resolve_compiled(self._compiled_setting, device)
+        state_elements = sum(page.capacity for page in self._store.pages)
+        return resolve_compiled(self._compiled_setting, device, state_elements)
 
     def _gradients(self) -> list[tuple[int, torch.Tensor, dict[str, Any]]]:
         """The parameters with gradients, with their flat local gradients; validates before any update."""
