@@ -250,6 +250,7 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
             "optimizer_device_bytes": last_state,
             "spikes": len(self.detector.spikes),
             "oom_recoveries": self.oom_recoveries,
+            "oom_recovery_steps": [row["step"] for row in self.rows if row.get("oom_recoveries")],
             "timeline_path": self.timeline_path,
             "plot_path": self.plot_path,
         }

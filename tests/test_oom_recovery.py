@@ -237,7 +237,7 @@ def _plain_loop(recovery_retries, fail_at_backward=(), budget=None):
 
 
 def test_recover_oom_in_a_plain_loop_replays_the_window_exactly():
-    reference, reference_optimizer, reference_losses = _plain_loop(2)
+    reference, _, reference_losses = _plain_loop(2)
     # the second step's second micro-batch fails in backward (hook call 4), then its first replayed one (call 5)
     model, optimizer, losses = _plain_loop(2, fail_at_backward=(4, 5), budget=1024)
     assert losses == reference_losses
