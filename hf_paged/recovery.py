@@ -137,10 +137,12 @@ class OOMRecovery:
         self._failures = 0
         self._grads_at_start = False
         self._marked = False
+        self._open = False
 
     def start_window(self, step: int | None = None) -> None:
         """Begin a new optimizer step (``step`` only labels messages): forget the last step's micro-batches."""
         self.step = step
+        self._open = True
         self._micro_batches.clear()
         self._failures = 0
         self._grads_at_start = any(param.grad is not None for param in self._params)
@@ -157,11 +159,14 @@ class OOMRecovery:
             yield self
         finally:
             self._micro_batches.clear()
+            self._open = False
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run one micro-batch's forward and backward, ``fn(*args, **kwargs)``, and return its result."""
         if not self.retries:
             return fn(*args, **kwargs)
+        if not self._open:
+            raise RuntimeError("OOMRecovery.run needs a step: call start_window() or enter window() before it")
         self._micro_batches.append(_MicroBatch(fn, args, kwargs, _rng_state(self._device)))
         replay = False
         while True:

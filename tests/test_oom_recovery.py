@@ -196,6 +196,11 @@ def test_callback_rejects_bad_retries():
         MemorySpikeCallback(oom_retries=-1)
     with pytest.raises(ValueError, match="retries must be an integer >= 0"):
         hf_paged.OOMRecovery(hf_paged.PagedAdamW(torch.nn.Linear(2, 2).parameters()), retries=1.5)
+    with pytest.raises(TypeError, match="must be an hf-paged optimizer or wrap one, got AdamW"):
+        hf_paged.OOMRecovery(torch.optim.AdamW(torch.nn.Linear(2, 2).parameters()))
+    recovery = hf_paged.OOMRecovery(hf_paged.PagedAdamW(torch.nn.Linear(2, 2).parameters()))
+    with pytest.raises(RuntimeError, match="call start_window"):
+        recovery.run(print)  # a micro-batch outside any step would be kept, and replayed, forever
 
 
 def test_callback_state_round_trips_the_recovery_count():
@@ -208,7 +213,7 @@ def test_callback_state_round_trips_the_recovery_count():
     assert restored.oom_retries == 3 and restored.oom_recoveries == 2
 
 
-def _plain_loop(recovery_retries, fail_at_backward=(), budget=None):
+def _plain_loop(recovery_retries, fail_at_backward=(), budget=None, set_to_none=True):
     """Two steps of two micro-batches on an MLP with dropout, through hf_paged.recover_oom."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.5), torch.nn.ReLU(), torch.nn.Linear(32, 1))
@@ -232,7 +237,7 @@ def _plain_loop(recovery_retries, fail_at_backward=(), budget=None):
     for step in data:
         losses += hf_paged.recover_oom(forward_backward, step, optimizer, retries=recovery_retries)
         optimizer.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=set_to_none)
     return model, optimizer, losses
 
 
@@ -246,3 +251,10 @@ def test_recover_oom_in_a_plain_loop_replays_the_window_exactly():
     assert optimizer.paging_stats()["page_outs"] > 0
     with pytest.raises(torch.OutOfMemoryError, match="injected in backward"):
         _plain_loop(1, fail_at_backward=(4, 5))
+
+
+def test_gradients_left_before_a_step_are_not_silently_lost():
+    # zero_grad(set_to_none=False) leaves gradient tensors that a replay could only restore from a copy
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        _plain_loop(2, fail_at_backward=(4,), set_to_none=False)
+    assert "gradients were present before the step's first micro-batch" in raised.value.__notes__[0]
