@@ -213,10 +213,13 @@ def test_callback_state_round_trips_the_recovery_count():
     assert restored.oom_retries == 3 and restored.oom_recoveries == 2
 
 
-def _plain_loop(recovery_retries, fail_at_backward=(), budget=None, set_to_none=True):
+def _plain_loop(recovery_retries, fail_at_backward=(), budget=None, set_to_none=True, device="cpu"):
     """Two steps of two micro-batches on an MLP with dropout, through hf_paged.recover_oom."""
     torch.manual_seed(0)
+    if device == "cuda":
+        torch.cuda.manual_seed_all(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.5), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    model.to(device)
     optimizer = hf_paged.PagedAdamW(model.parameters(), lr=1e-2, page_size=512, device_budget=budget)
     calls = [0]
 
@@ -226,7 +229,7 @@ def _plain_loop(recovery_retries, fail_at_backward=(), budget=None, set_to_none=
             raise torch.OutOfMemoryError("injected in backward")
 
     model[0].weight.register_hook(hook)
-    data = torch.randn(2, 2, 4, 8, generator=torch.Generator().manual_seed(1))
+    data = torch.randn(2, 2, 4, 8, generator=torch.Generator().manual_seed(1)).to(device)
 
     def forward_backward(micro_batch):
         loss = model(micro_batch).square().mean() / 2
@@ -258,3 +261,14 @@ def test_gradients_left_before_a_step_are_not_silently_lost():
     with pytest.raises(torch.OutOfMemoryError) as raised:
         _plain_loop(2, fail_at_backward=(4,), set_to_none=False)
     assert "gradients were present before the step's first micro-batch" in raised.value.__notes__[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_recover_oom_on_cuda_restores_the_device_generator():
+    reference, _, reference_losses = _plain_loop(2, device="cuda")
+    model, optimizer, losses = _plain_loop(2, fail_at_backward=(4, 5), budget=1024, device="cuda")
+    assert [loss.item() for loss in losses] == [loss.item() for loss in reference_losses]
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(mine, theirs)
+    assert optimizer.paging_stats()["device_bytes"] <= 1024
