@@ -106,7 +106,7 @@ def test_default_run_writes_the_memory_timeline_and_summary(default_run):
     assert summary["bytes_to_device"] == sum(row["bytes_to_device"] for row in rows) > 0
     assert summary["bytes_to_host"] == sum(row["bytes_to_host"] for row in rows) > 0
     assert summary["oom_recoveries"] == 0 and "oom recoveries   0" in completed.stdout
-    assert re.search(r"moved\s+[\d.]+ KiB to the device in \d+ page-ins", completed.stdout), completed.stdout
+    assert re.search(r"moved\s+[\d.]+ [KM]iB to the device in [\d,]+ page-ins", completed.stdout), completed.stdout
     with Image.open(output_dir / "memory_timeline.png") as image:
         assert image.format == "PNG" and image.width > 100
     for path in (summary["adapter_path"], summary["timeline_path"], summary["plot_path"]):
