@@ -88,8 +88,8 @@ def plot_rows(rows: Sequence[dict[str, Any]], path: str) -> None:
             ("device_budget", "device budget", {"color": "black", "linestyle": "--", "zorder": 3}),
             ("state_bytes_forward", "optimizer state on device, forward + backward", {}),
             ("state_bytes_after_step", "optimizer state on device, after step", {}),
-            ("bytes_to_device", "moved to device in the step", {"marker": ".", "linestyle": "none"}),
-            ("bytes_to_host", "moved to host in the step", {"marker": "x", "linestyle": "none"}),
+            ("bytes_to_device", "moved to device in the step", {"marker": ".", "markersize": 4, "linestyle": "none"}),
+            ("bytes_to_host", "moved to host in the step", {"marker": "x", "markersize": 3, "linestyle": "none"}),
         )
         if any(row.get(key) is not None for row in rows)
     ]

@@ -1,4 +1,4 @@
-"""The one place that touches transformers internals to add optimizer names.
+"""The one place that touches transformers (and TRL) internals: optimizer names, callback frames, TRL metrics.
 
 transformers has no public registry of optimizers: names are members of the ``OptimizerNames`` enum in
 ``transformers.training_args`` (``TrainingArguments.__post_init__`` converts ``optim`` with it, and
