@@ -22,9 +22,11 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from hf_paged.integrations._transformers_internals import calling_callback_handler
+from hf_paged.integrations._transformers_internals import calling_callback_handler, calling_trainer
+from hf_paged.integrations.oom import disable_oom_recovery, enable_oom_recovery
 from hf_paged.integrations.trainer import keep_trainer_memory_metrics
 from hf_paged.memory import MemoryProbe, probe_for
+from hf_paged.recovery import Recovery
 from hf_paged.sizes import parse_size
 
 from .spikes import SpikeDetector
@@ -62,6 +64,10 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
             optimizer's (0.1 by default).
         warn_fraction: warn, once, when the predicted peak reaches this fraction of the capacity.
         plot: draw ``memory_timeline.png`` (needs matplotlib) besides writing ``memory_timeline.jsonl``.
+        oom_retries: times a training step may recover from an out-of-memory error in forward or backward
+            (all optimizer state moves to the host and the step's micro-batches are replayed exactly, see
+            :func:`hf_paged.integrations.oom.enable_oom_recovery`); 0 turns recovery off. Only with an
+            hf-paged optimizer in a single process.
     """
 
     def __init__(
@@ -74,7 +80,10 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
         safety_margin: float | None = None,
         warn_fraction: float = 0.9,
         plot: bool = True,
+        oom_retries: int = 2,
     ) -> None:
+        if not isinstance(oom_retries, int) or isinstance(oom_retries, bool) or oom_retries < 0:
+            raise ValueError(f"oom_retries must be an integer >= 0, got {oom_retries!r}")
         if not isinstance(warn_fraction, (int, float)) or isinstance(warn_fraction, bool) or not 0 < warn_fraction <= 1:
             raise ValueError(f"warn_fraction must be a fraction in (0, 1], got {warn_fraction!r}")
         self.detector = SpikeDetector(window=window, warmup=warmup, margin=spike_margin)
@@ -82,6 +91,8 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
         self.safety_margin = safety_margin
         self.warn_fraction = warn_fraction
         self.plot = plot
+        self.oom_retries = oom_retries
+        self.oom_recoveries = 0
         self.rows: list[dict[str, Any]] = []
         self.warned = False
         self.timeline_path: str | None = None
@@ -93,6 +104,7 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
         self._row: dict[str, Any] = {}
         self._stats_at_begin: dict[str, Any] | None = None
         self._stats_before_step: dict[str, Any] | None = None
+        self._trainer: Any | None = None
 
     # Resume -------------------------------------------------------------------------------------------
 
@@ -107,8 +119,13 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
                 "safety_margin": self.safety_margin,
                 "warn_fraction": self.warn_fraction,
                 "plot": self.plot,
+                "oom_retries": self.oom_retries,
             },
-            "attributes": {"detector_state": self.detector.state(), "warned": self.warned},
+            "attributes": {
+                "detector_state": self.detector.state(),
+                "warned": self.warned,
+                "oom_recoveries": self.oom_recoveries,
+            },
         }
 
     @property
@@ -132,6 +149,7 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
                 auto_budget.capacity = self.device_capacity
             if self.safety_margin is not None:
                 auto_budget.safety_margin = self.safety_margin
+        self._enable_recovery()
         if state.global_step > 0:
             resumed = read_rows(os.path.join(args.output_dir, TIMELINE_NAME))
             self.rows = [row for row in resumed if row["step"] <= state.global_step]
@@ -148,6 +166,7 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
             "evicted_at_step_begin": evicted,
             "state_bytes_forward": self._stats_at_begin["device_bytes"] if optimizer is not None else None,
             "device_budget": optimizer.device_budget if optimizer is not None else None,
+            "oom_recoveries": 0,
         }
         self._probe.mark(_FORWARD_BACKWARD)
 
@@ -212,13 +231,17 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
         self._write(args, state)
 
     def on_train_end(self, args, state, control, **kwargs) -> None:
+        if self._trainer is not None:
+            disable_oom_recovery(self._trainer)
+            self._trainer = None
         self._write(args, state)
 
     # Results --------------------------------------------------------------------------------------------
 
     def summary(self) -> dict[str, Any]:
         """Steps measured, the highest peak of each phase and the last optimizer device bytes (bytes),
-        the spike count, and the paths of the timeline and the plot (``None`` where not written)."""
+        the spike and out-of-memory recovery counts, and the paths of the timeline and the plot (``None``
+        where not written)."""
         last_state = self.rows[-1]["state_bytes_after_step"] if self.rows else None
         return {
             "steps": len(self.rows),
@@ -226,11 +249,32 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
             "optimizer_step_peak_bytes": max((row["optimizer_step_peak"] for row in self.rows), default=None),
             "optimizer_device_bytes": last_state,
             "spikes": len(self.detector.spikes),
+            "oom_recoveries": self.oom_recoveries,
+            "oom_recovery_steps": [row["step"] for row in self.rows if row.get("oom_recoveries")],
             "timeline_path": self.timeline_path,
             "plot_path": self.plot_path,
         }
 
     # Internals ------------------------------------------------------------------------------------------
+
+    def _enable_recovery(self) -> None:
+        """Wrap the calling trainer's training step in out-of-memory recovery (called from ``on_train_begin``)."""
+        if not self.oom_retries:
+            return
+        trainer = calling_trainer()
+        if trainer is None:
+            logger.warning(
+                "hf-paged: MemorySpikeCallback could not find the Trainer running it; out-of-memory recovery is "
+                "off (call hf_paged.integrations.enable_oom_recovery(trainer) to turn it on)"
+            )
+            return
+        if enable_oom_recovery(trainer, self.oom_retries, on_recovery=self._record_recovery) is not None:
+            self._trainer = trainer
+
+    def _record_recovery(self, recovery: Recovery) -> None:
+        self.oom_recoveries += 1
+        if self._row:
+            self._row["oom_recoveries"] += 1
 
     def _run_before_integrations(self) -> None:
         """Move this callback to the front of the Trainer's callbacks (in place, safe during ``call_event``).
@@ -262,6 +306,7 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
             "memory/capacity_gib": last["capacity"] / GIB,
             "memory/host_resident_gib": last["host_resident"] / GIB,
             "memory/spikes": len(self.detector.spikes),
+            "memory/oom_recoveries": self.oom_recoveries,
             "memory/spike_gib": max((row["forward_backward_peak"] - row["baseline"] for row in rows if row["spike"]), default=0)
             / GIB,
         }

@@ -9,6 +9,7 @@ from typing import Any
 
 GIB = 2**30
 MIB = 2**20
+KIB = 2**10
 
 PLOT_SIZE_INCHES = (10.0, 6.0)
 PLOT_DPI = 100
@@ -31,8 +32,18 @@ def read_rows(path: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in file if line.strip()]
 
 
+def _unit(nbytes: float) -> tuple[int, str]:
+    """The binary unit (bytes per unit, name) that shows ``nbytes`` as a number from 1 upwards."""
+    for scale, name in ((GIB, "GiB"), (MIB, "MiB"), (KIB, "KiB")):
+        if nbytes >= scale:
+            return scale, name
+    return 1, "bytes"
+
+
 def plot_rows(rows: Sequence[dict[str, Any]], path: str) -> None:
-    """Draw per-phase peaks with spikes marked, and the optimizer's budget and device bytes, to a PNG.
+    """Draw a PNG of the timeline: per-phase peaks with spikes and out-of-memory recoveries marked; and the
+    optimizer's budget, its state on the device at forward/backward and after the step, and the bytes moved
+    each way per step (linear when these are of one order of magnitude, else on a log scale).
 
     Raises:
         ImportError: matplotlib is not installed.
@@ -58,24 +69,50 @@ def plot_rows(rows: Sequence[dict[str, Any]], path: str) -> None:
             zorder=3,
             label="spike",
         )
+    recoveries = [row["step"] for row in rows if row.get("oom_recoveries")]
+    for axes in (peaks, state):
+        for index, step in enumerate(recoveries):
+            label = "out-of-memory recovery" if index == 0 and axes is peaks else None
+            axes.axvline(step, color="red", linestyle=":", linewidth=1.5, label=label)
     capacity = rows[-1]["capacity"] if rows else 0
     highest = max((max(row["forward_backward_peak"], row["optimizer_step_peak"]) for row in rows), default=0)
     if capacity <= 1.5 * highest:
         peaks.axhline(capacity / GIB, color="gray", linestyle="--", label="capacity")
     peaks.set_ylabel("GiB")
-    peaks.set_title(f"Memory per phase of each optimizer step (capacity {capacity / GIB:.1f} GiB)")
-    peaks.legend(loc="upper left", fontsize="small")
-    for key, label in (
-        ("device_budget", "device budget"),
-        ("state_bytes_forward", "optimizer state on device, forward"),
-        ("state_bytes_after_step", "optimizer state on device, after step"),
-    ):
+    title = f"Memory per phase of each optimizer step (capacity {capacity / GIB:.1f} GiB"
+    figure.suptitle(title + (f"; out-of-memory recoveries: {len(recoveries)})" if recoveries else ")"))
+    peaks.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    series = [
+        (key, label, style)
+        for key, label, style in (
+            ("device_budget", "device budget", {"color": "black", "linestyle": "--", "zorder": 3}),
+            ("state_bytes_forward", "optimizer state on device, forward + backward", {}),
+            ("state_bytes_after_step", "optimizer state on device, after step", {}),
+            ("bytes_to_device", "moved to device in the step", {"marker": ".", "markersize": 4, "linestyle": "none"}),
+            ("bytes_to_host", "moved to host in the step", {"marker": "x", "markersize": 3, "linestyle": "none"}),
+        )
+        if any(row.get(key) is not None for row in rows)
+    ]
+    values = [row[key] for key, _, _ in series for row in rows if row.get(key)]
+    moved = [
+        row[key]
+        for key in ("state_bytes_forward", "state_bytes_after_step", "bytes_to_device", "bytes_to_host")
+        for row in rows
+        if row.get(key)
+    ]
+    scale, unit = _unit(max(moved, default=max(values, default=0)))
+    logarithmic = bool(values) and max(values) > 10 * max(moved, default=1)
+    for key, label, style in series:
         known = [row for row in rows if row.get(key) is not None]
-        if known:
-            state.step([row["step"] for row in known], [row[key] / MIB for row in known], where="post", label=label)
-    state.set_yscale("symlog", linthresh=0.01)  # the budget may exceed the state by orders of magnitude
+        xs, ys = [row["step"] for row in known], [row[key] / scale for row in known]
+        if style.get("linestyle") == "none":
+            state.plot(xs, ys, label=label, **style)
+        else:
+            state.step(xs, ys, where="post", label=label, **style)
+    if logarithmic:  # an automatic budget may exceed the state by orders of magnitude
+        state.set_yscale("symlog", linthresh=1)
     state.set_xlabel("optimizer step")
-    state.set_ylabel("MiB (log scale)")
-    state.legend(loc="upper left", fontsize="small")
+    state.set_ylabel(unit + (" (log scale)" if logarithmic else ""))
+    state.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     figure.tight_layout()
     figure.savefig(path)

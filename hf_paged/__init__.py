@@ -6,6 +6,7 @@ or rest in host memory, and work the same on CUDA, other accelerators and the CP
 
 from . import _autoregister
 from .optim import PagedAdamW, PagedAdamW4bit, PagedAdamW8bit, PagedLion, PagedLion8bit, PagedOptimizer
+from .recovery import OOMRecovery, recover_oom
 from .sizes import parse_size
 
 __version__ = "0.1.0"
@@ -17,8 +18,10 @@ __all__ = [
     "PagedLion",
     "PagedLion8bit",
     "MemorySpikeCallback",
+    "OOMRecovery",
     "PagedOptimizer",
     "parse_size",
+    "recover_oom",
     "register",
 ]
 

@@ -99,6 +99,14 @@ def test_default_run_writes_the_memory_timeline_and_summary(default_run):
     assert summary["timeline_path"] == str(output_dir / "memory_timeline.jsonl")
     assert summary["forward_backward_peak_bytes"] == max(row["forward_backward_peak"] for row in rows)
     assert summary["optimizer_device_bytes"] > 0
+    # paging at work: every step after the first brings state in and writes it back, under the budget
+    assert summary["pages_total"] > 2 and summary["device_budget"] < summary["pages_total"] * summary["page_size"]
+    assert all(row["page_ins"] > 0 and row["page_outs"] > 0 for row in rows[1:])
+    assert all(row["state_bytes_after_step"] <= row["device_budget"] for row in rows)
+    assert summary["bytes_to_device"] == sum(row["bytes_to_device"] for row in rows) > 0
+    assert summary["bytes_to_host"] == sum(row["bytes_to_host"] for row in rows) > 0
+    assert summary["oom_recoveries"] == 0 and "oom recoveries   0" in completed.stdout
+    assert re.search(r"moved\s+[\d.]+ [KM]iB to the device in [\d,]+ page-ins", completed.stdout), completed.stdout
     with Image.open(output_dir / "memory_timeline.png") as image:
         assert image.format == "PNG" and image.width > 100
     for path in (summary["adapter_path"], summary["timeline_path"], summary["plot_path"]):
@@ -139,6 +147,28 @@ def test_set_overrides_reach_the_run(tmp_path, capsys):
     assert not (output_dir / "memory_timeline.jsonl").exists()
     saved = yaml.safe_load((output_dir / "config.yaml").read_text())
     assert saved["lora"]["quantize"] is False and saved["data"]["instruction_field"] == "q"
+
+
+def test_simulated_spike_is_recovered_and_reported(tmp_path, capsys, caplog):
+    output_dir = tmp_path / "out"
+    overrides = [
+        "training.optim_args=device_budget=32KiB,page_size=16KiB,min_8bit_size=1024,compiled=false",
+        "training.disable_tqdm=true",
+        "training.max_steps=3",
+        "training.logging_steps=1",
+        "memory.simulate_spike_at=2",
+        "memory.plot=false",
+    ]
+    with caplog.at_level("WARNING"):
+        assert main(["train", *(f"--set={override}" for override in overrides), "--output-dir", str(output_dir)]) == 0
+    printed = capsys.readouterr().out
+    assert "oom recoveries   1 (step 2): state moved to the host, step replayed" in printed
+    (warning,) = [record.message for record in caplog.records if "out of memory" in record.message]
+    assert "step 2 (micro-batch 1)" in warning
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["oom_recoveries"] == 1 and summary["oom_recovery_steps"] == [2]
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    assert [entry["memory/oom_recoveries"] for entry in state["log_history"] if "loss" in entry] == [0, 1, 1]
 
 
 def test_a_seed_gives_the_same_run(tmp_path):

@@ -79,3 +79,43 @@ def test_missing_training_arguments_give_an_error_naming_the_version(monkeypatch
     monkeypatch.setattr(training_args, "TrainingArguments", None)
     with pytest.raises(internals.RegistrationError, match=r"TrainingArguments.__post_init__"):
         internals.check_training_arguments_with(check_training_arguments)
+
+
+def test_a_callback_finds_the_trainer_running_it(tmp_path):
+    from transformers import Trainer, TrainerCallback
+
+    from trainer_utils import tiny_llama, token_dataset, training_args
+
+    found = []
+
+    class Finder(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.look()
+
+        def look(self):
+            found.append(internals.calling_trainer())
+
+    trainer = Trainer(
+        model=tiny_llama(), args=training_args(tmp_path, max_steps=1), train_dataset=token_dataset(4), callbacks=[Finder()]
+    )
+    trainer.train()
+    assert found == [trainer]
+
+
+def test_trl_keeps_the_per_micro_batch_metrics_that_a_replay_rewinds(tmp_path):
+    pytest.importorskip("trl")
+    from test_oom_recovery import sft_trainer
+
+    from hf_paged.callbacks import MemorySpikeCallback
+
+    trainer = sft_trainer(tmp_path, "page_size=16KiB", MemorySpikeCallback(plot=False))
+    assert isinstance(trainer._metrics["train"], dict) and isinstance(trainer._total_train_tokens, int)
+    marks = internals.trainer_metric_marks(trainer)
+    trainer._metrics["train"]["entropy"].append(1.0)
+    trainer._metrics["train"]["num_tokens"] = [7]
+    trainer._total_train_tokens += 7
+    internals.rewind_trainer_metrics(trainer, marks)
+    assert dict(trainer._metrics["train"]) == marks["metrics"] and trainer._total_train_tokens == marks["total_train_tokens"]
+    trainer._metrics = {"train": None}
+    with pytest.raises(TypeError, match="_metrics to map 'train' to lists"):
+        internals.trainer_metric_marks(trainer)

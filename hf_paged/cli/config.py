@@ -129,6 +129,11 @@ class MemoryConfig:
     """Warn once when the forward/backward peak reaches this fraction of the capacity."""
     plot: bool = True
     """Also draw ``memory_timeline.png`` (needs matplotlib)."""
+    oom_retries: int = _bounded(2, 0)
+    """Recoveries from an out-of-memory error allowed per training step; 0 turns recovery off."""
+    simulate_spike_at: int | None = _bounded(None, 1)
+    """Raise one simulated out-of-memory error in the forward of this optimizer step (from 1), to watch a
+    recovery; ``None``: never."""
 
 
 DEFAULT_TRAINING: dict[str, Any] = {
@@ -141,7 +146,7 @@ DEFAULT_TRAINING: dict[str, Any] = {
     "warmup_steps": 10,
     "weight_decay": 0.0,
     "optim": "hf_paged_adamw_8bit",
-    "optim_args": "device_budget=auto,page_size=64KiB,min_8bit_size=1024",
+    "optim_args": "device_budget=32KiB,page_size=16KiB,min_8bit_size=1024",
     "logging_steps": 10,
     "logging_first_step": True,
     "save_strategy": "no",

@@ -228,8 +228,22 @@ def memory_callback(config: Config) -> Any | None:
         return None
     from hf_paged.callbacks import MemorySpikeCallback
 
-    arguments = {key: value for key, value in vars(config.memory).items() if key != "enabled"}
+    arguments = {
+        key: value for key, value in vars(config.memory).items() if key not in ("enabled", "simulate_spike_at")
+    }
     return MemorySpikeCallback(**arguments)
+
+
+def _paging(trainer: Any) -> dict[str, Any]:
+    """The optimizer's pages and what moved in the run (bytes, seconds); ``None`` values if it is not paged."""
+    from ..recovery import paged_optimizer_of
+
+    keys = ("pages_total", "page_size", "device_budget", "bytes_to_device", "bytes_to_host", "page_ins", "page_outs")
+    try:
+        stats = paged_optimizer_of(trainer.optimizer).paging_stats()
+    except TypeError:
+        return {key: None for key in (*keys, "stall_seconds")}
+    return {**{key: stats[key] for key in keys}, "stall_seconds": stats["stall_seconds"]}
 
 
 def _parameter_counts(model: Any) -> tuple[int, int]:
@@ -245,7 +259,8 @@ def run(config: Config | None = None) -> dict[str, Any]:
 
     The summary holds the first and final logged loss, the steps, the training and total wall time
     (seconds), the memory callback's peaks per phase and optimizer device bytes (bytes) and spike count,
-    and the paths of the output directory, the adapter, the memory timeline and its plot (``None`` when
+    the optimizer's pages and what moved each way (bytes, page-ins and page-outs, stall seconds), the
+    out-of-memory recoveries and their steps, and the paths of the output directory, the adapter, the memory timeline and its plot (``None`` when
     not written). It is also written to ``summary.json`` in the output directory.
     """
     started = time.perf_counter()
@@ -264,13 +279,18 @@ def run(config: Config | None = None) -> dict[str, Any]:
     trainable, total = _parameter_counts(model)
     _progress(f"{len(dataset)} examples, {trainable:,} trainable of {total:,} parameters; training")
     callback = memory_callback(config)
+    callbacks = [callback] if callback is not None else []
+    if config.memory.simulate_spike_at is not None:
+        from hf_paged.callbacks import SimulatedSpikeCallback
+
+        callbacks.append(SimulatedSpikeCallback(config.memory.simulate_spike_at))
     trainer = Trainer(
         model=model,
         args=args,
         train_dataset=dataset,
         data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX),
         processing_class=tokenizer,
-        callbacks=[callback] if callback is not None else None,
+        callbacks=callbacks or None,
     )
     result = trainer.train()
     trainer.save_model()
@@ -297,6 +317,9 @@ def run(config: Config | None = None) -> dict[str, Any]:
         "optimizer_step_peak_bytes": memory.get("optimizer_step_peak_bytes"),
         "optimizer_device_bytes": memory.get("optimizer_device_bytes"),
         "spikes": memory.get("spikes"),
+        **_paging(trainer),
+        "oom_recoveries": memory.get("oom_recoveries"),
+        "oom_recovery_steps": memory.get("oom_recovery_steps"),
         "output_dir": str(output_dir),
         "adapter_path": str(adapter) if adapter.is_file() else None,
         "timeline_path": memory.get("timeline_path"),
@@ -333,10 +356,41 @@ def format_summary(summary: dict[str, Any]) -> str:
         ),
         ("optimizer", summary["optimizer"]),
         ("optimizer state", _size(summary["optimizer_device_bytes"], " on the device")),
+        ("paging", _paging_line(summary)),
+        ("moved", _moved_line(summary)),
         ("memory spikes", "not measured" if summary["spikes"] is None else str(summary["spikes"])),
+        ("oom recoveries", _recoveries_line(summary)),
         ("adapter", summary["adapter_path"] or "not written"),
         ("memory timeline", summary["timeline_path"] or "not written"),
         ("memory plot", summary["plot_path"] or "not written"),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(["hf-paged train summary"] + [f"  {name:<{width}}  {value}" for name, value in rows])
+
+
+def _paging_line(summary: dict[str, Any]) -> str:
+    if summary["pages_total"] is None:
+        return "not paged (the optimizer is not an hf-paged one)"
+    budget = summary["device_budget"]
+    budget = "no device budget" if budget is None else f"device budget {format_size(budget)}"
+    return f"{summary['pages_total']} pages of {format_size(summary['page_size'])}, {budget}"
+
+
+def _moved_line(summary: dict[str, Any]) -> str:
+    if summary["pages_total"] is None:
+        return "nothing (not paged)"
+    return (
+        f"{format_size(summary['bytes_to_device'])} to the device in {summary['page_ins']:,} page-ins, "
+        f"{format_size(summary['bytes_to_host'])} to the host in {summary['page_outs']:,} page-outs, "
+        f"{summary['stall_seconds']:.3f} s stalled"
+    )
+
+
+def _recoveries_line(summary: dict[str, Any]) -> str:
+    count = summary["oom_recoveries"]
+    if count is None:
+        return "not watched (memory.enabled is false)"
+    if not count:
+        return "0"
+    steps = ", ".join(str(step) for step in summary["oom_recovery_steps"])
+    return f"{count} (step{'s' if len(summary['oom_recovery_steps']) > 1 else ''} {steps}): state moved to the host, step replayed"

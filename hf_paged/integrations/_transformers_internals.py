@@ -1,12 +1,14 @@
-"""The one place that touches transformers internals to add optimizer names.
+"""The one place that touches transformers (and TRL) internals: optimizer names, callback frames, TRL metrics.
 
 transformers has no public registry of optimizers: names are members of the ``OptimizerNames`` enum in
 ``transformers.training_args`` (``TrainingArguments.__post_init__`` converts ``optim`` with it, and
 ``HfArgumentParser`` lists its values as ``--optim`` choices), and each name's factory is an entry of
 ``_OPTIMIZER_HANDLERS`` in ``transformers.trainer_optimizer``. ``optim_args`` are checked by wrapping
 ``TrainingArguments.__post_init__`` and ``TrainingArguments.set_optimizer``. A callback's handler is found in
-the frame of ``CallbackHandler.call_event``. Resuming replaces ``Trainer._load_optimizer_and_scheduler`` for
-our optimizers, to load their state to the CPU. All are used here and nowhere else;
+the frame of ``CallbackHandler.call_event``, and the trainer running a callback in the frame of the loop that
+called it. Resuming replaces ``Trainer._load_optimizer_and_scheduler`` for our optimizers, to load their
+state to the CPU. TRL's trainers keep metrics per micro-batch in ``_metrics`` and ``_total_train_tokens``,
+which a replayed micro-batch must not count twice. All are used here and nowhere else;
 ``tests/test_transformers_internals.py`` fails loudly when a release changes them.
 """
 
@@ -187,3 +189,57 @@ def load_optimizer_state_on_cpu(is_ours: Callable[[Any], bool]) -> None:
     _load_optimizer_and_scheduler.hf_paged_original = original
     _load_optimizer_and_scheduler.__doc__ = original.__doc__
     trainer_cls._load_optimizer_and_scheduler = _load_optimizer_and_scheduler
+
+
+def calling_trainer(max_depth: int = 8) -> Any | None:
+    """The ``Trainer`` whose training loop is running the caller's event method, if one is.
+
+    Callbacks are not given their trainer; one that must wrap its training step (out-of-memory recovery)
+    finds it in the frame of the loop (``Trainer._inner_training_loop``) that raised the event.
+    """
+    from transformers import Trainer
+
+    frame = sys._getframe(2)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _train_metrics(trainer: Any) -> dict[str, list] | None:
+    """TRL's per-micro-batch training metrics (``trainer._metrics["train"]``), ``None`` for other trainers."""
+    metrics = getattr(trainer, "_metrics", None)
+    if metrics is None:
+        return None
+    train = metrics.get("train") if isinstance(metrics, dict) else None
+    if not isinstance(train, dict) or not all(isinstance(values, list) for values in train.values()):
+        raise TypeError(f"expected {type(trainer).__name__}._metrics to map 'train' to lists, got {metrics!r}")
+    return train
+
+
+def trainer_metric_marks(trainer: Any) -> dict[str, Any]:
+    """What :func:`rewind_trainer_metrics` needs to undo the metrics of the micro-batches to come."""
+    train = _train_metrics(trainer)
+    if train is None:
+        return {}
+    return {
+        "metrics": {key: list(values) for key, values in train.items()},
+        "total_train_tokens": getattr(trainer, "_total_train_tokens", None),
+    }
+
+
+def rewind_trainer_metrics(trainer: Any, marks: dict[str, Any]) -> None:
+    """Put the trainer's per-micro-batch metrics back as :func:`trainer_metric_marks` found them."""
+    if not marks:
+        return
+    train = _train_metrics(trainer)
+    for key in [key for key in train if key not in marks["metrics"]]:
+        del train[key]
+    for key, values in marks["metrics"].items():
+        train[key] = list(values)
+    if marks["total_train_tokens"] is not None:
+        trainer._total_train_tokens = marks["total_train_tokens"]

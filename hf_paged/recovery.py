@@ -1,0 +1,271 @@
+"""Recovery from an out-of-memory error in forward or backward: give the optimizer state back, replay exactly.
+
+A ``torch.OutOfMemoryError`` raised in the forward or backward of a micro-batch leaves the step half done:
+some parameters' gradients of that micro-batch may already be accumulated, and with gradient accumulation
+the earlier micro-batches of the step have contributed theirs. :class:`OOMRecovery` runs each micro-batch of
+a step and, on such an error, moves all optimizer state to host memory, frees the device's cached memory,
+drops the gradients and replays the step's micro-batches from their recorded random number generator
+states, so the gradients come out bitwise as without the error. Per micro-batch it keeps a reference to its
+arguments and a copy of the generator states (a few KiB); it never copies gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .memory import probe_for
+from .sizes import format_size
+
+logger = logging.getLogger(__name__)
+
+_WINDOW_MARK = "hf_paged.recovery.window"
+"""The probe mark at the start of each step's micro-batches (automatic budgets only)."""
+
+ADVICE = (
+    "To fit, lower the batch size per device (raising gradient accumulation keeps the effective batch), "
+    "shorten the sequences (max_length), turn on gradient checkpointing, or lower the optimizer's "
+    "device_budget (a smaller size, or 'auto' with the device's capacity)."
+)
+
+
+@dataclass
+class Recovery:
+    """One recovery: the step (if known), the micro-batch that failed (from 0) and what was done (bytes)."""
+
+    step: int | None
+    micro_batch: int
+    micro_batches_replayed: int
+    attempt: int
+    state_bytes_evicted: int
+    other_bytes: int
+    error: torch.OutOfMemoryError
+
+
+@dataclass
+class _MicroBatch:
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict[str, Any]
+    rng_state: tuple[torch.Tensor, Any]
+
+
+def paged_optimizer_of(optimizer: Any) -> Any:
+    """The hf-paged optimizer ``optimizer`` is or wraps (at ``.optimizer``, as accelerate does).
+
+    Raises:
+        TypeError: no hf-paged optimizer is found.
+    """
+    found = optimizer
+    while found is not None and not hasattr(found, "paging_stats"):
+        found = getattr(found, "optimizer", None)
+    if found is None:
+        raise TypeError(f"optimizer must be an hf-paged optimizer or wrap one, got {type(optimizer).__name__}")
+    return found
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, Any]:
+    """The CPU generator's state and that of the accelerator generators of ``device``'s kind."""
+    if device.type == "cpu":
+        return torch.get_rng_state(), None
+    module = torch.get_device_module(device.type)
+    get_all = getattr(module, "get_rng_state_all", None)
+    return torch.get_rng_state(), get_all() if get_all is not None else module.get_rng_state()
+
+
+def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, Any]) -> None:
+    cpu, accelerator = state
+    torch.set_rng_state(cpu)
+    if accelerator is None:
+        return
+    module = torch.get_device_module(device.type)
+    if isinstance(accelerator, list):
+        module.set_rng_state_all(accelerator)
+    else:
+        module.set_rng_state(accelerator)
+
+
+def empty_device_cache(device: torch.device) -> None:
+    """Collect garbage and return the allocator's cached blocks of ``device``'s kind to the driver."""
+    gc.collect()
+    if device.type != "cpu":
+        empty_cache = getattr(torch.get_device_module(device.type), "empty_cache", None)
+        if empty_cache is not None:
+            empty_cache()
+
+
+class OOMRecovery:
+    """Run the micro-batches of optimizer steps, recovering from out-of-memory errors in forward/backward.
+
+    Call :meth:`start_window` (or enter :meth:`window`) before the first micro-batch of each step, with the
+    gradients cleared (``zero_grad()``), and :meth:`run` for each micro-batch. On a
+    ``torch.OutOfMemoryError`` it evicts all optimizer state to host memory, frees cached device memory,
+    resets the gradients to ``None`` and replays the step's micro-batches so far, each from its recorded
+    generator state; an automatic budget is told that the step needed at least the whole device. After
+    ``retries`` failures within one step the error is raised again with a note on what was tried, what the
+    memory held and what to change. Not for several processes (their collectives would diverge).
+
+    Args:
+        optimizer: an hf-paged optimizer, or a wrapper of one at ``.optimizer``.
+        retries: recoveries allowed per step; 0 runs the micro-batches unprotected.
+        on_recovery: called with a :class:`Recovery` after each recovery, before the replay.
+    """
+
+    def __init__(
+        self,
+        optimizer: Any,
+        retries: int = 2,
+        on_recovery: Callable[[Recovery], None] | None = None,
+    ) -> None:
+        if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+            raise ValueError(f"retries must be an integer >= 0, got {retries!r}")
+        self.optimizer = paged_optimizer_of(optimizer)
+        self.retries = retries
+        self.on_recovery = on_recovery
+        self.recoveries = 0
+        self.step: int | None = None
+        self._params = [param for group in self.optimizer.param_groups for param in group["params"]]
+        self._device = self._params[0].device if self._params else torch.device("cpu")
+        self._micro_batches: list[_MicroBatch] = []
+        self._failures = 0
+        self._grads_at_start = False
+        self._marked = False
+        self._open = False
+
+    def start_window(self, step: int | None = None) -> None:
+        """Begin a new optimizer step (``step`` only labels messages): forget the last step's micro-batches."""
+        self.step = step
+        self._open = True
+        self._micro_batches.clear()
+        self._failures = 0
+        self._grads_at_start = any(param.grad is not None for param in self._params)
+        auto = self.optimizer.auto_budget
+        self._marked = auto is not None and self.retries > 0
+        if self._marked:
+            auto.probe.mark(_WINDOW_MARK)
+
+    @contextlib.contextmanager
+    def window(self, step: int | None = None) -> Iterator[OOMRecovery]:
+        """Context for the micro-batches of one step; on leaving, their arguments are released."""
+        self.start_window(step)
+        try:
+            yield self
+        finally:
+            self._micro_batches.clear()
+            self._open = False
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run one micro-batch's forward and backward, ``fn(*args, **kwargs)``, and return its result."""
+        if not self.retries:
+            return fn(*args, **kwargs)
+        if not self._open:
+            raise RuntimeError("OOMRecovery.run needs a step: call start_window() or enter window() before it")
+        self._micro_batches.append(_MicroBatch(fn, args, kwargs, _rng_state(self._device)))
+        replay = False
+        while True:
+            try:
+                if replay:
+                    self._replay_earlier()
+                return fn(*args, **kwargs)
+            except torch.OutOfMemoryError as caught:
+                error = caught
+            replay = True
+            self._recover(error)
+            del error
+
+    # Internals ------------------------------------------------------------------------------------------
+
+    def _replay_earlier(self) -> None:
+        for micro_batch in self._micro_batches[:-1]:
+            _set_rng_state(self._device, micro_batch.rng_state)
+            micro_batch.fn(*micro_batch.args, **micro_batch.kwargs)
+        _set_rng_state(self._device, self._micro_batches[-1].rng_state)
+
+    def _recover(self, error: torch.OutOfMemoryError) -> None:
+        """Free the failed attempt's memory and make room, or raise ``error`` with a note."""
+        stats = self.optimizer.paging_stats()
+        state_bytes = stats["device_bytes"]
+        probe = probe_for(self._device)
+        other_bytes = max(0, probe.allocated() - state_bytes)
+        traceback.clear_frames(error.__traceback__)  # the failed attempt's activations and graph
+        self._failures += 1
+        if self._failures > self.retries:
+            self._micro_batches.clear()
+            error.add_note(self._explain(stats, other_bytes))
+            raise error
+        if self._grads_at_start:
+            self._micro_batches.clear()
+            error.add_note(
+                "hf-paged could not recover: gradients were present before the step's first micro-batch, so a "
+                "replay cannot restore them without a copy; clear them with zero_grad(set_to_none=True)"
+            )
+            raise error
+        self._learn(state_bytes)
+        for param in self._params:
+            param.grad = None
+        evicted = self.optimizer.evict()
+        empty_device_cache(self._device)
+        self.recoveries += 1
+        recovery = Recovery(
+            step=self.step,
+            micro_batch=len(self._micro_batches) - 1,
+            micro_batches_replayed=len(self._micro_batches),
+            attempt=self._failures,
+            state_bytes_evicted=evicted,
+            other_bytes=other_bytes,
+            error=error,
+        )
+        step = f"step {self.step}" if self.step is not None else "a step"
+        logger.warning(
+            "hf-paged: out of memory in forward/backward of %s (micro-batch %d); moved %s of optimizer state to "
+            "the host, freed cached memory, replaying %d micro-batch(es) (retry %d of %d)",
+            step,
+            recovery.micro_batch + 1,
+            format_size(evicted),
+            recovery.micro_batches_replayed,
+            self._failures,
+            self.retries,
+        )
+        if self.on_recovery is not None:
+            self.on_recovery(recovery)
+
+    def _learn(self, state_bytes: int) -> None:
+        """Tell an automatic budget that the failed attempt needed at least the device's capacity."""
+        auto = self.optimizer.auto_budget
+        if auto is None:
+            return
+        peak = auto.probe.peak(_WINDOW_MARK) if self._marked else auto.probe.allocated()
+        auto.observe(max(peak, auto.capacity) - state_bytes)
+
+    def _explain(self, stats: dict[str, Any], other_bytes: int) -> str:
+        step = f"step {self.step}" if self.step is not None else "one step"
+        return (
+            f"hf-paged: out of memory in forward/backward of {step} {self._failures} times in a row. After each of "
+            f"the first {self.retries} it moved all optimizer state to host memory, freed the cached device "
+            f"memory and replayed the step's micro-batches. At the last failure the optimizer state held "
+            f"{format_size(stats['device_bytes'])} on the device ({format_size(stats['host_bytes'])} on the "
+            f"host) and the rest of training {format_size(other_bytes)} (of {format_size(probe_for(self._device).capacity)} "
+            f"capacity). {ADVICE}"
+        )
+
+
+def recover_oom(
+    fn: Callable[[Any], Any],
+    micro_batches: Iterable[Any],
+    optimizer: Any,
+    *,
+    retries: int = 2,
+) -> list[Any]:
+    """Run ``fn(micro_batch)`` (forward and backward) for each micro-batch of one optimizer step, recovering
+    from out-of-memory errors as :class:`OOMRecovery` does; return the results. Clear the gradients first.
+    """
+    recovery = OOMRecovery(optimizer, retries=retries)
+    with recovery.window():
+        return [recovery.run(fn, micro_batch) for micro_batch in micro_batches]

@@ -1,0 +1,274 @@
+"""Out-of-memory recovery: injected errors in forward and mid-backward, replayed exactly (Trainer, TRL, plain loops)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from transformers import Trainer
+
+import hf_paged
+from hf_paged.callbacks import MemorySpikeCallback
+
+from trainer_utils import tiny_llama, token_dataset, training_args
+
+PAGE_SIZE = "16KiB"
+DROPOUT = 0.2
+RECOVERY_LOG = "out of memory in forward/backward"
+
+
+class Injector:
+    """Raises ``torch.OutOfMemoryError`` at chosen calls (counted from 1) of a forward pre-hook on the first
+    decoder layer's MLP and of a gradient hook on its attention's query weight (reached mid-backward, after
+    the gradients of the layers above are accumulated). Both hooks are installed in clean runs too."""
+
+    def __init__(self, model, forward_at=(), backward_at=()):
+        self.forward_at, self.backward_at = set(forward_at), set(backward_at)
+        self.forward_calls = self.backward_calls = 0
+        layer = model.model.layers[0]
+        layer.mlp.register_forward_pre_hook(self._forward)
+        layer.self_attn.q_proj.weight.register_hook(self._backward)
+
+    def _forward(self, module, args):
+        self.forward_calls += 1
+        if self.forward_calls in self.forward_at:
+            raise torch.OutOfMemoryError("injected in forward")
+
+    def _backward(self, grad):
+        self.backward_calls += 1
+        if self.backward_calls in self.backward_at:
+            raise torch.OutOfMemoryError("injected in backward")
+
+
+def llama_with_dropout(vocab_size=None):
+    model = tiny_llama()
+    if vocab_size is not None:
+        model.resize_token_embeddings(vocab_size)
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = DROPOUT
+    model.config.attention_dropout = DROPOUT
+    return model
+
+
+# Micro-batch forwards of the first decoder layer, 2 per step: the 4th is step 2's second micro-batch; its
+# replay adds 2 (step 3 then runs calls 7 and 8). Gradient hook calls: step 2's first micro-batch is call 3,
+# its replay adds 2 (4, 5), so step 3's are 6 and 7: the 7th fails mid-backward of step 3's second micro-batch.
+INJECTED = {"forward_at": [4], "backward_at": [7]}
+
+
+def run_trainer(output_dir, budget=None, injected=None, oom_retries=2, trainer_cls=Trainer, **overrides):
+    optim_args = f"page_size={PAGE_SIZE}" + (f",device_budget={budget}" if budget else "")
+    callback = MemorySpikeCallback(oom_retries=oom_retries, plot=False)
+    if trainer_cls is Trainer:
+        model = llama_with_dropout()
+        args = training_args(
+            output_dir,
+            optim="hf_paged_adamw_32bit",
+            optim_args=optim_args,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_steps=4,
+            **overrides,
+        )
+        trainer = Trainer(model=model, args=args, train_dataset=token_dataset(16), callbacks=[callback])
+    else:
+        trainer = sft_trainer(output_dir, optim_args, callback)
+        model = trainer.model
+    Injector(model, **(injected or {}))
+    trainer.train()
+    return trainer, callback
+
+
+def sft_trainer(output_dir, optim_args, callback):
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_paged.cli.tokenizer import byte_tokenizer
+
+    tokenizer = byte_tokenizer(model_max_length=32)
+    texts = [f"Count from {n}: " + " ".join(str(n + i) for i in range(6)) for n in range(16)]
+    config = SFTConfig(
+        output_dir=str(output_dir),
+        optim="hf_paged_adamw_32bit",
+        optim_args=optim_args,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=4,
+        max_length=32,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    return SFTTrainer(
+        model=llama_with_dropout(len(tokenizer)),
+        args=config,
+        train_dataset=Dataset.from_list([{"text": text} for text in texts]),
+        processing_class=tokenizer,
+        callbacks=[callback],
+    )
+
+
+def paged(trainer):
+    return trainer.optimizer.optimizer
+
+
+def assert_same_run(trainer, reference):
+    for (name, mine), theirs in zip(trainer.model.named_parameters(), reference.model.parameters()):
+        assert torch.equal(mine, theirs), name
+    assert [e.get("loss") for e in trainer.state.log_history] == [e.get("loss") for e in reference.state.log_history]
+    mine, theirs = paged(trainer).state_dict(), paged(reference).state_dict()
+    assert mine["state"].keys() == theirs["state"].keys()
+    for index, entry in mine["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, theirs["state"][index][key]), (index, key)
+
+
+@pytest.fixture(scope="module")
+def clean_trainer(tmp_path_factory):
+    return run_trainer(tmp_path_factory.mktemp("clean"))[0]
+
+
+@pytest.mark.parametrize("budget", ["64KiB", "auto"])
+def test_trainer_recovers_bitwise_from_errors_in_forward_and_mid_backward(tmp_path, clean_trainer, budget, caplog):
+    with caplog.at_level(logging.WARNING):
+        trainer, callback = run_trainer(tmp_path, budget=budget, injected=INJECTED)
+    assert_same_run(trainer, clean_trainer)
+    assert [e["memory/oom_recoveries"] for e in trainer.state.log_history if "loss" in e] == [0, 1, 2, 2]
+    assert callback.summary()["oom_recoveries"] == 2
+    assert [row["oom_recoveries"] for row in callback.rows] == [0, 1, 1, 0]
+    warnings = [record.message for record in caplog.records if RECOVERY_LOG in record.message]
+    assert len(warnings) == 2 and "step 2 (micro-batch 2)" in warnings[0] and "step 3 (micro-batch 2)" in warnings[1]
+    stats, clean = paged(trainer).paging_stats(), paged(clean_trainer).paging_stats()
+    assert stats["pages_total"] == clean["pages_total"] > 1
+    # every page is on the device or on the host, none lost and none counted twice
+    assert stats["device_bytes"] + stats["host_bytes"] == clean["device_bytes"] + clean["host_bytes"]
+    assert stats["page_outs"] > clean["page_outs"]  # the recoveries evicted the state
+    if budget == "auto":
+        auto = paged(trainer).auto_budget
+        total = clean["device_bytes"] + clean["host_bytes"]
+        assert auto.predicted_peak >= auto.capacity - total  # the failed step's need entered the prediction
+        assert callback.rows[3]["state_bytes_forward"] == 0 < callback.rows[1]["state_bytes_forward"]
+    else:
+        assert stats["device_bytes"] <= stats["device_budget"]
+    assert "training_step" not in vars(trainer)  # the wrapper is gone after training
+
+
+def test_sft_trainer_recovers_bitwise_with_its_own_metrics(tmp_path):
+    pytest.importorskip("trl")
+    from trl import SFTTrainer
+
+    reference, _ = run_trainer(tmp_path / "clean", trainer_cls=SFTTrainer)
+    trainer, callback = run_trainer(tmp_path / "injected", budget="64KiB", injected=INJECTED, trainer_cls=SFTTrainer)
+    assert_same_run(trainer, reference)
+    assert callback.oom_recoveries == 2
+    for key in ("num_tokens", "entropy", "mean_token_accuracy"):  # replayed micro-batches are not counted twice
+        assert [e[key] for e in trainer.state.log_history if key in e] == [
+            e[key] for e in reference.state.log_history if key in e
+        ], key
+
+
+def test_no_retries_lets_the_error_through_unchanged(tmp_path):
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        run_trainer(tmp_path, injected={"forward_at": [2]}, oom_retries=0)
+    assert raised.value.args == ("injected in forward",) and not getattr(raised.value, "__notes__", None)
+
+
+def test_a_step_failing_more_than_the_retries_raises_the_explained_error(tmp_path):
+    # step 1: its second micro-batch fails (call 2), the replay of its first fails too (call 3)
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        run_trainer(tmp_path, budget="64KiB", injected={"forward_at": [2, 3]}, oom_retries=1)
+    assert raised.value.args == ("injected in forward",)
+    (note,) = raised.value.__notes__
+    assert "step 1 2 times in a row" in note and "moved all optimizer state to host memory" in note
+    assert "optimizer state held" in note and "the rest of training" in note
+    for advice in ("batch size", "max_length", "gradient checkpointing", "device_budget"):
+        assert advice in note
+
+
+def test_callback_rejects_bad_retries():
+    with pytest.raises(ValueError, match="oom_retries must be an integer >= 0"):
+        MemorySpikeCallback(oom_retries=-1)
+    with pytest.raises(ValueError, match="retries must be an integer >= 0"):
+        hf_paged.OOMRecovery(hf_paged.PagedAdamW(torch.nn.Linear(2, 2).parameters()), retries=1.5)
+    with pytest.raises(TypeError, match="must be an hf-paged optimizer or wrap one, got AdamW"):
+        hf_paged.OOMRecovery(torch.optim.AdamW(torch.nn.Linear(2, 2).parameters()))
+    recovery = hf_paged.OOMRecovery(hf_paged.PagedAdamW(torch.nn.Linear(2, 2).parameters()))
+    with pytest.raises(RuntimeError, match="call start_window"):
+        recovery.run(print)  # a micro-batch outside any step would be kept, and replayed, forever
+
+
+def test_callback_state_round_trips_the_recovery_count():
+    callback = MemorySpikeCallback(oom_retries=3)
+    callback.oom_recoveries = 2
+    saved = json.loads(json.dumps(callback.state()))
+    restored = MemorySpikeCallback(**saved["args"])
+    for name, value in saved["attributes"].items():
+        setattr(restored, name, value)
+    assert restored.oom_retries == 3 and restored.oom_recoveries == 2
+
+
+def _plain_loop(recovery_retries, fail_at_backward=(), budget=None, set_to_none=True, device="cpu"):
+    """Two steps of two micro-batches on an MLP with dropout, through hf_paged.recover_oom."""
+    torch.manual_seed(0)
+    if device == "cuda":
+        torch.cuda.manual_seed_all(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.5), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    model.to(device)
+    optimizer = hf_paged.PagedAdamW(model.parameters(), lr=1e-2, page_size=512, device_budget=budget)
+    calls = [0]
+
+    def hook(grad):
+        calls[0] += 1
+        if calls[0] in fail_at_backward:
+            raise torch.OutOfMemoryError("injected in backward")
+
+    model[0].weight.register_hook(hook)
+    data = torch.randn(2, 2, 4, 8, generator=torch.Generator().manual_seed(1)).to(device)
+
+    def forward_backward(micro_batch):
+        loss = model(micro_batch).square().mean() / 2
+        loss.backward()
+        return loss.detach()
+
+    losses = []
+    for step in data:
+        losses += hf_paged.recover_oom(forward_backward, step, optimizer, retries=recovery_retries)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=set_to_none)
+    return model, optimizer, losses
+
+
+def test_recover_oom_in_a_plain_loop_replays_the_window_exactly():
+    reference, _, reference_losses = _plain_loop(2)
+    # the second step's second micro-batch fails in backward (hook call 4), then its first replayed one (call 5)
+    model, optimizer, losses = _plain_loop(2, fail_at_backward=(4, 5), budget=1024)
+    assert losses == reference_losses
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(mine, theirs)
+    assert optimizer.paging_stats()["page_outs"] > 0
+    with pytest.raises(torch.OutOfMemoryError, match="injected in backward"):
+        _plain_loop(1, fail_at_backward=(4, 5))
+
+
+def test_gradients_left_before_a_step_are_not_silently_lost():
+    # zero_grad(set_to_none=False) leaves gradient tensors that a replay could only restore from a copy
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        _plain_loop(2, fail_at_backward=(4,), set_to_none=False)
+    assert "gradients were present before the step's first micro-batch" in raised.value.__notes__[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_recover_oom_on_cuda_restores_the_device_generator():
+    reference, _, reference_losses = _plain_loop(2, device="cuda")
+    model, optimizer, losses = _plain_loop(2, fail_at_backward=(4, 5), budget=1024, device="cuda")
+    assert [loss.item() for loss in losses] == [loss.item() for loss in reference_losses]
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(mine, theirs)
+    assert optimizer.paging_stats()["device_bytes"] <= 1024
