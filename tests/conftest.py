@@ -66,6 +66,13 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches) -> 
     return losses
 
 
+def deviation(model: torch.nn.Module, reference: torch.nn.Module) -> float:
+    """Relative distance of ``model``'s parameters from ``reference``'s, all flattened into one vector."""
+    flat = torch.cat([param.detach().reshape(-1) for param in model.parameters()])
+    expected = torch.cat([param.detach().reshape(-1) for param in reference.parameters()])
+    return ((flat - expected).norm() / expected.norm()).item()
+
+
 def optimizer_kwargs(name: str, **paging) -> dict:
     """Keyword arguments that give every optimizer several pages of state on the tiny MLP."""
     kwargs = {"lr": 1e-3 if "Lion" in name else 1e-2, "page_size": 4096, **paging}

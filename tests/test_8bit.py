@@ -7,6 +7,7 @@ import torch
 
 import hf_paged
 from hf_paged.codecs import Blockwise8bitCodec, to_blocks
+from conftest import deviation, train
 
 STEPS = 200
 
@@ -32,21 +33,9 @@ def teacher_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 def fit(make_optimizer) -> tuple[torch.nn.Module, float, float]:
     """Train the student; return it with its first and final (mean of the last 20 steps) loss."""
     model = student()
-    optimizer = make_optimizer(model.parameters())
-    losses = []
-    for inputs, targets in teacher_batches():
-        optimizer.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(inputs), targets)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = train(model, make_optimizer(model.parameters()), teacher_batches())
     return model, losses[0], sum(losses[-20:]) / 20
 
-
-def deviation(model: torch.nn.Module, reference: torch.nn.Module) -> float:
-    flat = torch.cat([param.detach().reshape(-1) for param in model.parameters()])
-    expected = torch.cat([param.detach().reshape(-1) for param in reference.parameters()])
-    return ((flat - expected).norm() / expected.norm()).item()
 
 
 @pytest.fixture(scope="module")

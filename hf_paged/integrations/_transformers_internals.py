@@ -127,15 +127,7 @@ def calling_callback_handler(max_depth: int = 4) -> Any | None:
     """
     from transformers.trainer_callback import CallbackHandler
 
-    frame = sys._getframe(2)
-    for _ in range(max_depth):
-        if frame is None:
-            return None
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, CallbackHandler):
-            return candidate
-        frame = frame.f_back
-    return None
+    return _self_in_calling_frames(CallbackHandler, max_depth)
 
 
 _TRAINER_LOAD_NAMES = (
@@ -199,12 +191,17 @@ def calling_trainer(max_depth: int = 8) -> Any | None:
     """
     from transformers import Trainer
 
-    frame = sys._getframe(2)
+    return _self_in_calling_frames(Trainer, max_depth)
+
+
+def _self_in_calling_frames(cls: type, max_depth: int) -> Any | None:
+    """The first ``self`` that is a ``cls``, in the ``max_depth`` frames above the event method that asked."""
+    frame = sys._getframe(3)  # past this function, the finder that called it and the event method that asked
     for _ in range(max_depth):
         if frame is None:
             return None
         candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Trainer):
+        if isinstance(candidate, cls):
             return candidate
         frame = frame.f_back
     return None
