@@ -9,7 +9,8 @@ With usable memory ``U = capacity × (1 − safety_margin)``:
   device whose high-water mark is not reset, in a phase below an earlier high) misses the phase's
   activations and never enters the prediction; until a step has an exact peak, ``budget = 0``;
 * during a step: ``budget = U − (A − S) − W``, where ``A`` is allocated now, ``S`` the optimizer state on the
-  device and ``W`` a workspace for the update of one page; at least the largest page, so a step always runs.
+  device and ``W`` the step's workspace (the temporaries of one chunk of a page, see
+  ``PagedOptimizer.step_workspace``); at least the largest page, so a step always runs.
 """
 
 from __future__ import annotations
