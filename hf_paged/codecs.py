@@ -140,9 +140,7 @@ class Blockwise8bitCodec:
     def encode(self, values: torch.Tensor, encoded: EncodedSegment) -> None:
         """Store fp32 ``values`` shaped ``(blocks, block_size)`` into a segment's codes and scales."""
         codes, scales = encoded
-        block_scales = values.abs().amax(dim=1)
-        inverse = torch.where(block_scales > 0, block_scales.reciprocal(), torch.zeros_like(block_scales))
-        normalized = values * inverse.unsqueeze(1)
+        block_scales, normalized = scaled_by_block(values)
         if self.signed:
             quantized = torch.round(normalized.abs().sqrt() * self.max_code) * normalized.sign()
         else:
@@ -207,9 +205,7 @@ class Blockwise4bitCodec:
     def encode(self, values: torch.Tensor, encoded: EncodedSegment) -> None:
         """Store fp32 ``values`` shaped ``(blocks, block_size)`` into a segment's packed codes and scales."""
         packed, scales = encoded
-        block_scales = values.abs().amax(dim=1)
-        inverse = torch.where(block_scales > 0, block_scales.reciprocal(), torch.zeros_like(block_scales))
-        normalized = values * inverse.unsqueeze(1)
+        block_scales, normalized = scaled_by_block(values)
         if self.signed:
             # nearest level (k / 7)^2: |x| >= the midpoint of levels k - 1 and k iff 196 |x| - 1 >= (2k - 1)^2
             magnitude = torch.floor((torch.sqrt(torch.relu(normalized.abs() * 196 - 1)) + 1) * 0.5)
@@ -239,6 +235,16 @@ QUANTIZED_CODECS: dict[int, type[Blockwise8bitCodec] | type[Blockwise4bitCodec]]
     4: Blockwise4bitCodec,
 }
 """The blockwise codec for each number of bits per element, built as ``codec(block_size, signed)``."""
+
+
+def scaled_by_block(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each block's largest magnitude (its scale) and ``values`` divided by it, in [-1, 1] (all-zero blocks: 0).
+
+    ``values`` is shaped ``(blocks, block_size)``.
+    """
+    block_scales = values.abs().amax(dim=1)
+    inverse = torch.where(block_scales > 0, block_scales.reciprocal(), torch.zeros_like(block_scales))
+    return block_scales, values * inverse.unsqueeze(1)
 
 
 def to_blocks(values: torch.Tensor, alignment: int) -> torch.Tensor:
