@@ -141,7 +141,7 @@ class DeviceStores:
 
     def store_of(self, page: Page) -> PageStore:
         """The store that holds ``page``."""
-        return self.stores[self._page_devices[page.index]]
+        return self.stores[self.device_of(page)]
 
     def add_observer(self, observer: Callable[[str, Page], None]) -> None:
         """Call ``observer(operation, page)`` after every page operation on any device."""

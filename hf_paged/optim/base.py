@@ -17,15 +17,7 @@ import torch
 from torch.optim import Optimizer
 
 from ..budget import AutoBudget
-from ..codecs import (
-    QUANTIZED_CODECS,
-    Blockwise4bitCodec,
-    Blockwise8bitCodec,
-    Codec,
-    Float32Codec,
-    PageFormat,
-    to_blocks,
-)
+from ..codecs import QUANTIZED_CODECS, Codec, Float32Codec, PageFormat, to_blocks
 from ..device import backend_for
 from ..kernels import UpdateRule, resolve_compiled, segment_kernel
 from ..sizes import parse_size
@@ -334,11 +326,12 @@ class PagedOptimizer(Optimizer):
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["step"] += 1
             step = state["step"].item()
-            flat_param = flat_elements(local_tensor(param).detach())
+            local = local_tensor(param)
+            flat_param = flat_elements(local.detach())
             for page, segment in self._param_segments[index]:
                 end = segment.start + segment.length
                 by_page[page.index].append((segment, flat_param[segment.start : end], grad[segment.start : end], step, group))
-            step_devices.add((local_tensor(param).device, step))
+            step_devices.add((local.device, step))
         pages = [self._store.pages[i] for i in sorted(by_page)]
         if self._auto_budgets:
             self._begin_auto_step()
@@ -539,11 +532,7 @@ class PagedOptimizer(Optimizer):
         block_size = saved_group.get("block_size", self.defaults.get("block_size", 256))
         states = {}
         for name, signed in zip(self.state_names, self.signed_states):
-            candidates: list[Codec] = [
-                Float32Codec(),
-                Blockwise8bitCodec(block_size, signed),
-                Blockwise4bitCodec(block_size, signed),
-            ]
+            candidates: list[Codec] = [Float32Codec(), *(cls(block_size, signed) for cls in QUANTIZED_CODECS.values())]
             codec = next((c for c in candidates if all(key in entry for key in self._state_keys(c, name))), None)
             if codec is None:
                 raise ValueError(
@@ -774,6 +763,7 @@ def _store_stats(store: PageStore | DeviceStores) -> dict[str, int | float | Non
         "stall_seconds": stats.stall_seconds,
         "device_budget": store.device_budget,
     }
+
 
 def _packed(
     param_groups: list[dict[str, Any]], state: dict[Any, Any]
