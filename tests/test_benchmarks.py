@@ -1,0 +1,167 @@
+"""The benchmarks run as a user runs them (``--quick``, in a subprocess), and their streaming formula is right."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+OPTIMIZER_STEP_COLUMNS = [
+    "optimizer",
+    "budget",
+    "median step ms",
+    "ratio to torch fused",
+    "state bytes/param",
+    "device bytes/param",
+    "extra peak MiB",
+    "MB to device/step",
+    "MB to host/step",
+    "streaming efficiency",
+]
+
+
+def run_benchmark(script: str, *arguments: str) -> str:
+    """The standard output of ``benchmarks/<script>`` run with ``arguments``; the test fails if it fails."""
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_PAGED_COMPILE": "0"}
+    command = [sys.executable, str(ROOT / "benchmarks" / script), *arguments]
+    completed = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600, check=False)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return completed.stdout
+
+
+def markdown_tables(text: str) -> list[list[dict[str, str]]]:
+    """Each markdown table in ``text`` as its rows, each a dict from column header to cell."""
+    tables, block = [], []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            block.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+            continue
+        if block:
+            header, separator, *rows = block
+            assert set("".join(separator)) <= set("-: "), f"no separator row under {header}"
+            assert all(len(row) == len(header) for row in rows), block
+            tables.append([dict(zip(header, row)) for row in rows])
+            block = []
+    return tables
+
+
+def load_streaming():
+    """``benchmarks/_streaming.py`` as a module (``benchmarks`` is not a package)."""
+    if "_streaming" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("_streaming", ROOT / "benchmarks" / "_streaming.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["_streaming"] = module  # its dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules["_streaming"]
+
+
+@pytest.fixture(scope="module")
+def optimizer_step_output() -> str:
+    return run_benchmark("optimizer_step.py", "--quick", "--params", "64K", "--device", "cpu")
+
+
+def test_optimizer_step_quick_tables(optimizer_step_output):
+    assert "## fp32 parameters" in optimizer_step_output and "## bf16 parameters" in optimizer_step_output
+    tables = markdown_tables(optimizer_step_output)
+    assert len(tables) == 2
+    numel = int(re.search(r"\((\d+) exactly", optimizer_step_output).group(1))
+    for dtype, table in zip(("fp32", "bf16"), tables):
+        assert list(table[0]) == OPTIMIZER_STEP_COLUMNS
+        rows = {(row["optimizer"], row["budget"].startswith("unlimited")): row for row in table}
+        reference = next(row for row in table if row["optimizer"] == "torch AdamW fused")
+        assert float(reference["median step ms"]) > 0 and reference["ratio to torch fused"] == "1.00x"
+        for name in ("PagedAdamW", "PagedAdamW8bit"):
+            unlimited, budgeted = rows[name, True], rows[name, False]
+            for row in (unlimited, budgeted):
+                assert float(row["median step ms"]) > 0 and row["ratio to torch fused"].endswith("x")
+                assert row["streaming efficiency"] == "", "no host-device bandwidth on the CPU, so no efficiency"
+            assert unlimited["MB to device/step"] == unlimited["MB to host/step"] == ""
+            assert unlimited["device bytes/param"] == unlimited["state bytes/param"]
+            # Under the budget, every page not resident on the device comes in once a step and goes out again.
+            state, device = float(budgeted["state bytes/param"]), float(budgeted["device bytes/param"])
+            assert device < state
+            off_device_mb = (state - device) * numel / 1e6
+            assert float(budgeted["MB to device/step"]) >= 0.99 * off_device_mb
+            assert float(budgeted["MB to host/step"]) >= 0.99 * off_device_mb
+        if dtype == "fp32":  # two fp32 moments, as torch keeps them
+            assert float(rows["PagedAdamW", True]["state bytes/param"]) == pytest.approx(
+                float(reference["state bytes/param"]), abs=0.01
+            )
+
+
+def test_optimizer_step_quick_lists_skips_and_targets(optimizer_step_output):
+    skips = re.findall(r"^- skipped bitsandbytes PagedAdamW8bit: (.+)$", optimizer_step_output, re.MULTILINE)
+    assert skips == ["needs CUDA (its paged state is CUDA managed memory)"] * 2
+    assert "no streaming efficiency" in optimizer_step_output
+    for dtype, adamw_limit, adamw8_limit in (("fp32", "1.1", "1.5"), ("bf16", "1.2", "1.6")):
+        line = re.search(rf"^- {dtype}, 64.0 KiB pages: (.+)$", optimizer_step_output, re.MULTILINE).group(1)
+        verdicts = line.split("; ")
+        assert re.fullmatch(rf"PagedAdamW unlimited [\d.]+x fused \(<= {adamw_limit}x fused\) (PASS|MISS)", verdicts[0])
+        assert re.fullmatch(
+            rf"PagedAdamW8bit unlimited [\d.]+x fused \(<= {adamw8_limit}x fused\) (PASS|MISS)", verdicts[1]
+        )
+        assert re.fullmatch(r"PagedAdamW 25% budget [\d.]+x unlimited \(<= 2.1x unlimited\) (PASS|MISS)", verdicts[2])
+        assert [verdict.split(" ")[0] for verdict in verdicts[3:]] == ["PagedAdamW8bit", "PagedAdamW4bit"]
+
+
+def test_streaming_efficiency_by_hand():
+    streaming = load_streaming()
+    bandwidth = streaming.Bandwidth(to_device=10e9, to_host=5e9)
+    # 200 MB in at 10 GB/s takes 20 ms, 50 MB out at 5 GB/s 10 ms; the directions overlap: 20 ms of copies.
+    assert streaming.transfer_seconds(200e6, 50e6, bandwidth) == pytest.approx(0.020)
+    assert streaming.streaming_efficiency(0.030, 0.010, 200e6, 50e6, bandwidth) == pytest.approx(1.5)
+    # The unlimited step (25 ms) is longer than the copies: it is the bound.
+    assert streaming.streaming_efficiency(0.030, 0.025, 200e6, 50e6, bandwidth) == pytest.approx(1.2)
+    # 150 MB out takes 30 ms, the longer direction: a 30 ms step overlaps perfectly.
+    assert streaming.streaming_efficiency(0.030, 0.010, 200e6, 150e6, bandwidth) == pytest.approx(1.0)
+
+
+def test_first_step_quick_table():
+    output = run_benchmark("first_step.py", "--params", "4K", "--steps", "2", "--compile", "0")
+    (table,) = markdown_tables(output)
+    assert [row["optimizer"] for row in table] == [
+        "torch AdamW fused",
+        "PagedAdamW",
+        "PagedAdamW8bit",
+        "PagedAdamW4bit",
+        "PagedLion",
+        "PagedLion8bit",
+    ]
+    for row in table:
+        assert int(row["params"]) >= 4096
+        assert float(row["first step ms"]) > 0 and float(row["later steps ms (median)"]) > 0
+        assert row["compiled"] == "no", "HF_PAGED_COMPILE=0 must keep the kernels eager"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_optimizer_step_quick_on_cuda():
+    output = run_benchmark("optimizer_step.py", "--quick", "--params", "256K", "--dtype", "fp32", "--device", "cuda")
+    to_device, to_host = map(
+        float, re.search(r"host to device ([\d.]+) GB/s, device to host ([\d.]+)", output).groups()
+    )
+    assert to_device > 0 and to_host > 0
+    (table,) = markdown_tables(output)
+    budgeted = [row for row in table if row["optimizer"].startswith("Paged") and row["MB to device/step"]]
+    assert {row["optimizer"] for row in budgeted} == {"PagedAdamW", "PagedAdamW8bit", "PagedAdamW4bit"}
+    assert all(float(row["streaming efficiency"]) > 0 for row in budgeted)
+    paged_baseline = next(row for row in table if row["optimizer"] == "bitsandbytes PagedAdamW8bit")
+    assert float(paged_baseline["median step ms"]) > 0 and "memory fraction" in paged_baseline["budget"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_memory_limit_caps_the_allocator_and_is_lifted_after_an_error():
+    streaming, device = load_streaming(), torch.device("cuda")  # no index, as with the benchmark's --device cuda
+    with pytest.raises(torch.OutOfMemoryError), streaming.memory_limit(device, 64 * 2**20) as fraction:
+        assert torch.cuda.get_per_process_memory_fraction() == pytest.approx(fraction)
+        assert fraction < 1.0
+        torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+    assert torch.cuda.get_per_process_memory_fraction() == 1.0
