@@ -73,7 +73,10 @@ class Float32Codec:
         """fp32 values of a segment (here a view: updating it updates the page)."""
         return encoded[0]
 
-    def encode(self, values: torch.Tensor, encoded: EncodedSegment) -> None:
+    def block_scales(self, values: torch.Tensor) -> None:
+        """fp32 values need no scales."""
+
+    def encode(self, values: torch.Tensor, encoded: EncodedSegment, block_scales: None = None) -> None:
         """Store fp32 ``values`` into a segment."""
         if values.data_ptr() != encoded[0].data_ptr():
             encoded[0].copy_(values)
@@ -124,7 +127,9 @@ class Blockwise8bitCodec:
         codes, scales = arrays
         blocks = -(-length // self.block_size)
         first = offset // self.block_size
-        return codes[offset : offset + blocks * self.block_size].view(blocks, self.block_size), scales[first : first + blocks]
+        return codes[offset : offset + blocks * self.block_size].view(blocks, self.block_size), scales[
+            first : first + blocks
+        ]
 
     def decode(self, encoded: EncodedSegment) -> torch.Tensor:
         """fp32 values of a segment, shaped ``(blocks, block_size)``."""
@@ -137,15 +142,25 @@ class Blockwise8bitCodec:
             magnitude = squared * squared
         return magnitude * scales.unsqueeze(1)
 
-    def encode(self, values: torch.Tensor, encoded: EncodedSegment) -> None:
-        """Store fp32 ``values`` shaped ``(blocks, block_size)`` into a segment's codes and scales."""
+    def block_scales(self, values: torch.Tensor) -> torch.Tensor:
+        """The scales of fp32 ``values`` shaped ``(blocks, block_size)``: each block's largest magnitude."""
+        return values.abs().amax(dim=1)
+
+    def encode(self, values: torch.Tensor, encoded: EncodedSegment, block_scales: torch.Tensor | None = None) -> None:
+        """Store fp32 ``values`` shaped ``(blocks, block_size)`` into a segment's codes and scales.
+
+        ``block_scales`` are :meth:`block_scales` of ``values``, when the caller has them.
+        """
         codes, scales = encoded
-        block_scales, normalized = scaled_by_block(values)
+        if block_scales is None:
+            block_scales = self.block_scales(values)
         if self.signed:
+            normalized = values * inverse_scales(block_scales).unsqueeze(1)
             quantized = torch.round(normalized.abs().sqrt() * self.max_code) * normalized.sign()
         else:
-            quantized = torch.round(normalized.sqrt().sqrt() * self.max_code)
-            quantized = torch.maximum(quantized, (normalized > 0).to(quantized.dtype))
+            roots = fourth_roots(values, block_scales)
+            quantized = torch.round(roots * self.max_code)
+            quantized = torch.maximum(quantized, (roots > 0).to(quantized.dtype))
         codes.copy_(quantized)
         scales.copy_(block_scales)
 
@@ -202,16 +217,25 @@ class Blockwise4bitCodec:
             magnitude = squared * squared
         return magnitude * scales.unsqueeze(1)
 
-    def encode(self, values: torch.Tensor, encoded: EncodedSegment) -> None:
-        """Store fp32 ``values`` shaped ``(blocks, block_size)`` into a segment's packed codes and scales."""
+    def block_scales(self, values: torch.Tensor) -> torch.Tensor:
+        """The scales of fp32 ``values`` shaped ``(blocks, block_size)``: each block's largest magnitude."""
+        return values.abs().amax(dim=1)
+
+    def encode(self, values: torch.Tensor, encoded: EncodedSegment, block_scales: torch.Tensor | None = None) -> None:
+        """Store fp32 ``values`` shaped ``(blocks, block_size)`` into a segment's packed codes and scales.
+
+        ``block_scales`` are :meth:`block_scales` of ``values``, when the caller has them.
+        """
         packed, scales = encoded
-        block_scales, normalized = scaled_by_block(values)
+        if block_scales is None:
+            block_scales = self.block_scales(values)
         if self.signed:
+            normalized = values * inverse_scales(block_scales).unsqueeze(1)
             # nearest level (k / 7)^2: |x| >= the midpoint of levels k - 1 and k iff 196 |x| - 1 >= (2k - 1)^2
             magnitude = torch.floor((torch.sqrt(torch.relu(normalized.abs() * 196 - 1)) + 1) * 0.5)
             codes = magnitude.clamp(max=7) * normalized.sign() + 7
         else:
-            codes = (torch.round(normalized.sqrt().sqrt() * 16) - 1).clamp(0, 15)
+            codes = (torch.round(fourth_roots(values, block_scales) * 16) - 1).clamp(0, 15)
         codes = codes.to(torch.uint8)
         half = self.block_size // 2
         packed.copy_(codes[:, :half] | (codes[:, half:] << 4))
@@ -237,14 +261,20 @@ QUANTIZED_CODECS: dict[int, type[Blockwise8bitCodec] | type[Blockwise4bitCodec]]
 """The blockwise codec for each number of bits per element, built as ``codec(block_size, signed)``."""
 
 
-def scaled_by_block(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each block's largest magnitude (its scale) and ``values`` divided by it, in [-1, 1] (all-zero blocks: 0).
+def inverse_scales(block_scales: torch.Tensor) -> torch.Tensor:
+    """``1 / block_scales``, and 0 for an all-zero block (whose values all encode to zero)."""
+    return torch.where(block_scales > 0, block_scales.reciprocal(), torch.zeros_like(block_scales))
 
-    ``values`` is shaped ``(blocks, block_size)``.
+
+def fourth_roots(values: torch.Tensor, block_scales: torch.Tensor) -> torch.Tensor:
+    """``(values / scale) ** (1/4)`` of non-negative ``values`` shaped ``(blocks, block_size)``, in [0, 1].
+
+    Taken as ``sqrt(sqrt(values) / sqrt(scale))``: an update rule that needs ``sqrt(values)`` (Adam's
+    denominator) shares it in a compiled kernel, which then takes one square root per element here, not two.
+    All-zero blocks give 0.
     """
-    block_scales = values.abs().amax(dim=1)
-    inverse = torch.where(block_scales > 0, block_scales.reciprocal(), torch.zeros_like(block_scales))
-    return block_scales, values * inverse.unsqueeze(1)
+    inverse_root = torch.where(block_scales > 0, block_scales.rsqrt(), torch.zeros_like(block_scales))
+    return (values.sqrt() * inverse_root.unsqueeze(1)).sqrt()
 
 
 def to_blocks(values: torch.Tensor, alignment: int) -> torch.Tensor:

@@ -35,8 +35,9 @@ def update_segment(
     param32 = param.float()
     states = [codec.decode(segment) for codec, segment in zip(codecs, encoded)]
     rule(param32, grad.float(), *states, **scalars)
-    for codec, state, segment in zip(codecs, states, encoded):
-        codec.encode(state, segment)
+    scales = [codec.block_scales(state) for codec, state in zip(codecs, states)]
+    for codec, state, block_scales, segment in zip(codecs, states, scales, encoded):
+        codec.encode(state, segment, block_scales)
     if param32 is not param:
         param.copy_(param32)
 
@@ -100,25 +101,51 @@ def resolve_compiled(compiled: bool | None, device: torch.device, state_elements
     return compile_available(device)
 
 
-@functools.cache
-def segment_kernel(rule: UpdateRule, compiled: bool) -> Callable[..., None]:
-    """The segment update for ``rule``: :func:`update_segment` bound to it, eager or compiled.
+class SegmentKernel:
+    """:func:`update_segment` for one rule and one page format's codecs, eager or through ``torch.compile``.
 
-    Compiled, the leading dimension of every tensor (elements, or blocks) is dynamic and the block
-    dimension static, so one kernel serves every segment length of a page format; the scalars (learning
-    rate, bias corrections) enter as 0-d tensors, since torch.compile would specialize on float values
-    and recompile at every step.
+    Compiled, the leading dimension of every tensor (elements, or blocks) is dynamic and the block dimension
+    static, so one kernel serves every segment length of the format; the scalars (learning rate, bias
+    corrections) enter as 0-d fp32 CPU tensors made once per step by :func:`prepare_scalars`, since torch.compile
+    would specialize on float values and recompile at every step.
     """
-    kernel = functools.partial(update_segment, rule)
-    if not compiled:
-        return kernel
-    compiled_kernel = torch.compile(kernel)
 
-    def run(codecs, param, grad, encoded, scalars) -> None:
+    def __init__(self, rule: UpdateRule, codecs: tuple[Codec, ...], compiled: bool) -> None:
+        self.rule = rule
+        self.codecs = codecs
+        self.compiled = compiled
+        self._compiled_update = torch.compile(self._update) if compiled else None
+
+    def _update(
+        self, param: torch.Tensor, grad: torch.Tensor, encoded: Sequence[EncodedSegment], scalars: dict
+    ) -> None:
+        update_segment(self.rule, self.codecs, param, grad, encoded, scalars)
+
+    def __call__(
+        self, param: torch.Tensor, grad: torch.Tensor, encoded: Sequence[EncodedSegment], scalars: dict
+    ) -> None:
+        """Update one segment; ``scalars`` come from :func:`prepare_scalars`."""
+        if self._compiled_update is None:
+            self._update(param, grad, encoded, scalars)
+            return
         for tensor in (param, grad, *(array for segment in encoded for array in segment)):
             if tensor.shape[0] > 1:
                 torch._dynamo.mark_dynamic(tensor, 0)
-        as_inputs = {name: torch.tensor(value, dtype=torch.float64) for name, value in scalars.items()}
-        compiled_kernel(codecs, param, grad, encoded, as_inputs)
+        self._compiled_update(param, grad, encoded, scalars)
 
-    return run
+
+def prepare_scalars(scalars: dict[str, float], compiled: bool) -> dict[str, float | torch.Tensor]:
+    """A rule's scalars as its kernels take them: floats eagerly, 0-d fp32 CPU tensors compiled.
+
+    Either way a scalar enters the fp32 update as the same fp32 value, so eager and compiled kernels compute
+    with the same constants.
+    """
+    if not compiled:
+        return scalars
+    return {name: torch.tensor(value, dtype=torch.float32, device="cpu") for name, value in scalars.items()}
+
+
+@functools.cache
+def segment_kernel(rule: UpdateRule, codecs: tuple[Codec, ...], compiled: bool) -> SegmentKernel:
+    """The :class:`SegmentKernel` of ``rule`` for ``codecs``, made once per process."""
+    return SegmentKernel(rule, codecs, compiled)

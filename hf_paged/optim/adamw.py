@@ -34,37 +34,41 @@ def adamw_update_(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     *,
-    lr: float,
-    weight_decay: float,
-    beta1: float,
+    decay: float,
+    avg_weight: float,
     beta2: float,
+    sq_weight: float,
     eps: float,
     step_size: float,
-    bias_correction2_sqrt: float,
+    inv_bias_correction2_sqrt: float,
 ) -> None:
     """One AdamW update of fp32 tensors in place; the scalars come from :func:`adamw_scalars`.
 
-    Scalars enter only tensor arithmetic, so that ``torch.compile`` keeps them symbolic.
+    Scalars enter only tensor arithmetic, so that ``torch.compile`` keeps them symbolic. The parameter is
+    written once, at the end, so that a compiled kernel updates it in the same pass as the state.
     """
-    param.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).add_(grad * grad * (1 - beta2))
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    param.sub_(exp_avg / denom * step_size)
+    exp_avg.lerp_(grad, avg_weight)
+    exp_avg_sq.mul_(beta2).add_(grad * grad * sq_weight)
+    denom = (exp_avg_sq.sqrt() * inv_bias_correction2_sqrt).add_(eps)
+    param.mul_(decay).sub_(exp_avg / denom * step_size)
 
 
 def adamw_scalars(group: dict[str, Any], step: float) -> dict[str, float]:
-    """The scalar arguments of :func:`adamw_update_` for ``group``'s hyperparameters at ``step``."""
+    """The scalar arguments of :func:`adamw_update_` for ``group``'s hyperparameters at ``step``.
+
+    ``decay`` is :math:`1 - \\gamma \\lambda`, ``avg_weight`` and ``sq_weight`` are :math:`1 - \\beta_1` and
+    :math:`1 - \\beta_2`, ``step_size`` is :math:`\\gamma / (1 - \\beta_1^t)`.
+    """
     lr = float(group["lr"])
     beta1, beta2 = group["betas"]
     return {
-        "lr": lr,
-        "weight_decay": group["weight_decay"],
-        "beta1": beta1,
+        "decay": 1 - lr * group["weight_decay"],
+        "avg_weight": 1 - beta1,
         "beta2": beta2,
+        "sq_weight": 1 - beta2,
         "eps": group["eps"],
         "step_size": lr / (1 - beta1**step),
-        "bias_correction2_sqrt": math.sqrt(1 - beta2**step),
+        "inv_bias_correction2_sqrt": 1 / math.sqrt(1 - beta2**step),
     }
 
 

@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from ..budget import AutoBudget
 from ..codecs import QUANTIZED_CODECS, Codec, Float32Codec, PageFormat, to_blocks
 from ..device import backend_for
-from ..kernels import UpdateRule, resolve_compiled, segment_kernel
+from ..kernels import SegmentKernel, UpdateRule, prepare_scalars, resolve_compiled, segment_kernel
 from ..sizes import parse_size
 from ..store import Page, PageStore, Segment
 from ..stores import DeviceBudget, DeviceStores, device_key
@@ -316,7 +316,7 @@ class PagedOptimizer(Optimizer):
         work = self._gradients()
         if not work:
             return loss
-        kernel = segment_kernel(self.update_rule(), self.compiled)
+        compiled = self.compiled
         by_page: dict[int, list[tuple[Segment, torch.Tensor, torch.Tensor, float, dict[str, Any]]]] = defaultdict(list)
         step_devices: set[tuple[torch.device, float]] = set()
         for index, grad, group in work:
@@ -330,22 +330,25 @@ class PagedOptimizer(Optimizer):
             flat_param = flat_elements(local.detach())
             for page, segment in self._param_segments[index]:
                 end = segment.start + segment.length
-                by_page[page.index].append((segment, flat_param[segment.start : end], grad[segment.start : end], step, group))
+                by_page[page.index].append(
+                    (segment, flat_param[segment.start : end], grad[segment.start : end], step, group)
+                )
             step_devices.add((local.device, step))
         pages = [self._store.pages[i] for i in sorted(by_page)]
         if self._auto_budgets:
             self._begin_auto_step()
         # Made once per step: a tensor built from a number on a device per page would wait for a host copy.
         step_tensors = {key: torch.full((), key[1], dtype=torch.float32, device=key[0]) for key in step_devices}
-        scalars_cache: dict[tuple[int, float], dict[str, float]] = {}
+        scalars_cache: dict[tuple[int, float], dict[str, float | torch.Tensor]] = {}
         for page in self._store.stream(pages):
             items, strided_params = _gathered(by_page[page.index])
             if not self.update_page_fast(page, items, step_tensors):
+                kernel = segment_kernel(self.update_rule(), page.format.codecs, compiled)
                 arrays = page.format.arrays(page.device)
                 for segment, param_slice, grad_slice, step, group in items:
                     key = (id(group), step)
                     if key not in scalars_cache:
-                        scalars_cache[key] = self.rule_scalars(group, step)
+                        scalars_cache[key] = prepare_scalars(self.rule_scalars(group, step), compiled)
                     self._update_segment(kernel, page, arrays, segment, param_slice, grad_slice, scalars_cache[key])
             for strided, values in strided_params:
                 strided.scatter(values)
@@ -547,7 +550,9 @@ class PagedOptimizer(Optimizer):
                     f"param group of parameter {saved_id!r} has block_size {block_size!r}, expected a power of two >= 16"
                 )
             fields = []
-            for key, length, dtype in zip(self._state_keys(codec, name), codec.field_lengths(numel), codec.field_dtypes()):
+            for key, length, dtype in zip(
+                self._state_keys(codec, name), codec.field_lengths(numel), codec.field_dtypes()
+            ):
                 value = entry[key]
                 if isinstance(value, torch.Tensor):
                     value = local_tensor(value)
@@ -557,7 +562,9 @@ class PagedOptimizer(Optimizer):
                         f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}"
                     )
                 if dtype.is_floating_point != value.is_floating_point():
-                    raise ValueError(f"state {key!r} of parameter {saved_id!r} has dtype {value.dtype}, expected {dtype}")
+                    raise ValueError(
+                        f"state {key!r} of parameter {saved_id!r} has dtype {value.dtype}, expected {dtype}"
+                    )
                 fields.append(value.detach().to("cpu", dtype).reshape(-1))
             states[name] = _SavedState(codec, tuple(fields), numel)
         return step, states
@@ -579,13 +586,13 @@ class PagedOptimizer(Optimizer):
 
     def _update_segment(
         self,
-        kernel: Callable[..., None],
+        kernel: SegmentKernel,
         page: Page,
         arrays: list[tuple[torch.Tensor, ...]],
         segment: Segment,
         param: torch.Tensor,
         grad: torch.Tensor,
-        scalars: dict[str, float],
+        scalars: dict[str, float | torch.Tensor],
     ) -> None:
         """Run ``kernel`` on a segment: its whole blocks in place, chunk by chunk; a partial last block through
         padded copies."""
@@ -597,12 +604,12 @@ class PagedOptimizer(Optimizer):
             end = min(start + chunk, body)
             encoded = [codec.select(array, segment.offset + start, end - start) for codec, array in zip(codecs, arrays)]
             param_chunk, grad_chunk = to_blocks(param[start:end], alignment), to_blocks(grad[start:end], alignment)
-            kernel(codecs, param_chunk, grad_chunk, encoded, scalars)
+            kernel(param_chunk, grad_chunk, encoded, scalars)
         if body < segment.length:
             tail = segment.length - body
             encoded = [codec.select(array, segment.offset + body, tail) for codec, array in zip(codecs, arrays)]
             padded = to_blocks(param[body:], alignment)
-            kernel(codecs, padded, to_blocks(grad[body:], alignment), encoded, scalars)
+            kernel(padded, to_blocks(grad[body:], alignment), encoded, scalars)
             param[body:].copy_(padded.view(-1)[:tail])
 
     def _chunk_elements(self, page_format: PageFormat) -> int:
@@ -624,7 +631,11 @@ class PagedOptimizer(Optimizer):
     # Copying and pickling -------------------------------------------------------------------------------
 
     _REBUILT_ATTRIBUTES: ClassVar[tuple[str, ...]] = (
-        "_store", "_auto_budgets", "_params", "_param_segments", "_param_codecs"
+        "_store",
+        "_auto_budgets",
+        "_params",
+        "_param_segments",
+        "_param_codecs",
     )
     """Attributes that hold the page store and the layout: rebuilt from the param groups, never copied."""
 
@@ -765,9 +776,7 @@ def _store_stats(store: PageStore | DeviceStores) -> dict[str, int | float | Non
     }
 
 
-def _packed(
-    param_groups: list[dict[str, Any]], state: dict[Any, Any]
-) -> tuple[dict[str, Any], list[int]]:
+def _packed(param_groups: list[dict[str, Any]], state: dict[Any, Any]) -> tuple[dict[str, Any], list[int]]:
     """``param_groups`` with parameters replaced by their indices, and ``state`` keyed by those indices (other
     keys as they are), as ``torch.optim`` packs them; and the indices of the parameters that have state."""
     index_of: dict[int, int] = {}

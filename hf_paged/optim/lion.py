@@ -27,15 +27,15 @@ def lion_update_(
     exp_avg: torch.Tensor,
     *,
     lr: float,
-    weight_decay: float,
-    beta1: float,
-    beta2: float,
+    decay: float,
+    direction_weight: float,
+    avg_weight: float,
 ) -> None:
-    """One Lion update of fp32 tensors in place."""
-    param.mul_(1 - lr * weight_decay)
-    direction = exp_avg.lerp(grad, 1 - beta1).sign_()
-    param.sub_(direction * lr)
-    exp_avg.lerp_(grad, 1 - beta2)
+    """One Lion update of fp32 tensors in place; ``decay`` is :math:`1 - \\gamma \\lambda`,
+    ``direction_weight`` and ``avg_weight`` are :math:`1 - \\beta_1` and :math:`1 - \\beta_2`."""
+    direction = exp_avg.lerp(grad, direction_weight).sign_()
+    param.mul_(decay).sub_(direction * lr)
+    exp_avg.lerp_(grad, avg_weight)
 
 
 class _PagedLionBase(PagedOptimizer):
@@ -52,8 +52,14 @@ class _PagedLionBase(PagedOptimizer):
         return lion_update_
 
     def rule_scalars(self, group: dict[str, Any], step: float) -> dict[str, float]:
+        lr = float(group["lr"])
         beta1, beta2 = group["betas"]
-        return {"lr": float(group["lr"]), "weight_decay": group["weight_decay"], "beta1": beta1, "beta2": beta2}
+        return {
+            "lr": lr,
+            "decay": 1 - lr * group["weight_decay"],
+            "direction_weight": 1 - beta1,
+            "avg_weight": 1 - beta2,
+        }
 
 
 class PagedLion(_PagedLionBase):
