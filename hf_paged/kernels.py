@@ -50,13 +50,19 @@ def compile_available(device: torch.device) -> bool:
     runs eagerly, which is logged once.
     """
     if device.type == "cpu":
-        return shutil.which(os.environ.get("CXX", "c++")) is not None or shutil.which("gcc") is not None
+        return _cpu_compiler_found(os.environ.get("CXX", "c++"))
     if device.type in ("cuda", "xpu"):
         reason = _triton_unusable(device)
         if reason is not None:
             _log_eager_fallback(device.type, reason)
         return reason is None
     return False
+
+
+@functools.cache
+def _cpu_compiler_found(cxx: str) -> bool:
+    """Whether Inductor finds a C++ compiler for CPU kernels (looked up once per process and ``CXX``)."""
+    return shutil.which(cxx) is not None or shutil.which("gcc") is not None
 
 
 def _triton_unusable(device: torch.device) -> str | None:

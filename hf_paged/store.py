@@ -250,30 +250,40 @@ class PageStore:
 
     # One step --------------------------------------------------------------------------------------
 
-    def stream(self, pages: list[Page]) -> Iterator[Page]:
-        """Yield each of ``pages`` once, resident on the device, for its update.
+    def stream(self, pages: list[Page]) -> Iterator[list[Page]]:
+        """Yield ``pages`` in batches, each page once, resident on the device, for their update.
 
-        Resident pages come first; the others follow in their order, ``prefetch`` of them copied ahead
-        while the page before is updated. A page whose room is needed later is written back once it has
-        been updated. The caller updates the yielded page's device buffer before taking the next one.
+        When every page is resident they come in one batch, which a multi-tensor kernel updates in one call.
+        Otherwise each batch is one page: the resident pages first, then the others in their order,
+        ``prefetch`` of them copied ahead while the page before is updated (an updated page makes room
+        for the next copy). A page whose room is needed later is written back once it has been updated.
+        The caller updates a batch's device buffers before taking the next batch.
         """
         self._make_room(0, pinned=(), blocking=True)
         resident = [page for page in pages if page.state is PageState.RESIDENT]
         streamed = [page for page in pages if page.state is not PageState.RESIDENT]
+        if resident and not streamed:
+            for page in resident:
+                self._finish_page_in(page)
+            yield resident
+            self._make_room(0, pinned=(), blocking=True)
+            return
         pending: dict[int, Page] = {page.index: page for page in pages}
-        schedule = [(page, -1) for page in resident] + list(zip(streamed, range(len(streamed))))
+        schedule = [([page], -1) for page in resident] + [([page], position) for position, page in enumerate(streamed)]
         fetched = 0
-        for page, position in schedule:
+        for batch, position in schedule:
             if position == fetched:
-                self._fetch(page, pending.values(), blocking=True)
+                self._fetch(batch[0], pending.values(), blocking=True)
                 fetched += 1
             while fetched < len(streamed) and fetched - position - 1 < self.prefetch:
                 if not self._fetch(streamed[fetched], pending.values(), blocking=False):
                     break
                 fetched += 1
-            self._finish_page_in(page)
-            yield page
-            del pending[page.index]
+            for page in batch:
+                self._finish_page_in(page)
+            yield batch
+            for page in batch:
+                del pending[page.index]
         self._make_room(0, pinned=(), blocking=True)
 
     def _fetch(self, page: Page, pinned: Iterable[Page], blocking: bool) -> bool:

@@ -205,8 +205,9 @@ class DeviceStores:
 
     # One step and whole pages -----------------------------------------------------------------------
 
-    def stream(self, pages: list[Page]) -> Iterator[Page]:
-        """Yield each of ``pages`` once, resident on its device: the pages of one device after another."""
+    def stream(self, pages: list[Page]) -> Iterator[list[Page]]:
+        """Yield ``pages`` in batches resident on their device (see :meth:`PageStore.stream`): the batches of
+        one device after another."""
         by_device: dict[str, list[Page]] = {}
         for page in pages:
             by_device.setdefault(self.device_of(page), []).append(page)

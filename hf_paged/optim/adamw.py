@@ -18,14 +18,15 @@ and ``exp_avg_sq`` (:math:`v`). The update is computed in fp32 for fp32, bf16 an
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from ..codecs import Float32Codec
-from ..store import Page, Segment
-from .base import DEFAULT_PAGE_SIZE, PagedOptimizer, check_betas, check_eps, check_lr, check_weight_decay
+from ..store import Page
+from .base import DEFAULT_PAGE_SIZE, PagedOptimizer, WorkItem, check_betas, check_eps, check_lr, check_weight_decay
 
 
 def adamw_update_(
@@ -123,39 +124,45 @@ class _PagedAdamWBase(PagedOptimizer):
     def rule_scalars(self, group: dict[str, Any], step: float) -> dict[str, float]:
         return adamw_scalars(group, step)
 
-    def update_page_fast(
-        self,
-        page: Page,
-        work: list[tuple[Segment, torch.Tensor, torch.Tensor, float, dict]],
-        step_tensors: dict[tuple[torch.device, float], torch.Tensor],
-    ) -> bool:
-        """fp32 parameters with fp32 state on CPU or CUDA: PyTorch's fused AdamW kernel, one call per page."""
-        device = page.device[0].device
-        if (
-            device.type not in ("cpu", "cuda")
-            or not all(isinstance(codec, Float32Codec) for codec in page.format.codecs)
-            or any(param.dtype != torch.float32 or grad.dtype != torch.float32 for _, param, grad, _, _ in work)
-        ):
-            return False
-        exp_avgs, exp_avg_sqs = (
-            [codec.select(array, segment.offset, segment.length)[0] for segment, *_ in work]
-            for codec, array in zip(page.format.codecs, page.format.arrays(page.device))
-        )
-        group = work[0][4]
-        beta1, beta2 = group["betas"]
-        adamw_update_multi_(
-            [param for _, param, _, _, _ in work],
-            [grad for _, _, grad, _, _ in work],
-            list(exp_avgs),
-            list(exp_avg_sqs),
-            [step_tensors[param.device, step] for _, param, _, step, _ in work],
-            lr=float(group["lr"]),
-            weight_decay=group["weight_decay"],
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-        )
-        return True
+    def update_pages_fast(
+        self, batch: list[tuple[Page, list[WorkItem]]], step_tensors: dict[tuple[torch.device, float], torch.Tensor]
+    ) -> list[tuple[Page, list[WorkItem]]]:
+        """fp32 parameters with fp32 state on CPU or CUDA: PyTorch's fused AdamW kernel, one call for the
+        pages of each param group and device in the batch."""
+        calls: dict[tuple[int, torch.device], list[tuple[Page, list[WorkItem]]]] = defaultdict(list)
+        left = []
+        for page, work in batch:
+            device = page.device[0].device
+            if (
+                device.type in ("cpu", "cuda")
+                and all(isinstance(codec, Float32Codec) for codec in page.format.codecs)
+                and all(param.dtype == torch.float32 and grad.dtype == torch.float32 for _, param, grad, _, _ in work)
+            ):
+                calls[id(work[0][4]), device].append((page, work))
+            else:
+                left.append((page, work))
+        for pages in calls.values():
+            exp_avgs, exp_avg_sqs, items = [], [], []
+            for page, work in pages:
+                moments, squares = page.format.arrays(page.device)
+                exp_avgs += [moments[0][segment.offset : segment.offset + segment.length] for segment, *_ in work]
+                exp_avg_sqs += [squares[0][segment.offset : segment.offset + segment.length] for segment, *_ in work]
+                items += work
+            group = items[0][4]
+            beta1, beta2 = group["betas"]
+            adamw_update_multi_(
+                [param for _, param, _, _, _ in items],
+                [grad for _, _, grad, _, _ in items],
+                exp_avgs,
+                exp_avg_sqs,
+                [step_tensors[param.device, step] for _, param, _, step, _ in items],
+                lr=float(group["lr"]),
+                weight_decay=group["weight_decay"],
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+            )
+        return left
 
 
 class PagedAdamW(_PagedAdamWBase):

@@ -36,6 +36,9 @@ _WORKSPACE_BYTES_PER_ELEMENT = {"fp32": 24, "quantized": 32}
 update's measured peak (fp32 and bf16 parameters, tests/test_workspace.py) rounded up. With chunks of
 ``page_size // 16`` elements a step's workspace is about two pages, whatever the page and model size."""
 
+WorkItem = tuple[Segment, torch.Tensor, torch.Tensor, float, dict[str, Any]]
+"""One segment's update in a step: the segment, its parameter and gradient elements, the step, the group."""
+
 _BETWEEN_STEPS = "hf_paged.optimizer.between_steps"
 """The probe mark an automatic budget sets at the end of each step: the forward/backward phase."""
 
@@ -261,18 +264,16 @@ class PagedOptimizer(Optimizer):
         """The rule's scalar arguments for a parameter of ``group`` at ``step`` (1 for the first update)."""
         raise NotImplementedError
 
-    def update_page_fast(
-        self,
-        page: Page,
-        work: list[tuple[Segment, torch.Tensor, torch.Tensor, float, dict[str, Any]]],
-        step_tensors: dict[tuple[torch.device, float], torch.Tensor],
-    ) -> bool:
-        """Update a whole page with a multi-tensor kernel if the subclass has one; return whether it did.
+    def update_pages_fast(
+        self, batch: list[tuple[Page, list[WorkItem]]], step_tensors: dict[tuple[torch.device, float], torch.Tensor]
+    ) -> list[tuple[Page, list[WorkItem]]]:
+        """Update whole pages of a batch with a multi-tensor kernel where the subclass has one; return the
+        pages left to the segment kernel.
 
         ``step_tensors`` holds each step count of this step as a 0-d fp32 tensor on each parameter device,
         made before the page loop, for kernels that read the step on the device.
         """
-        return False
+        return batch
 
     # Step ---------------------------------------------------------------------------------------------
 
@@ -317,7 +318,7 @@ class PagedOptimizer(Optimizer):
         if not work:
             return loss
         compiled = self.compiled
-        by_page: dict[int, list[tuple[Segment, torch.Tensor, torch.Tensor, float, dict[str, Any]]]] = defaultdict(list)
+        by_page: dict[int, list[WorkItem]] = defaultdict(list)
         step_devices: set[tuple[torch.device, float]] = set()
         for index, grad, group in work:
             param = self._params[index]
@@ -340,9 +341,9 @@ class PagedOptimizer(Optimizer):
         # Made once per step: a tensor built from a number on a device per page would wait for a host copy.
         step_tensors = {key: torch.full((), key[1], dtype=torch.float32, device=key[0]) for key in step_devices}
         scalars_cache: dict[tuple[int, float], dict[str, float | torch.Tensor]] = {}
-        for page in self._store.stream(pages):
-            items, strided_params = _gathered(by_page[page.index])
-            if not self.update_page_fast(page, items, step_tensors):
+        for batch in self._store.stream(pages):
+            gathered = [(page, *_gathered(by_page[page.index])) for page in batch]
+            for page, items in self.update_pages_fast([(page, items) for page, items, _ in gathered], step_tensors):
                 kernel = segment_kernel(self.update_rule(), page.format.codecs, compiled)
                 arrays = page.format.arrays(page.device)
                 for segment, param_slice, grad_slice, step, group in items:
@@ -350,8 +351,9 @@ class PagedOptimizer(Optimizer):
                     if key not in scalars_cache:
                         scalars_cache[key] = prepare_scalars(self.rule_scalars(group, step), compiled)
                     self._update_segment(kernel, page, arrays, segment, param_slice, grad_slice, scalars_cache[key])
-            for strided, values in strided_params:
-                strided.scatter(values)
+            for _, _, strided_params in gathered:
+                for strided, values in strided_params:
+                    strided.scatter(values)
         if self._auto_budgets:
             self.prepare_forward()
             for auto in self._auto_budgets.values():
