@@ -272,6 +272,7 @@ def test_step_workspace_on_cuda_is_what_the_optimizer_reserves(optimizer_name, c
 
     if compiled and not compile_available(DEVICE):
         pytest.skip("no usable Triton for torch.compile")
+    torch._dynamo.reset()  # Dynamo keeps at most 8 graphs of the kernel function per process, then runs it eagerly
     page_size = 256 * 2**10
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(n, dtype=dtype, device=DEVICE)) for n in (6 * 2**16 + 37, 300)]

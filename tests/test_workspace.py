@@ -6,10 +6,11 @@ import weakref
 
 import pytest
 import torch
+from conftest import OPTIMIZERS
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from conftest import OPTIMIZERS
+from hf_paged.kernels import compile_available
 
 
 class PeakAllocation(TorchDispatchMode):
@@ -51,9 +52,9 @@ def make_params(numel: int, dtype: torch.dtype) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.randn(size, dtype=dtype)) for size in sizes]
 
 
-def stepped(name: str, dtype: torch.dtype, page_size: int, steps: int = 2):
+def stepped(name: str, dtype: torch.dtype, page_size: int, steps: int = 2, compiled: bool = False):
     params = make_params(2 * page_size, dtype)
-    kwargs = {"page_size": page_size, "compiled": False}
+    kwargs = {"page_size": page_size, "compiled": compiled}
     if name.endswith("8bit"):
         kwargs.update(block_size=256, min_8bit_size=1024)
     optimizer = OPTIMIZERS[name](params, **kwargs)
@@ -68,7 +69,7 @@ def stepped(name: str, dtype: torch.dtype, page_size: int, steps: int = 2):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [4 * 2**10, 32 * 2**10])
 def test_step_temporaries_fit_the_reserved_workspace(optimizer_name, dtype, page_size):
-    params, optimizer = stepped(optimizer_name, dtype, page_size)  # pages resident: only temporaries allocate
+    _, optimizer = stepped(optimizer_name, dtype, page_size)  # pages resident: only temporaries allocate
     assert optimizer.paging_stats()["pages_total"] >= 4
     with PeakAllocation() as allocation:
         optimizer.step()
@@ -79,7 +80,46 @@ def test_step_temporaries_fit_the_reserved_workspace(optimizer_name, dtype, page
 
 def test_chunked_update_is_bitwise_the_whole_segment_update(optimizer_name, monkeypatch):
     chunked, _ = stepped(optimizer_name, torch.bfloat16, 4 * 2**10, steps=3)
-    monkeypatch.setattr(OPTIMIZERS[optimizer_name], "_chunk_elements", lambda self, page_format: 2**40)
+    monkeypatch.setattr(OPTIMIZERS[optimizer_name], "_chunk_elements", lambda self, page_format, compiled: 2**40)
     whole, _ = stepped(optimizer_name, torch.bfloat16, 4 * 2**10, steps=3)
     for mine, theirs in zip(chunked, whole):
         assert torch.equal(mine, theirs)
+
+
+def allocated_peak(step) -> int:
+    """The peak bytes of CPU memory that ``step()`` allocates and holds, from the profiler's memory events.
+
+    The CPU allocator reports every allocation, those of a compiled kernel's buffers included, which a
+    dispatch mode does not see.
+    """
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+        step()
+    events = sorted(
+        (e.start_ns(), e.nbytes()) for e in profile.profiler.kineto_results.events() if e.name() == "[memory]"
+    )
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.skipif(not compile_available(torch.device("cpu")), reason="no C++ compiler for torch.compile")
+@pytest.mark.parametrize(
+    "name, dtype",
+    [
+        ("PagedAdamW8bit", torch.float32),
+        ("PagedAdamW8bit", torch.bfloat16),
+        ("PagedAdamW4bit", torch.float32),
+        ("PagedLion8bit", torch.bfloat16),
+        ("PagedAdamW", torch.bfloat16),
+    ],
+)
+def test_compiled_step_temporaries_fit_the_reserved_workspace(name, dtype):
+    torch._dynamo.reset()  # Dynamo keeps at most 8 graphs of the kernel function per process, then runs it eagerly
+    page_size = 64 * 2**10
+    _, optimizer = stepped(name, dtype, page_size, compiled=True)
+    assert optimizer.compiled
+    peak = allocated_peak(optimizer.step)
+    assert 0 < optimizer.step_workspace <= 3 * page_size
+    assert 0 < peak <= optimizer.step_workspace, (peak / page_size, "pages")

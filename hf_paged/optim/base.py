@@ -28,13 +28,21 @@ from ._params import StridedRange, describe_parameter, flat_elements, normalize_
 DEFAULT_PAGE_SIZE = 4 * 2**20
 """Default page size in bytes (see ``benchmarks/optimizer_step.py``)."""
 
-_PAGE_BYTES_PER_CHUNK_ELEMENT = 16
-"""A segment is updated in chunks of ``page_size // 16`` elements (whole blocks), bounding its temporaries."""
+_PAGE_BYTES_PER_CHUNK_ELEMENT = {False: 16, True: 4}
+"""A segment is updated in chunks of ``page_size // 16`` elements eagerly and ``page_size // 4`` compiled (whole
+blocks), bounding its temporaries; a compiled kernel keeps far fewer, and a larger chunk costs fewer calls."""
 
-_WORKSPACE_BYTES_PER_ELEMENT = {"fp32": 24, "quantized": 32}
-"""Bytes of temporaries per element of a chunk's update, for fp32 state and for quantized state: the eager
-update's measured peak (fp32 and bf16 parameters, tests/test_workspace.py) rounded up. With chunks of
-``page_size // 16`` elements a step's workspace is about two pages, whatever the page and model size."""
+_WORKSPACE_BYTES_PER_ELEMENT = {
+    (False, "32bit"): 24,
+    (False, "8bit"): 32,
+    (False, "4bit"): 32,
+    (True, "32bit"): 4,
+    (True, "8bit"): 8,
+    (True, "4bit"): 11,
+}
+"""Bytes of temporaries per element of a chunk's update, eager or compiled, by page format: the
+measured peak (fp32 and bf16 parameters, tests/test_workspace.py) rounded up. A step's workspace is thus two
+to three pages, whatever the page and model size."""
 
 WorkItem = tuple[Segment, torch.Tensor, torch.Tensor, float, dict[str, Any]]
 """One segment's update in a step: the segment, its parameter and gradient elements, the step, the group."""
@@ -600,7 +608,7 @@ class PagedOptimizer(Optimizer):
         padded copies."""
         codecs = page.format.codecs
         alignment = page.format.alignment
-        chunk = self._chunk_elements(page.format)
+        chunk = self._chunk_elements(page.format, kernel.compiled)
         body = segment.length - segment.length % alignment
         for start in range(0, body, chunk):
             end = min(start + chunk, body)
@@ -614,20 +622,22 @@ class PagedOptimizer(Optimizer):
             kernel(padded, to_blocks(grad[body:], alignment), encoded, scalars)
             param[body:].copy_(padded.view(-1)[:tail])
 
-    def _chunk_elements(self, page_format: PageFormat) -> int:
-        """Elements of a segment updated by one kernel call: ``page_size // 16``, in whole blocks."""
+    def _chunk_elements(self, page_format: PageFormat, compiled: bool) -> int:
+        """Elements of a segment updated by one kernel call: ``page_size // 16`` eagerly, ``page_size // 4``
+        compiled, in whole blocks."""
         alignment = page_format.alignment
-        return max(alignment, self.page_size // _PAGE_BYTES_PER_CHUNK_ELEMENT // alignment * alignment)
+        divisor = _PAGE_BYTES_PER_CHUNK_ELEMENT[compiled]
+        return max(alignment, self.page_size // divisor // alignment * alignment)
 
     @property
     def step_workspace(self) -> int:
         """Bytes of temporaries a step may hold on the device besides the state (a chunk's decoded state)."""
         workspaces = []
-        for page_format in self._formats.values():
-            fp32 = all(isinstance(codec, Float32Codec) for codec in page_format.codecs)
-            per_element = _WORKSPACE_BYTES_PER_ELEMENT["fp32" if fp32 else "quantized"]
+        compiled = self.compiled
+        for kind, page_format in self._formats.items():
+            per_element = _WORKSPACE_BYTES_PER_ELEMENT[compiled, kind]
             padded_tail = 3 * page_format.alignment * 4  # a partial last block's padded parameter, gradient, zeros
-            workspaces.append(per_element * self._chunk_elements(page_format) + padded_tail)
+            workspaces.append(per_element * self._chunk_elements(page_format, compiled) + padded_tail)
         return max(workspaces)
 
     # Copying and pickling -------------------------------------------------------------------------------
