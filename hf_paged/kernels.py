@@ -107,20 +107,28 @@ def resolve_compiled(compiled: bool | None, device: torch.device, state_elements
     return compile_available(device)
 
 
+_INDUCTOR_OPTIONS = {"cpp.dynamic_threads": True}
+"""Inductor settings of the segment kernels. A CPU kernel is otherwise parallel or not by the size of the first
+segment it was compiled for (a dynamic length has no other hint): compiled for a small parameter, it would
+update every later segment, however long, on one thread. With dynamic threads OpenMP decides at each call."""
+
+
 class SegmentKernel:
     """:func:`update_segment` for one rule and one page format's codecs, eager or through ``torch.compile``.
 
     Compiled, the leading dimension of every tensor (elements, or blocks) is dynamic and the block dimension
-    static, so one kernel serves every segment length of the format; the scalars (learning rate, bias
-    corrections) enter as 0-d fp32 CPU tensors made once per step by :func:`prepare_scalars`, since torch.compile
-    would specialize on float values and recompile at every step.
+    static, so one kernel serves every segment length of the format: the first call of more than one block
+    marks it dynamic, and later calls of any length match the graph it compiled. The scalars (learning rate,
+    bias corrections) enter as 0-d fp32 CPU tensors made once per step by :func:`prepare_scalars`, since
+    torch.compile would specialize on float values and recompile at every step.
     """
 
     def __init__(self, rule: UpdateRule, codecs: tuple[Codec, ...], compiled: bool) -> None:
         self.rule = rule
         self.codecs = codecs
         self.compiled = compiled
-        self._compiled_update = torch.compile(self._update) if compiled else None
+        self._compiled_update = torch.compile(self._update, options=_INDUCTOR_OPTIONS) if compiled else None
+        self._marked_dynamic = False
 
     def _update(
         self, param: torch.Tensor, grad: torch.Tensor, encoded: Sequence[EncodedSegment], scalars: dict
@@ -134,9 +142,11 @@ class SegmentKernel:
         if self._compiled_update is None:
             self._update(param, grad, encoded, scalars)
             return
-        for tensor in (param, grad, *(array for segment in encoded for array in segment)):
-            if tensor.shape[0] > 1:
-                torch._dynamo.mark_dynamic(tensor, 0)
+        if not self._marked_dynamic:
+            for tensor in (param, grad, *(array for segment in encoded for array in segment)):
+                if tensor.shape[0] > 1:
+                    torch._dynamo.mark_dynamic(tensor, 0)
+            self._marked_dynamic = param.shape[0] > 1
         self._compiled_update(param, grad, encoded, scalars)
 
 
