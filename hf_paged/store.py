@@ -216,6 +216,7 @@ class PageStore:
         """Order the compute stream after ``page``'s copy (the host does not wait) and drop its host copy."""
         if page.state is PageState.PAGING_IN:
             self.backend.order_after(page.event)
+            self.backend.release_host(page.host)
             page.host, page.event = None, None
             self._set_state(page, PageState.RESIDENT)
             self._notify("resident", page)
