@@ -26,7 +26,7 @@ def two_ranks_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fsdp2")
     output = folder / "result.pt"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         os.path.join(REPO, "tests", "scripts", "fsdp2_train.py"),
         "--optimizers", *sorted(OPTIMIZERS), "--steps", str(STEPS), "--save-at", str(SAVE_AT),
         "--checkpoint", str(folder / "checkpoints"), "--output", str(output),
