@@ -328,13 +328,15 @@ class PagedOptimizer(Optimizer):
         compiled = self.compiled
         by_page: dict[int, list[WorkItem]] = defaultdict(list)
         step_devices: set[tuple[torch.device, float]] = set()
-        for index, grad, group in work:
-            param = self._params[index]
-            state = self.state[param]
+        states = [self.state[self._params[index]] for index, _, _ in work]
+        for state in states:
             if "step" not in state:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["step"] += 1
-            step = state["step"].item()
+        step_counts = [state["step"] for state in states]
+        torch._foreach_add_(step_counts, 1.0)
+        for (index, grad, group), step_count in zip(work, step_counts):
+            param = self._params[index]
+            step = step_count.item()
             local = local_tensor(param)
             flat_param = flat_elements(local.detach())
             for page, segment in self._param_segments[index]:
