@@ -44,3 +44,24 @@ def test_changing_scalars_do_not_recompile(optimizer_name):
         scheduler.step()
         frames.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     assert frames[-1] == frames[0]  # zero for the optimizers whose fp32 pages take a multi-tensor kernel
+
+
+def test_kernel_compiled_for_a_short_first_segment_runs_long_ones_in_parallel():
+    """Inductor sizes a CPU kernel's parallelism by the segment it compiles for; a short first segment (a bias)
+    must not leave the kernel serial for every later segment, however long."""
+    from torch._inductor.utils import fresh_cache, run_and_get_code
+
+    from hf_paged.codecs import Float32Codec
+    from hf_paged.kernels import SegmentKernel, prepare_scalars
+    from hf_paged.optim.adamw import adamw_scalars, adamw_update_
+
+    torch._dynamo.reset()
+    kernel = SegmentKernel(adamw_update_, (Float32Codec(), Float32Codec()), compiled=True)
+    scalars = prepare_scalars(
+        adamw_scalars({"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}, 1), True
+    )
+    short = 300
+    param, grad = torch.randn(short, dtype=torch.bfloat16), torch.randn(short, dtype=torch.bfloat16)
+    with fresh_cache():
+        _, (code, *_) = run_and_get_code(kernel, param, grad, [(torch.zeros(short),), (torch.zeros(short),)], scalars)
+    assert "#pragma omp parallel" in code
