@@ -262,8 +262,13 @@ QUANTIZED_CODECS: dict[int, type[Blockwise8bitCodec] | type[Blockwise4bitCodec]]
 
 
 def inverse_scales(block_scales: torch.Tensor) -> torch.Tensor:
-    """``1 / block_scales``, and 0 for an all-zero block (whose values all encode to zero)."""
-    return torch.where(block_scales > 0, block_scales.reciprocal(), torch.zeros_like(block_scales))
+    """``1 / block_scales``, and 0 for a block whose scale is zero or subnormal (its values all encode to zero).
+
+    The reciprocal of a subnormal scale overflows to infinity, and casting the infinite or NaN products to
+    integer codes is undefined: the CPU gives 0, a GPU may give any code.
+    """
+    smallest_normal = torch.finfo(block_scales.dtype).tiny
+    return torch.where(block_scales >= smallest_normal, block_scales.reciprocal(), torch.zeros_like(block_scales))
 
 
 def fourth_roots(values: torch.Tensor, block_scales: torch.Tensor) -> torch.Tensor:

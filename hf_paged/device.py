@@ -63,6 +63,9 @@ class SyncBackend:
         """Give host ``buffers`` back once a page's copy from them has been ordered before the compute that
         reads the page; dropping them frees them."""
 
+    def drop_kept(self) -> None:
+        """Free whatever released buffers the backend keeps for reuse (none here)."""
+
     def copy_to_device(self, dst: Buffers, src: Buffers) -> Event:
         """Copy host ``src`` into device ``dst`` after the compute work queued so far; return its event."""
         return self._copy(dst, src)
@@ -94,7 +97,7 @@ class CPUBackend(SyncBackend):
     A streamed step pages a page out for each page it brings in, so that buffers released by one serve the
     next: the step then copies into memory already in use instead of fresh allocations, whose pages the
     system faults in at the first write. At most :data:`_KEPT_PER_SHAPE` sets of buffers of each shape are
-    kept, in each of the host and device pools.
+    kept, in each of the host and device pools, and only within a step: the store drops them when it ends.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -115,6 +118,16 @@ class CPUBackend(SyncBackend):
 
     def release_host(self, buffers: Buffers) -> None:
         _keep(self._kept_host, buffers)
+
+    def drop_kept(self) -> None:
+        self._kept_host.clear()
+        self._kept_device.clear()
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the released buffers kept for reuse, host and device together."""
+        pools = (*self._kept_host.values(), *self._kept_device.values())
+        return sum(buffer.nbytes for kept in pools for buffers in kept for buffer in buffers)
 
 
 _KEPT_PER_SHAPE = 2

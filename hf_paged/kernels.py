@@ -117,10 +117,10 @@ class SegmentKernel:
     """:func:`update_segment` for one rule and one page format's codecs, eager or through ``torch.compile``.
 
     Compiled, the leading dimension of every tensor (elements, or blocks) is dynamic and the block dimension
-    static, so one kernel serves every segment length of the format: the first call of more than one block
-    marks it dynamic, and later calls of any length match the graph it compiled. The scalars (learning rate,
-    bias corrections) enter as 0-d fp32 CPU tensors made once per step by :func:`prepare_scalars`, since
-    torch.compile would specialize on float values and recompile at every step.
+    static, so one kernel serves every segment length of the format (each call marks it, whatever Dynamo's
+    settings and caches). The scalars (learning rate, bias corrections) enter as 0-d fp32 CPU tensors made
+    once per step by :func:`prepare_scalars`, since torch.compile would specialize on float values and
+    recompile at every step.
     """
 
     def __init__(self, rule: UpdateRule, codecs: tuple[Codec, ...], compiled: bool) -> None:
@@ -128,7 +128,6 @@ class SegmentKernel:
         self.codecs = codecs
         self.compiled = compiled
         self._compiled_update = torch.compile(self._update, options=_INDUCTOR_OPTIONS) if compiled else None
-        self._marked_dynamic = False
 
     def _update(
         self, param: torch.Tensor, grad: torch.Tensor, encoded: Sequence[EncodedSegment], scalars: dict
@@ -142,11 +141,9 @@ class SegmentKernel:
         if self._compiled_update is None:
             self._update(param, grad, encoded, scalars)
             return
-        if not self._marked_dynamic:
-            for tensor in (param, grad, *(array for segment in encoded for array in segment)):
-                if tensor.shape[0] > 1:
-                    torch._dynamo.mark_dynamic(tensor, 0)
-            self._marked_dynamic = param.shape[0] > 1
+        for tensor in (param, grad, *(array for segment in encoded for array in segment)):
+            if tensor.shape[0] > 1:
+                torch._dynamo.mark_dynamic(tensor, 0)
         self._compiled_update(param, grad, encoded, scalars)
 
 

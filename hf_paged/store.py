@@ -267,7 +267,7 @@ class PageStore:
             for page in resident:
                 self._finish_page_in(page)
             yield resident
-            self._make_room(0, pinned=(), blocking=True)
+            self._end_stream()
             return
         pending: dict[int, Page] = {page.index: page for page in pages}
         schedule = [([page], -1) for page in resident] + [([page], position) for position, page in enumerate(streamed)]
@@ -285,7 +285,12 @@ class PageStore:
             yield batch
             for page in batch:
                 del pending[page.index]
+        self._end_stream()
+
+    def _end_stream(self) -> None:
+        """Bring the device within the budget and free the buffers the backend kept for the step's copies."""
         self._make_room(0, pinned=(), blocking=True)
+        self.backend.drop_kept()
 
     def _fetch(self, page: Page, pinned: Iterable[Page], blocking: bool) -> bool:
         """Start bringing ``page`` to the device if room can be made; return whether it was started."""

@@ -37,7 +37,6 @@ def fit(make_optimizer) -> tuple[torch.nn.Module, float, float]:
     return model, losses[0], sum(losses[-20:]) / 20
 
 
-
 @pytest.fixture(scope="module")
 def fp32_run():
     return fit(lambda params: torch.optim.AdamW(params, lr=1e-3))
@@ -45,7 +44,9 @@ def fp32_run():
 
 def test_adamw8bit_final_loss_within_5_percent_of_fp32(fp32_run):
     _, first, reference_loss = fp32_run
-    model, _, loss = fit(lambda params: hf_paged.PagedAdamW8bit(params, lr=1e-3, device_budget="1MiB", page_size="256KiB"))
+    model, _, loss = fit(
+        lambda params: hf_paged.PagedAdamW8bit(params, lr=1e-3, device_budget="1MiB", page_size="256KiB")
+    )
     assert reference_loss < 0.5 * first
     assert abs(loss - reference_loss) <= 0.05 * reference_loss
 
@@ -106,3 +107,19 @@ def test_zero_block_decodes_to_zero():
     values = torch.stack([torch.zeros(64), torch.rand(64)])
     codec.encode(values, (codes, scales))
     assert scales[0] == 0 and torch.equal(codec.decode((codes, scales))[0], torch.zeros(64))
+
+
+def test_blocks_with_a_subnormal_scale_encode_to_zero_codes():
+    """The reciprocal of a subnormal scale overflows; the codes must not come from casting infinities."""
+    from hf_paged.codecs import Blockwise4bitCodec, inverse_scales
+
+    scales = torch.tensor([0.0, 1e-39, 1e-30])
+    inverse = inverse_scales(scales)
+    assert torch.isfinite(inverse).all() and inverse[0] == inverse[1] == 0 and inverse[2] == 1 / scales[2]
+    values = (torch.rand(2, 64, generator=torch.Generator().manual_seed(0)) - 0.5) * torch.tensor([[1e-39], [1.0]])
+    for codec in (Blockwise8bitCodec(64, True), Blockwise4bitCodec(64, True)):
+        encoded = tuple(torch.empty(n, dtype=dtype) for n, dtype in codec.buffer_specs(128))
+        segment = codec.select(encoded, 0, 128)
+        codec.encode(values, segment)
+        decoded = codec.decode(segment)
+        assert torch.equal(decoded[0], torch.zeros(64)) and decoded[1].abs().max() > 0

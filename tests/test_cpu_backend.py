@@ -37,8 +37,27 @@ def test_a_streamed_step_pages_through_reused_host_buffers():
     optimizer = hf_paged.PagedAdamW(decay_groups(model), lr=1e-2, page_size=4096, device_budget=2 * 4096, prefetch=1)
     pages = optimizer.paging_stats()["pages_total"]
     host_buffers = set()
-    for batch in regression_batches(6):
+    steps = 6
+    for batch in regression_batches(steps):
         train(model, optimizer, [batch])
         host_buffers |= {id(buffers) for page in optimizer._store.pages if (buffers := page.host) is not None}
-    assert optimizer.paging_stats()["page_outs"] >= 5 * (pages - 2)
-    assert len(host_buffers) <= pages + 2  # fresh buffers for every page out would give one set per page out
+    assert optimizer.paging_stats()["page_outs"] >= (steps - 1) * (pages - 2)
+    # Fresh buffers for every page out would give a set per page out; kept ones are freed at the end of a step.
+    assert len(host_buffers) <= pages + 2 * steps
+
+
+def test_kept_buffers_are_freed_when_the_step_ends():
+    model = make_mlp()
+    optimizer = hf_paged.PagedAdamW(decay_groups(model), lr=1e-2, page_size=4096, device_budget=2 * 4096, prefetch=1)
+    (backend,) = (store.backend for store in optimizer._store.stores.values())
+    kept_during_steps = []
+    original = backend.release_host
+
+    def release_host(buffers):
+        original(buffers)
+        kept_during_steps.append(backend.kept_bytes)
+
+    backend.release_host = release_host
+    train(model, optimizer, regression_batches(3))
+    assert max(kept_during_steps) > 0
+    assert backend.kept_bytes == 0  # between steps the budget alone bounds the memory the pages hold

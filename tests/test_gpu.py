@@ -44,7 +44,9 @@ def test_paging_is_invariant_and_within_budget_on_cuda(optimizer_name, prefetch)
     reference_model, reference = run(optimizer_name)
     model = make_mlp().to(DEVICE)
     budget = 2 * 4096
-    optimizer = OPTIMIZERS[optimizer_name](decay_groups(model), **optimizer_kwargs(optimizer_name, device_budget=budget, prefetch=prefetch))
+    optimizer = OPTIMIZERS[optimizer_name](
+        decay_groups(model), **optimizer_kwargs(optimizer_name, device_budget=budget, prefetch=prefetch)
+    )
     optimizer._store.add_observer(lambda operation, page: _check_budget(optimizer, budget))
     train_on(model, optimizer, regression_batches(6))
     for param, expected in zip(model.parameters(), reference_model.parameters()):
@@ -350,3 +352,18 @@ def test_parameters_on_two_cuda_devices(optimizer_name, compiled, monkeypatch):
     single.load_state_dict(optimizer.state_dict())
     assert_state_equal(single.state_dict(), optimizer.state_dict())
     assert optimizer.evict() > 0 and optimizer.paging_stats()["device_bytes"] == 0
+
+
+def test_blocks_with_a_subnormal_scale_encode_to_zero_codes_on_cuda():
+    """Casting the infinite products of a subnormal scale's reciprocal to codes is undefined: on a GPU the codes
+    could be anything, where the CPU happens to give zeros."""
+    from hf_paged.codecs import Blockwise4bitCodec, Blockwise8bitCodec
+
+    values = (torch.rand(2, 64, generator=torch.Generator().manual_seed(0)) - 0.5) * torch.tensor([[1e-39], [1.0]])
+    values = values.to(DEVICE)
+    for codec in (Blockwise8bitCodec(64, True), Blockwise4bitCodec(64, True)):
+        encoded = tuple(torch.empty(n, dtype=dtype, device=DEVICE) for n, dtype in codec.buffer_specs(128))
+        segment = codec.select(encoded, 0, 128)
+        codec.encode(values, segment)
+        decoded = codec.decode(segment)
+        assert torch.equal(decoded[0], torch.zeros(64, device=DEVICE)) and decoded[1].abs().max() > 0
