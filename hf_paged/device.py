@@ -1,14 +1,13 @@
 """Device backends: allocation, copies between host and device, and their ordering for one device.
 
-This is the only module that touches stream, event and memory-statistics APIs. The backends:
+This is the only module that touches stream, event and memory-statistics APIs. Two backends exist:
 
 * :class:`StreamBackend` for accelerators whose PyTorch module has streams and events (CUDA, XPU):
   host buffers are pinned, copies run on one side stream per direction, and events order them with the
   compute stream.
-* :class:`SyncBackend` for devices without streams: copies are plain synchronous copies. :class:`CPUBackend`
-  adds reuse of page buffers for the CPU, where the "device" pool is ordinary CPU memory, so the page
-  store above runs the same eviction, prefetch and write-back logic and tests cover it without an
-  accelerator.
+* :class:`SyncBackend` for the CPU and devices without streams: copies are plain synchronous copies.
+  On a CPU-only machine the "device" pool is ordinary CPU memory, so the page store above runs the same
+  eviction, prefetch and write-back logic and tests cover it without an accelerator.
 
 :func:`memory_for` gives the memory figures of a device (allocated, reserved, peak, free, total) with one
 interface: :class:`AcceleratorMemory` from the device's PyTorch module, :class:`HostMemory` for the CPU.
@@ -18,7 +17,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,13 +57,6 @@ class SyncBackend:
         The allocator may hand their memory to the next allocation at once, as PyTorch's caching allocator does.
         """
 
-    def release_host(self, buffers: Buffers) -> None:
-        """Give host ``buffers`` back once a page's copy from them has been ordered before the compute that
-        reads the page; dropping them frees them."""
-
-    def drop_kept(self) -> None:
-        """Free whatever released buffers the backend keeps for reuse (none here)."""
-
     def copy_to_device(self, dst: Buffers, src: Buffers) -> Event:
         """Copy host ``src`` into device ``dst`` after the compute work queued so far; return its event."""
         return self._copy(dst, src)
@@ -89,55 +80,6 @@ class SyncBackend:
 
     def order_after(self, event: Event) -> None:
         """Make later compute work on the device wait for ``event`` (the host does not wait)."""
-
-
-class CPUBackend(SyncBackend):
-    """The CPU as a device: synchronous copies, with released page buffers kept for the next page of their shape.
-
-    A streamed step pages a page out for each page it brings in, so that buffers released by one serve the
-    next: the step then copies into memory already in use instead of fresh allocations, whose pages the
-    system faults in at the first write. At most :data:`_KEPT_PER_SHAPE` sets of buffers of each shape are
-    kept, in each of the host and device pools, and only within a step: the store drops them when it ends.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__(device)
-        self._kept_host: dict[tuple[BufferSpec, ...], list[Buffers]] = defaultdict(list)
-        self._kept_device: dict[tuple[BufferSpec, ...], list[Buffers]] = defaultdict(list)
-
-    def empty_host(self, specs: Sequence[BufferSpec]) -> Buffers:
-        kept = self._kept_host[tuple(specs)]
-        return kept.pop() if kept else super().empty_host(specs)
-
-    def empty_device(self, specs: Sequence[BufferSpec]) -> Buffers:
-        kept = self._kept_device[tuple(specs)]
-        return kept.pop() if kept else super().empty_device(specs)
-
-    def release(self, buffers: Buffers) -> None:
-        _keep(self._kept_device, buffers)
-
-    def release_host(self, buffers: Buffers) -> None:
-        _keep(self._kept_host, buffers)
-
-    def drop_kept(self) -> None:
-        self._kept_host.clear()
-        self._kept_device.clear()
-
-    @property
-    def kept_bytes(self) -> int:
-        """Bytes of the released buffers kept for reuse, host and device together."""
-        pools = (*self._kept_host.values(), *self._kept_device.values())
-        return sum(buffer.nbytes for kept in pools for buffers in kept for buffer in buffers)
-
-
-_KEPT_PER_SHAPE = 2
-"""Sets of released buffers of one shape that :class:`CPUBackend` keeps for reuse, per pool."""
-
-
-def _keep(pool: dict[tuple[BufferSpec, ...], list[Buffers]], buffers: Buffers) -> None:
-    kept = pool[tuple((buffer.numel(), buffer.dtype) for buffer in buffers)]
-    if len(kept) < _KEPT_PER_SHAPE:
-        kept.append(buffers)
 
 
 _HOST_ALIGNMENT = 64
@@ -236,7 +178,7 @@ def backend_for(device: torch.device) -> SyncBackend:
     if _backend_factory is not None:
         return _backend_factory(device)
     if device.type == "cpu":
-        return CPUBackend(device)
+        return SyncBackend(device)
     module = torch.get_device_module(device.type)
     if all(hasattr(module, name) for name in ("Stream", "Event", "current_stream", "stream")):
         return StreamBackend(device)

@@ -216,7 +216,6 @@ class PageStore:
         """Order the compute stream after ``page``'s copy (the host does not wait) and drop its host copy."""
         if page.state is PageState.PAGING_IN:
             self.backend.order_after(page.event)
-            self.backend.release_host(page.host)
             page.host, page.event = None, None
             self._set_state(page, PageState.RESIDENT)
             self._notify("resident", page)
@@ -267,7 +266,7 @@ class PageStore:
             for page in resident:
                 self._finish_page_in(page)
             yield resident
-            self._end_stream()
+            self._make_room(0, pinned=(), blocking=True)
             return
         pending: dict[int, Page] = {page.index: page for page in pages}
         schedule = [([page], -1) for page in resident] + [([page], position) for position, page in enumerate(streamed)]
@@ -285,12 +284,7 @@ class PageStore:
             yield batch
             for page in batch:
                 del pending[page.index]
-        self._end_stream()
-
-    def _end_stream(self) -> None:
-        """Bring the device within the budget and free the buffers the backend kept for the step's copies."""
         self._make_room(0, pinned=(), blocking=True)
-        self.backend.drop_kept()
 
     def _fetch(self, page: Page, pinned: Iterable[Page], blocking: bool) -> bool:
         """Start bringing ``page`` to the device if room can be made; return whether it was started."""
