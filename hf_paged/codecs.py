@@ -127,9 +127,8 @@ class Blockwise8bitCodec:
         codes, scales = arrays
         blocks = -(-length // self.block_size)
         first = offset // self.block_size
-        return codes[offset : offset + blocks * self.block_size].view(blocks, self.block_size), scales[
-            first : first + blocks
-        ]
+        block_codes = codes[offset : offset + blocks * self.block_size].view(blocks, self.block_size)
+        return block_codes, scales[first : first + blocks]
 
     def decode(self, encoded: EncodedSegment) -> torch.Tensor:
         """fp32 values of a segment, shaped ``(blocks, block_size)``."""

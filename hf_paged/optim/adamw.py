@@ -144,9 +144,12 @@ class _PagedAdamWBase(PagedOptimizer):
         for pages in calls.values():
             exp_avgs, exp_avg_sqs, items = [], [], []
             for page, work in pages:
-                moments, squares = page.format.arrays(page.device)
-                exp_avgs += [moments[0][segment.offset : segment.offset + segment.length] for segment, *_ in work]
-                exp_avg_sqs += [squares[0][segment.offset : segment.offset + segment.length] for segment, *_ in work]
+                moments, squares = (
+                    [codec.select(array, segment.offset, segment.length)[0] for segment, *_ in work]
+                    for codec, array in zip(page.format.codecs, page.format.arrays(page.device))
+                )
+                exp_avgs += moments
+                exp_avg_sqs += squares
                 items += work
             group = items[0][4]
             beta1, beta2 = group["betas"]
