@@ -93,18 +93,28 @@ class Float32Codec:
         return (torch.float32,)
 
 
+class _BlockScaled:
+    """What the blockwise codecs share: segments of whole blocks, each block scaled by its largest magnitude."""
+
+    block_size: int
+
+    @property
+    def alignment(self) -> int:
+        return self.block_size
+
+    def block_scales(self, values: torch.Tensor) -> torch.Tensor:
+        """The scales of fp32 ``values`` shaped ``(blocks, block_size)``: each block's largest magnitude."""
+        return values.abs().amax(dim=1)
+
+
 @dataclass(frozen=True)
-class Blockwise8bitCodec:
+class Blockwise8bitCodec(_BlockScaled):
     """State stored as 8-bit codes with an fp32 scale per block of ``block_size`` elements."""
 
     block_size: int
     signed: bool
     fields: tuple[str, ...] = ("codes", "scales")
     saved_like_param: ClassVar[bool] = True
-
-    @property
-    def alignment(self) -> int:
-        return self.block_size
 
     @property
     def power(self) -> int:
@@ -141,10 +151,6 @@ class Blockwise8bitCodec:
             magnitude = squared * squared
         return magnitude * scales.unsqueeze(1)
 
-    def block_scales(self, values: torch.Tensor) -> torch.Tensor:
-        """The scales of fp32 ``values`` shaped ``(blocks, block_size)``: each block's largest magnitude."""
-        return values.abs().amax(dim=1)
-
     def encode(self, values: torch.Tensor, encoded: EncodedSegment, block_scales: torch.Tensor | None = None) -> None:
         """Store fp32 ``values`` shaped ``(blocks, block_size)`` into a segment's codes and scales.
 
@@ -174,7 +180,7 @@ class Blockwise8bitCodec:
 
 
 @dataclass(frozen=True)
-class Blockwise4bitCodec:
+class Blockwise4bitCodec(_BlockScaled):
     """State stored as 4-bit codes, two per byte, with an fp32 scale per block of ``block_size`` elements.
 
     Byte ``i`` of a block's ``block_size // 2`` bytes holds element ``i`` of the block in its low nibble and
@@ -186,10 +192,6 @@ class Blockwise4bitCodec:
     signed: bool
     fields: tuple[str, ...] = ("packed_codes", "scales")
     saved_like_param: ClassVar[bool] = False
-
-    @property
-    def alignment(self) -> int:
-        return self.block_size
 
     def buffer_specs(self, capacity: int) -> tuple[BufferSpec, ...]:
         """The packed codes (one byte per two elements) and the fp32 scales (one per block)."""
@@ -215,10 +217,6 @@ class Blockwise4bitCodec:
             squared = root * root
             magnitude = squared * squared
         return magnitude * scales.unsqueeze(1)
-
-    def block_scales(self, values: torch.Tensor) -> torch.Tensor:
-        """The scales of fp32 ``values`` shaped ``(blocks, block_size)``: each block's largest magnitude."""
-        return values.abs().amax(dim=1)
 
     def encode(self, values: torch.Tensor, encoded: EncodedSegment, block_scales: torch.Tensor | None = None) -> None:
         """Store fp32 ``values`` shaped ``(blocks, block_size)`` into a segment's packed codes and scales.
