@@ -131,13 +131,17 @@ class OOMRecovery:
         self.on_recovery = on_recovery
         self.recoveries = 0
         self.step: int | None = None
-        self._params = [param for group in self.optimizer.param_groups for param in group["params"]]
-        self._device = self._params[0].device if self._params else torch.device("cpu")
+        params = self._params()
+        self._device = params[0].device if params else torch.device("cpu")
         self._micro_batches: list[_MicroBatch] = []
         self._failures = 0
         self._grads_at_start = False
         self._marked = False
         self._open = False
+
+    def _params(self) -> list[torch.Tensor]:
+        """The tensors that the optimizer's param groups hold now (engines swap them after construction)."""
+        return [param for group in self.optimizer.param_groups for param in group["params"]]
 
     def start_window(self, step: int | None = None) -> None:
         """Begin a new optimizer step (``step`` only labels messages): forget the last step's micro-batches."""
@@ -145,7 +149,7 @@ class OOMRecovery:
         self._open = True
         self._micro_batches.clear()
         self._failures = 0
-        self._grads_at_start = any(param.grad is not None for param in self._params)
+        self._grads_at_start = any(param.grad is not None for param in self._params())
         auto = self.optimizer.auto_budget
         self._marked = auto is not None and self.retries > 0
         if self._marked:
@@ -208,7 +212,7 @@ class OOMRecovery:
             )
             raise error
         self._learn(state_bytes)
-        for param in self._params:
+        for param in self._params():
             param.grad = None
         evicted = self.optimizer.evict()
         empty_device_cache(self._device)

@@ -51,9 +51,12 @@ _ON_HOST = (PageState.HOST, PageState.PAGING_IN, PageState.PAGING_OUT)
 
 @dataclass(eq=False)
 class Segment:
-    """``length`` elements of parameter ``param_index``, from element ``start``, at element ``offset`` of a page."""
+    """``length`` elements of the tensor numbered ``owner``, from element ``start``, at element ``offset`` of a page.
 
-    param_index: int
+    The owner's number is the optimizer's (see :class:`~hf_paged.optim.layout.StateLayout`); the store never reads it.
+    """
+
+    owner: int
     start: int
     length: int
     offset: int
@@ -175,6 +178,17 @@ class PageStore:
         while blocking and not self._fits(nbytes) and self._outgoing:
             self._finish_page_out(self._outgoing[0], wait=True)
         return self._fits(nbytes)
+
+    def clear(self) -> None:
+        """Free every page (device and host buffers, copies in flight finished first) and forget them all."""
+        self._drain_outgoing()
+        for page in self.pages:
+            if page.state in (PageState.PAGING_IN, PageState.RESIDENT):
+                self._finish_page_in(page)
+                self.backend.release(page.device)
+            page.device, page.host, page.event = None, None, None
+            self._set_state(page, PageState.EMPTY)
+        self.pages.clear()
 
     # Transitions -----------------------------------------------------------------------------------
 

@@ -121,15 +121,19 @@ class DeviceStores:
         self._page_devices: list[str] = []
         self._observers: list[Callable[[str, Page], None]] = []
 
-    def add_page(self, format: Any, capacity: int, device: str) -> Page:
-        """Append an empty page on ``device`` (making its store if needed) and return it."""
+    def store_for(self, device: str) -> PageStore:
+        """The store of ``device``, made (under its budget) if it has none yet."""
         store = self.stores.get(device)
         if store is None:
             store = self._new_store(device)
             for observer in self._observers:
                 store.add_observer(observer)
             self.stores[device] = store
-        page = store.add_page(format, capacity)
+        return store
+
+    def add_page(self, format: Any, capacity: int, device: str) -> Page:
+        """Append an empty page on ``device`` (making its store if needed) and return it."""
+        page = self.store_for(device).add_page(format, capacity)
         page.index = len(self.pages)  # the device's store keys pages by index only
         self.pages.append(page)
         self._page_devices.append(device)
@@ -202,6 +206,13 @@ class DeviceStores:
                 break
             freed += store.evict(None if nbytes is None else nbytes - freed)
         return freed
+
+    def clear(self) -> None:
+        """Free and forget every page of every device; the stores, their budgets and statistics stay."""
+        for store in self.stores.values():
+            store.clear()
+        self.pages.clear()
+        self._page_devices.clear()
 
     # One step and whole pages -----------------------------------------------------------------------
 

@@ -63,7 +63,7 @@ def test_split_devices_match_one_unlimited_device_bitwise(optimizer_name, split_
 
     second = {id(param) for param in [*split_model[2].parameters(), *split_model[4].parameters()]}
     for page in optimizer._store.pages:  # pages never mix devices
-        devices = {SECOND if id(optimizer._params[s.param_index]) in second else "cpu" for s in page.segments}
+        devices = {SECOND if id(optimizer._layout.tensor_of(s)) in second else "cpu" for s in page.segments}
         assert devices == {optimizer._store.device_of(page)}
 
     stats = optimizer.paging_stats()

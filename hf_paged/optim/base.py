@@ -17,13 +17,15 @@ import torch
 from torch.optim import Optimizer
 
 from ..budget import AutoBudget
-from ..codecs import QUANTIZED_CODECS, Codec, Float32Codec, PageFormat, to_blocks
+from ..codecs import QUANTIZED_CODECS, Float32Codec, PageFormat, to_blocks
 from ..device import backend_for
 from ..kernels import SegmentKernel, UpdateRule, prepare_scalars, resolve_compiled, segment_kernel
 from ..sizes import parse_size
 from ..store import Page, PageStore, Segment
-from ..stores import DeviceBudget, DeviceStores, device_key
-from ._params import StridedRange, describe_parameter, flat_elements, normalize_param_group
+from ..stores import DeviceBudget, DeviceStores
+from ._params import StridedElements, StridedRange, describe_parameter, flat_elements, normalize_param_group
+from .layout import StateLayout, local_tensor, state_device
+from .state_dict import export_state, import_state, pack_param_groups, parse_saved_entry, sharded_entry
 
 DEFAULT_PAGE_SIZE = 4 * 2**20
 """Default page size in bytes (see ``benchmarks/optimizer_step.py``)."""
@@ -90,12 +92,6 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return value
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor holding this process's elements: a DTensor's local shard, else the tensor itself."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
 
 
 class PagedOptimizer(Optimizer):
@@ -172,9 +168,7 @@ class PagedOptimizer(Optimizer):
             raise TypeError(f"compiled must be True, False or None, got {compiled!r}")
         self._compiled_setting = compiled
         self._store = DeviceStores(self._new_store)
-        self._params: list[torch.Tensor] = []
-        self._param_segments: list[list[tuple[Page, Segment]]] = []
-        self._param_codecs: list[str] = []
+        self._layout = StateLayout(self._store, self._formats, self.page_size, self._state_device)
         self._budget = DeviceBudget.parse(device_budget, "device_budget", self.page_size)
         self._auto_budgets: dict[str, AutoBudget] = {}
         self.check_group(defaults)
@@ -191,7 +185,7 @@ class PagedOptimizer(Optimizer):
         return formats
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group (tensors or ``(name, tensor)`` pairs) and lay out pages for its parameters' state."""
+        """Add a param group (tensors or ``(name, tensor)`` pairs); its tensors get pages at their first step."""
         param_group = normalize_param_group(param_group, self.param_groups, type(self).__name__)
         params = param_group["params"]
         for position, param in enumerate(params):
@@ -208,11 +202,12 @@ class PagedOptimizer(Optimizer):
         new_devices = {self._state_device(param) for param in params}.difference(self._store.stores)
         self._budget.resolve([*self._store.stores, *sorted(new_devices)])  # raises before anything changes
         super().add_param_group(param_group)
-        self._layout(self.param_groups[-1]["params"], self.param_groups[-1])
+        for device in sorted(new_devices):
+            self._store.store_for(device)  # an automatic budget measures from now
 
     def _state_device(self, param: torch.Tensor) -> str:
         """The device that holds the state of ``param``: its own (tests give parameters pseudo devices)."""
-        return device_key(local_tensor(param).device)
+        return state_device(param)
 
     def _new_store(self, device: str) -> PageStore:
         """The page store of ``device``, under its budget."""
@@ -225,37 +220,20 @@ class PagedOptimizer(Optimizer):
             self._bind_auto_budget(device)
         return store
 
-    def _layout(self, params: Sequence[torch.Tensor], group: dict[str, Any]) -> None:
-        """Pack the state of ``params`` into new pages, one open page per device and format, the last trimmed."""
-        open_pages: dict[tuple[str, str], Page] = {}
-        used: dict[int, int] = {}
-        for param in params:
-            numel = local_tensor(param).numel()
-            # From the whole parameter's size (a DTensor's numel), so that every rank picks the same codec.
-            bits = self.state_bits
-            kind = f"{bits}bit" if bits != 32 and param.numel() >= group[f"min_{bits}bit_size"] else "32bit"
-            page_format = self._formats[kind]
-            device = self._state_device(param)
-            segments = []
-            start = 0
-            while start < numel:
-                page = open_pages.get((device, kind))
-                if page is None or used[page.index] == page.capacity:
-                    capacity = page_format.capacity_for(self.page_size)
-                    page = self._store.add_page(page_format, capacity, device)
-                    open_pages[device, kind] = page
-                    used[page.index] = 0
-                length = min(numel - start, page.capacity - used[page.index])
-                segment = Segment(len(self._params), start, length, used[page.index])
-                page.segments.append(segment)
-                segments.append((page, segment))
-                used[page.index] += -(-length // page_format.alignment) * page_format.alignment
-                start += length
-            self._params.append(param)
-            self._param_segments.append(segments)
-            self._param_codecs.append(kind)
-        for page in open_pages.values():
-            page.capacity = used[page.index]
+    def _state_format(self, param: torch.Tensor, group: dict[str, Any]) -> str:
+        """The name of the page format of ``param``'s state: quantized from ``min_8bit_size`` (or
+        ``min_4bit_size``) elements of the whole parameter (a DTensor's numel), so that every rank picks the same."""
+        bits = self.state_bits
+        return f"{bits}bit" if bits != 32 and param.numel() >= group[f"min_{bits}bit_size"] else "32bit"
+
+    def _place(self, params: Sequence[tuple[torch.Tensor, dict[str, Any]]]) -> None:
+        """Lay out pages for the state of ``(param, group)`` pairs, the parameters of each group packed together
+        (a page never mixes groups, so a multi-tensor kernel updates it with one group's hyperparameters)."""
+        by_group: dict[int, list[tuple[torch.Tensor, str]]] = defaultdict(list)
+        for param, group in params:
+            by_group[id(group)].append((param, self._state_format(param, group)))
+        for tensors in by_group.values():
+            self._layout.place(tensors)
 
     # Subclass interface -------------------------------------------------------------------------------
 
@@ -287,37 +265,51 @@ class PagedOptimizer(Optimizer):
 
     @property
     def compiled(self) -> bool:
-        """Whether segment updates run through ``torch.compile`` (see :func:`~hf_paged.kernels.resolve_compiled`)."""
-        device = self._params[0].device if self._params else torch.device("cpu")
-        state_elements = sum(page.capacity for page in self._store.pages)
-        return resolve_compiled(self._compiled_setting, device, state_elements)
+        """Whether segment updates run through ``torch.compile`` (see :func:`~hf_paged.kernels.resolve_compiled`),
+        chosen by the elements of state of the tensors that have pages or are in the param groups."""
+        tensors = {param: None for group in self.param_groups for param in group["params"]}
+        elements = self._layout.state_elements
+        elements += sum(local_tensor(param).numel() for param in tensors if param not in self._layout)
+        first = next(iter(tensors), next(iter(self._layout), None))
+        device = torch.device("cpu") if first is None else local_tensor(first).device
+        return resolve_compiled(self._compiled_setting, device, elements)
 
-    def _gradients(self) -> list[tuple[int, torch.Tensor, dict[str, Any]]]:
-        """The parameters with gradients, with their flat local gradients; validates before any update."""
+    def _gradients(self) -> list[tuple[torch.Tensor, torch.Tensor | StridedElements, dict[str, Any]]]:
+        """The parameters of the param groups now that have gradients, with their flat local gradients and
+        their groups; checks them all before any update."""
         work = []
-        index = 0
         for group_index, group in enumerate(self.param_groups):
             for position, param in enumerate(group["params"]):
-                if param.grad is not None:
-                    grad = param.grad
-                    if grad.is_sparse:
+                if param.grad is None:
+                    continue
+                where = describe_parameter(group_index, position, group.get("param_names"))
+                grad, local = local_tensor(param.grad), local_tensor(param)
+                if param.grad.is_sparse:
+                    raise RuntimeError(
+                        f"{where} has a sparse gradient; {type(self).__name__} does not support sparse gradients"
+                    )
+                if param.grad.shape != param.shape or grad.shape != local.shape or grad.device != local.device:
+                    raise RuntimeError(
+                        f"{where} has a gradient of shape {tuple(param.grad.shape)} on {param.grad.device}, expected "
+                        f"shape {tuple(param.shape)} on {param.device}"
+                    )
+                if param in self._layout:
+                    pages = self._layout[param]
+                    if local.shape != pages.shape or self._state_device(param) != pages.device:
                         raise RuntimeError(
-                            f"{describe_parameter(group_index, position, group.get('param_names'))} has a sparse "
-                            f"gradient; {type(self).__name__} does not support sparse gradients"
+                            f"{where} has shape {tuple(local.shape)} on {self._state_device(param)}, but its state was "
+                            f"laid out for shape {tuple(pages.shape)} on {pages.device}: a tensor with optimizer state "
+                            "cannot change shape or device (replace it with a new tensor, or load a state dict)"
                         )
-                    if grad.shape != param.shape or grad.device != param.device:
-                        raise RuntimeError(
-                            f"{describe_parameter(group_index, position, group.get('param_names'))} has a gradient "
-                            f"of shape {tuple(grad.shape)} on {grad.device}, expected shape {tuple(param.shape)} "
-                            f"on {param.device}"
-                        )
-                    work.append((index, flat_elements(local_tensor(grad)), group))
-                index += 1
+                work.append((param, flat_elements(grad), group))
         return work
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Perform one optimization step over the pages of the parameters that have gradients."""
+        """Perform one optimization step over the pages of the parameters that have gradients.
+
+        Works on the tensors that the param groups hold now: a tensor's first step lays out its pages.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -325,21 +317,21 @@ class PagedOptimizer(Optimizer):
         work = self._gradients()
         if not work:
             return loss
+        self._place([(param, group) for param, _, group in work if param not in self._layout])
         compiled = self.compiled
         by_page: dict[int, list[WorkItem]] = defaultdict(list)
         step_devices: set[tuple[torch.device, float]] = set()
-        states = [self.state[self._params[index]] for index, _, _ in work]
+        states = [self.state[param] for param, _, _ in work]
         for state in states:
             if "step" not in state:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
         step_counts = [state["step"] for state in states]
         torch._foreach_add_(step_counts, 1.0)
-        for (index, grad, group), step_count in zip(work, step_counts):
-            param = self._params[index]
+        for (param, grad, group), step_count in zip(work, step_counts):
             step = step_count.item()
             local = local_tensor(param)
             flat_param = flat_elements(local.detach())
-            for page, segment in self._param_segments[index]:
+            for page, segment in self._layout[param].segments:
                 end = segment.start + segment.length
                 by_page[page.index].append(
                     (segment, flat_param[segment.start : end], grad[segment.start : end], step, group)
@@ -372,21 +364,13 @@ class PagedOptimizer(Optimizer):
 
     # Saving and loading -------------------------------------------------------------------------------
 
-    def _state_keys(self, codec: Codec, name: str) -> list[str]:
-        return [name if not field else f"{name}_{field}" for field in codec.fields]
-
     def state_dict(self) -> dict[str, Any]:
         """The state in ``torch.optim``'s layout, all tensors on the CPU.
 
-        Each parameter's entry holds ``step`` (a tensor) and, per state, its fp32 values (``exp_avg``) or,
-        for 8-bit state, its codes shaped like the parameter and one fp32 scale per block
-        (``exp_avg_codes``, ``exp_avg_scales``), for 4-bit state its codes packed two per byte (flat, one
-        byte per two elements of whole blocks) and one fp32 scale per block (``exp_avg_packed_codes``,
-        ``exp_avg_scales``). For a sharded (DTensor) parameter every state is exported as fp32 values in a
-        DTensor placed like the parameter, so ``torch.distributed.checkpoint`` saves each rank's shard and
-        reshards it (see :meth:`_sharded_entry`).
-        Keys of :attr:`state` that are not parameters pass through as they are. The state dict pre and post
-        hooks run as in ``torch.optim``.
+        Parameters are numbered as the param groups hold them now; each one that has state has an entry with
+        ``step`` (a tensor) and its states' fields (see :mod:`hf_paged.optim.state_dict`). The state of tensors
+        that are away from the param groups now is kept, not saved. Keys of :attr:`state` that are not
+        tensors pass through as they are. The state dict pre and post hooks run as in ``torch.optim``.
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
@@ -399,83 +383,35 @@ class PagedOptimizer(Optimizer):
 
     def _state_dict(self) -> dict[str, Any]:
         """:meth:`state_dict` without its hooks."""
-        packed, param_indices = _packed(self.param_groups, self.state)
-        exported = self._export_state(sorted(param_indices))
-        for index, entry in exported.items():
-            if local_tensor(self._params[index]) is not self._params[index]:
-                exported[index] = self._sharded_entry(index, entry)
-        packed["state"] = {
-            index: {"step": entry["step"].detach().to("cpu", torch.float32, copy=True), **exported[index]}
-            if index in exported
-            else entry
-            for index, entry in packed["state"].items()
-        }
-        return packed
-
-    def _export_state(self, indices: list[int]) -> dict[int, dict[str, torch.Tensor]]:
-        """Gather the state of parameters ``indices`` from their pages, one page in memory at a time."""
-        exported: dict[int, dict[str, torch.Tensor]] = {}
-        for index in indices:
-            numel = local_tensor(self._params[index]).numel()
-            entry = {}
-            for name, codec in zip(self.state_names, self._formats[self._param_codecs[index]].codecs):
-                for key, length, dtype in zip(
-                    self._state_keys(codec, name), codec.field_lengths(numel), codec.field_dtypes()
-                ):
-                    entry[key] = torch.zeros(length, dtype=dtype)
-            exported[index] = entry
-        page_indices = sorted({page.index for i in indices for page, _ in self._param_segments[i]})
-        for page in (self._store.pages[i] for i in page_indices):
-            data = self._store.read(page)
-            if data is None:
-                continue
-            arrays = page.format.arrays(data)
-            for segment in page.segments:
-                entry = exported.get(segment.param_index)
-                if entry is None:
-                    continue
-                for name, codec, array in zip(self.state_names, page.format.codecs, arrays):
-                    encoded = codec.select(array, segment.offset, segment.length)
-                    for key, view, offset, length in zip(
-                        self._state_keys(codec, name),
-                        encoded,
-                        codec.field_offsets(segment.start),
-                        codec.field_lengths(segment.length),
-                    ):
-                        entry[key][offset : offset + length] = view.reshape(-1)[:length]
-        for index, entry in exported.items():
-            shape = local_tensor(self._params[index]).shape
-            codecs = self._formats[self._param_codecs[index]].codecs
-            for name, codec in zip(self.state_names, codecs):
-                if codec.saved_like_param:
-                    key = self._state_keys(codec, name)[0]
-                    entry[key] = entry[key].view(shape)
-        return exported
-
-    def _sharded_entry(self, index: int, entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The exported state of sharded parameter ``index`` as fp32 DTensors placed like the parameter.
-
-        Encoded (8-bit) state is decoded: its blocks and scales belong to this rank's shard, which a
-        checkpoint saved on other shard boundaries could not split. Loading encodes the values again, into
-        the same codes and scales when the layout is unchanged (the largest value of a block decodes to
-        its scale exactly, and every other value to within rounding of its code).
-        """
-        param = self._params[index]
-        shard = local_tensor(param)
-        sharded = {}
-        for name, codec in zip(self.state_names, self._formats[self._param_codecs[index]].codecs):
-            fields = tuple(entry[key].reshape(-1) for key in self._state_keys(codec, name))
-            values = _SavedState(codec, fields, shard.numel()).values()
-            sharded[name] = _like_shards_of(param, values.view(shard.shape))
-        return sharded
+        groups, index_of = pack_param_groups(self.param_groups)
+        with_pages = [
+            key for key in self.state if isinstance(key, torch.Tensor) and id(key) in index_of and key in self._layout
+        ]
+        exported = dict(zip(map(id, with_pages), export_state(self._layout, self.state_names, with_pages)))
+        state = {}
+        for key, entry in self.state.items():
+            if not isinstance(key, torch.Tensor):
+                state[key] = entry
+            elif id(key) in index_of:
+                if id(key) in exported:
+                    fields = exported[id(key)]
+                    if local_tensor(key) is not key:
+                        fields = sharded_entry(
+                            key, fields, self.state_names, self._layout.formats[self._layout[key].kind].codecs
+                        )
+                    entry = {"step": entry["step"].detach().to("cpu", torch.float32, copy=True), **fields}
+                state[index_of[id(key)]] = entry
+        return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this class or of ``torch.optim`` (fp32 moments are quantized for 8-bit state).
 
-        Everything is checked before anything changes: a bad state dict leaves the optimizer as it was.
-        Keys of ``state`` that are not parameter indices are kept as they are; ``param_names`` are taken
-        from the saved groups where they have them. The load state dict pre hooks (which may replace the
-        state dict) and post hooks run as in ``torch.optim``.
+        Saved parameters are matched to the tensors that the param groups hold now, by position; the state
+        replaces all state the optimizer had, as in ``torch.optim``, in new pages. Everything is checked before
+        anything changes: a bad state dict leaves the optimizer as it was. Keys of ``state`` that are not
+        parameter indices are kept as they are; ``param_names`` are taken from the saved groups where they
+        have them. The load state dict pre hooks (which may replace the state dict) and post hooks run as in
+        ``torch.optim``.
         """
         if isinstance(state_dict, dict):
             state_dict = state_dict.copy()
@@ -498,8 +434,7 @@ class PagedOptimizer(Optimizer):
             raise ValueError(
                 f"state_dict has {len(saved_groups)} param groups, this optimizer has {len(self.param_groups)}"
             )
-        saved_to_index: dict[Any, tuple[int, dict[str, Any]]] = {}
-        index = 0
+        param_of: dict[Any, tuple[torch.Tensor, dict[str, Any]]] = {}
         new_groups = []
         for position, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
             if not isinstance(saved, dict) or "params" not in saved:
@@ -509,92 +444,35 @@ class PagedOptimizer(Optimizer):
                     f"param group {position} of state_dict has {len(saved['params'])} parameters, "
                     f"this optimizer's has {len(group['params'])}"
                 )
-            for saved_id in saved["params"]:
-                saved_to_index[saved_id] = (index, saved)
-                index += 1
             merged = {**group, **{key: value for key, value in saved.items() if key not in ("params", *_LAYOUT_KEYS)}}
             try:
                 self.check_group(merged)
             except ValueError as error:
                 raise ValueError(f"param group {position} of state_dict: {error}") from None
             new_groups.append(merged)
-        sources = {}
-        other_state = {}
+            for saved_id, param in zip(saved["params"], group["params"]):
+                param_of[saved_id] = (param, saved)
+        steps, sources, other_state = {}, {}, {}
         for saved_id, entry in state_dict["state"].items():
-            if saved_id not in saved_to_index and not isinstance(saved_id, int):
+            if saved_id not in param_of and not isinstance(saved_id, int):
                 other_state[saved_id] = entry
                 continue
-            if saved_id not in saved_to_index:
+            if saved_id not in param_of:
                 raise ValueError(f"state_dict has state for parameter {saved_id!r}, which no param group lists")
-            index, saved_group = saved_to_index[saved_id]
-            sources[index] = self._parse_saved_entry(index, saved_id, entry, saved_group)
+            param, saved_group = param_of[saved_id]
+            block_size = saved_group.get("block_size", self.defaults.get("block_size", 256))
+            steps[param], sources[param] = parse_saved_entry(
+                param, saved_id, entry, block_size, self.state_names, self.signed_states
+            )
         self.param_groups = new_groups
         self.state = defaultdict(dict)
-        for index, (step, _) in sources.items():
-            self.state[self._params[index]] = {"step": torch.tensor(step, dtype=torch.float32)}
+        for param, step in steps.items():
+            self.state[param] = {"step": torch.tensor(step, dtype=torch.float32)}
         self.state.update(other_state)
-        self._import_state({index: states for index, (_, states) in sources.items()})
-
-    def _parse_saved_entry(
-        self, index: int, saved_id: Any, entry: dict[str, Any], saved_group: dict[str, Any]
-    ) -> tuple[float, dict[str, _SavedState]]:
-        numel = local_tensor(self._params[index]).numel()
-        if not isinstance(entry, dict) or "step" not in entry:
-            raise ValueError(f"state of parameter {saved_id!r} has no 'step'")
-        step = float(entry["step"])
-        if not math.isfinite(step) or step < 0 or step != int(step):
-            raise ValueError(f"state of parameter {saved_id!r} has step {step}, expected a whole number >= 0")
-        block_size = saved_group.get("block_size", self.defaults.get("block_size", 256))
-        states = {}
-        for name, signed in zip(self.state_names, self.signed_states):
-            candidates: list[Codec] = [Float32Codec(), *(cls(block_size, signed) for cls in QUANTIZED_CODECS.values())]
-            codec = next((c for c in candidates if all(key in entry for key in self._state_keys(c, name))), None)
-            if codec is None:
-                raise ValueError(
-                    f"state of parameter {saved_id!r} has neither {name!r}, nor {name + '_codes'!r} and "
-                    f"{name + '_scales'!r}, nor {name + '_packed_codes'!r} and {name + '_scales'!r} "
-                    f"(keys: {sorted(entry)})"
-                )
-            if not isinstance(codec, Float32Codec) and (
-                not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1)
-            ):
-                raise ValueError(
-                    f"param group of parameter {saved_id!r} has block_size {block_size!r}, expected a power of two >= 16"
-                )
-            fields = []
-            for key, length, dtype in zip(
-                self._state_keys(codec, name), codec.field_lengths(numel), codec.field_dtypes()
-            ):
-                value = entry[key]
-                if isinstance(value, torch.Tensor):
-                    value = local_tensor(value)
-                if not isinstance(value, torch.Tensor) or value.numel() != length:
-                    raise ValueError(
-                        f"state {key!r} of parameter {saved_id!r} must be a tensor of {length} elements, got "
-                        f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}"
-                    )
-                if dtype.is_floating_point != value.is_floating_point():
-                    raise ValueError(
-                        f"state {key!r} of parameter {saved_id!r} has dtype {value.dtype}, expected {dtype}"
-                    )
-                fields.append(value.detach().to("cpu", dtype).reshape(-1))
-            states[name] = _SavedState(codec, tuple(fields), numel)
-        return step, states
-
-    def _import_state(self, sources: dict[int, dict[str, _SavedState]]) -> None:
-        """Rewrite every page from ``sources`` (parameters without an entry get zero state)."""
-        for page in self._store.pages:
-            segments = [segment for segment in page.segments if segment.param_index in sources]
-            if not segments:
-                self._store.write(page, None)
-                continue
-            data = tuple(torch.zeros(numel, dtype=dtype) for numel, dtype in page.specs)
-            arrays = page.format.arrays(data)
-            for segment in segments:
-                for name, codec, array in zip(self.state_names, page.format.codecs, arrays):
-                    encoded = codec.select(array, segment.offset, segment.length)
-                    sources[segment.param_index][name].write(codec, encoded, segment)
-            self._store.write(page, data)
+        self._layout.clear()
+        group_of = {param: group for group in self.param_groups for param in group["params"]}
+        self._place([(param, group_of[param]) for param in sources])
+        import_state(self._layout, self.state_names, sources)
 
     def _update_segment(
         self,
@@ -644,13 +522,7 @@ class PagedOptimizer(Optimizer):
 
     # Copying and pickling -------------------------------------------------------------------------------
 
-    _REBUILT_ATTRIBUTES: ClassVar[tuple[str, ...]] = (
-        "_store",
-        "_auto_budgets",
-        "_params",
-        "_param_segments",
-        "_param_codecs",
-    )
+    _REBUILT_ATTRIBUTES: ClassVar[tuple[str, ...]] = ("_store", "_auto_budgets", "_layout")
     """Attributes that hold the page store and the layout: rebuilt from the param groups, never copied."""
 
     def __getstate__(self) -> dict[str, Any]:
@@ -681,7 +553,7 @@ class PagedOptimizer(Optimizer):
         if not had_differentiable:
             self.defaults.pop("differentiable", None)
         self._store, self._auto_budgets = DeviceStores(self._new_store), {}
-        self._params, self._param_segments, self._param_codecs = [], [], []
+        self._layout = StateLayout(self._store, self._formats, self.page_size, self._state_device)
         for group in param_groups:
             self.add_param_group(group)
         self._load_state_dict(saved_state)
@@ -790,25 +662,6 @@ def _store_stats(store: PageStore | DeviceStores) -> dict[str, int | float | Non
     }
 
 
-def _packed(param_groups: list[dict[str, Any]], state: dict[Any, Any]) -> tuple[dict[str, Any], list[int]]:
-    """``param_groups`` with parameters replaced by their indices, and ``state`` keyed by those indices (other
-    keys as they are), as ``torch.optim`` packs them; and the indices of the parameters that have state."""
-    index_of: dict[int, int] = {}
-    groups = []
-    for group in param_groups:
-        packed_group = {key: value for key, value in group.items() if key != "params"}
-        packed_group["params"] = [index_of.setdefault(id(param), len(index_of)) for param in group["params"]]
-        groups.append(packed_group)
-    packed_state = {}
-    param_indices = []
-    for key, entry in state.items():
-        if isinstance(key, torch.Tensor):
-            key = index_of[id(key)]
-            param_indices.append(key)
-        packed_state[key] = entry
-    return {"state": packed_state, "param_groups": groups}, param_indices
-
-
 def _gathered(items: list[tuple]) -> tuple[list[tuple], list[tuple[StridedRange, torch.Tensor]]]:
     """A page's work items with the ranges of non-contiguous parameters and gradients copied to contiguous
     tensors, and the parameters' copies to write back after the update."""
@@ -821,51 +674,3 @@ def _gathered(items: list[tuple]) -> tuple[list[tuple], list[tuple[StridedRange,
             grad_slice = grad_slice.gather()
         gathered.append((segment, param_slice, grad_slice, *rest))
     return gathered, write_back
-
-
-def _like_shards_of(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """CPU tensor ``local`` (shaped like this rank's shard of DTensor ``param``) as a DTensor placed like ``param``.
-
-    The local tensor stays on the CPU, as FSDP2's CPU offload keeps its sharded parameters on a device
-    mesh: ``DTensor.from_local`` would copy it to the mesh's device. ``torch.distributed.checkpoint`` reads
-    and writes such local tensors where they are, and gathers them through the mesh's device one at a time.
-    """
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
-    meta = TensorMeta(param.shape, param.stride(), local.dtype)
-    spec = DTensorSpec(param.device_mesh, tuple(param.placements), tensor_meta=meta)
-    return DTensor(local, spec, requires_grad=False)
-
-
-class _SavedState:
-    """One saved state tensor of a parameter, in the encoding it was saved in."""
-
-    def __init__(self, codec: Codec, fields: tuple[torch.Tensor, ...], numel: int) -> None:
-        self.codec = codec
-        self.fields = fields
-        self.numel = numel
-        self._values: torch.Tensor | None = None
-
-    def values(self) -> torch.Tensor:
-        """The state as fp32 values (decoded once)."""
-        if self._values is None:
-            padded = -(-self.numel // self.codec.alignment) * self.codec.alignment
-            fields = [
-                torch.cat([field, field.new_zeros(length - field.numel())]) if length > field.numel() else field
-                for field, length in zip(self.fields, self.codec.field_lengths(padded))
-            ]
-            encoded = self.codec.select(tuple(fields), 0, padded)
-            self._values = self.codec.decode(encoded).reshape(-1)[: self.numel]
-        return self._values
-
-    def write(self, codec: Codec, encoded: tuple[torch.Tensor, ...], segment: Segment) -> None:
-        """Write this state's elements of ``segment`` into its page views, encoded by ``codec``."""
-        if codec == self.codec:
-            for field, view, offset, length in zip(
-                self.fields, encoded, codec.field_offsets(segment.start), codec.field_lengths(segment.length)
-            ):
-                view.reshape(-1)[:length].copy_(field[offset : offset + length])
-        else:
-            values = self.values()[segment.start : segment.start + segment.length]
-            codec.encode(to_blocks(values, codec.alignment), encoded)

@@ -1,0 +1,134 @@
+"""Where each tensor's optimizer state lives: its pages and segments, keyed by tensor as ``optimizer.state`` is.
+
+A tensor gets pages when it first needs state (its first step, or a loaded state dict), sized for the tensor it
+is then: after an engine swaps the tensors of the param groups (accelerate's switch to FSDP2 shards, DeepSpeed
+ZeRO's flat fp32 partitions), the new tensors get pages of their own size. A tensor keeps its pages while it is
+away from the param groups (ZeRO-3 lists its partitions only around ``step()``), and meets them again when it
+comes back. The layout never changes the values of state: every segment starts on a block boundary of the
+tensor's elements, so blocks fall on the same elements however tensors are packed into pages.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..codecs import PageFormat
+from ..store import Page, Segment
+from ..stores import DeviceStores, device_key
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor holding this process's elements: a DTensor's local shard, else the tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def state_device(tensor: torch.Tensor) -> str:
+    """The device that holds the state of ``tensor``: that of its local elements."""
+    return device_key(local_tensor(tensor).device)
+
+
+@dataclass(eq=False)
+class TensorPages:
+    """The pages holding one tensor's state: ``segments`` cover its local elements in order."""
+
+    owner: int
+    """The number that the tensor's segments carry (:attr:`Segment.owner`)."""
+    shape: torch.Size
+    """The local shape the state was laid out for."""
+    device: str
+    kind: str
+    """The page format's name: ``"32bit"``, ``"8bit"`` or ``"4bit"``."""
+    segments: list[tuple[Page, Segment]]
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+class StateLayout:
+    """The pages of every tensor that has state, in a :class:`~hf_paged.stores.DeviceStores`.
+
+    Args:
+        store: the pages' stores, one per device.
+        formats: the page formats by name.
+        page_size: bytes of one page.
+        device_of: the device that holds a tensor's state (by default :func:`state_device`).
+    """
+
+    def __init__(
+        self,
+        store: DeviceStores,
+        formats: dict[str, PageFormat],
+        page_size: int,
+        device_of: Callable[[torch.Tensor], str] = state_device,
+    ) -> None:
+        self.store = store
+        self.formats = formats
+        self.page_size = page_size
+        self.device_of = device_of
+        self._pages_of: dict[torch.Tensor, TensorPages] = {}
+        self._tensor_of: dict[int, torch.Tensor] = {}
+        self._owners = itertools.count()
+
+    def __contains__(self, tensor: torch.Tensor) -> bool:
+        return tensor in self._pages_of
+
+    def __getitem__(self, tensor: torch.Tensor) -> TensorPages:
+        return self._pages_of[tensor]
+
+    def __len__(self) -> int:
+        return len(self._pages_of)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self._pages_of)
+
+    def tensor_of(self, segment: Segment) -> torch.Tensor:
+        """The tensor whose state ``segment`` holds."""
+        return self._tensor_of[segment.owner]
+
+    def place(self, tensors: Sequence[tuple[torch.Tensor, str]]) -> None:
+        """Give ``(tensor, format name)`` pairs that have no pages yet new pages, packed one after another in one
+        open page per device and format; the last page of each is trimmed to what it holds."""
+        open_pages: dict[tuple[str, str], Page] = {}
+        used: dict[int, int] = {}
+        for tensor, kind in tensors:
+            if tensor in self._pages_of:
+                raise ValueError("a tensor that has pages cannot be placed again")
+            page_format = self.formats[kind]
+            local = local_tensor(tensor)
+            device = self.device_of(tensor)
+            owner = next(self._owners)
+            segments = []
+            start, numel = 0, local.numel()
+            while start < numel:
+                page = open_pages.get((device, kind))
+                if page is None or used[page.index] == page.capacity:
+                    page = self.store.add_page(page_format, page_format.capacity_for(self.page_size), device)
+                    open_pages[device, kind] = page
+                    used[page.index] = 0
+                length = min(numel - start, page.capacity - used[page.index])
+                segment = Segment(owner, start, length, used[page.index])
+                page.segments.append(segment)
+                segments.append((page, segment))
+                used[page.index] += -(-length // page_format.alignment) * page_format.alignment
+                start += length
+            self._pages_of[tensor] = TensorPages(owner, local.shape, device, kind, segments)
+            self._tensor_of[owner] = tensor
+        for page in open_pages.values():
+            page.capacity = used[page.index]
+
+    def clear(self) -> None:
+        """Forget every tensor and free every page, on the devices and in host memory."""
+        self.store.clear()
+        self._pages_of.clear()
+        self._tensor_of.clear()
+
+    @property
+    def state_elements(self) -> int:
+        """Elements of state laid out (local elements of the tensors that have pages)."""
+        return sum(pages.numel for pages in self._pages_of.values())

@@ -1,0 +1,216 @@
+"""State dicts of the paged optimizers: pages to ``torch.optim``'s layout and back.
+
+A saved state holds, per parameter index, ``step`` and each state's fields as CPU tensors: fp32 values
+(``exp_avg``, shaped like the parameter), 8-bit codes shaped like the parameter and one fp32 scale per block
+(``exp_avg_codes``, ``exp_avg_scales``), or 4-bit codes packed two per byte (``exp_avg_packed_codes``,
+``exp_avg_scales``). A sharded (DTensor) parameter's states are fp32 DTensors placed like the parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..codecs import QUANTIZED_CODECS, Codec, Float32Codec, to_blocks
+from ..store import Segment
+from .layout import StateLayout, local_tensor
+
+StateEntry = dict[str, torch.Tensor]
+"""One parameter's saved state fields by key (``step`` aside)."""
+
+
+def state_keys(codec: Codec, name: str) -> list[str]:
+    """The state dict keys of state ``name`` stored by ``codec``: ``exp_avg``, or ``exp_avg_codes`` and so on."""
+    return [name if not field else f"{name}_{field}" for field in codec.fields]
+
+
+def pack_param_groups(param_groups: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[int, int]]:
+    """``param_groups`` with parameters replaced by their indices, as ``torch.optim`` packs them, and the index
+    of each parameter by ``id``."""
+    index_of: dict[int, int] = {}
+    groups = []
+    for group in param_groups:
+        packed_group = {key: value for key, value in group.items() if key != "params"}
+        packed_group["params"] = [index_of.setdefault(id(param), len(index_of)) for param in group["params"]]
+        groups.append(packed_group)
+    return groups, index_of
+
+
+def export_state(layout: StateLayout, state_names: Sequence[str], tensors: Sequence[torch.Tensor]) -> list[StateEntry]:
+    """The state fields of ``tensors`` (each with pages) read from their pages, one page in memory at a time."""
+    entries: dict[int, StateEntry] = {}
+    for tensor in tensors:
+        pages = layout[tensor]
+        entry = {}
+        for name, codec in zip(state_names, layout.formats[pages.kind].codecs):
+            for key, length, dtype in zip(
+                state_keys(codec, name), codec.field_lengths(pages.numel), codec.field_dtypes()
+            ):
+                entry[key] = torch.zeros(length, dtype=dtype)
+        entries[pages.owner] = entry
+    page_list = {id(page): page for tensor in tensors for page, _ in layout[tensor].segments}
+    for page in sorted(page_list.values(), key=lambda page: page.index):
+        data = layout.store.read(page)
+        if data is None:
+            continue
+        arrays = page.format.arrays(data)
+        for segment in page.segments:
+            entry = entries.get(segment.owner)
+            if entry is None:
+                continue
+            for name, codec, array in zip(state_names, page.format.codecs, arrays):
+                encoded = codec.select(array, segment.offset, segment.length)
+                for key, view, offset, length in zip(
+                    state_keys(codec, name),
+                    encoded,
+                    codec.field_offsets(segment.start),
+                    codec.field_lengths(segment.length),
+                ):
+                    entry[key][offset : offset + length] = view.reshape(-1)[:length]
+    exported = []
+    for tensor in tensors:
+        pages = layout[tensor]
+        entry = entries[pages.owner]
+        for name, codec in zip(state_names, layout.formats[pages.kind].codecs):
+            if codec.saved_like_param:
+                key = state_keys(codec, name)[0]
+                entry[key] = entry[key].view(pages.shape)
+        exported.append(entry)
+    return exported
+
+
+def sharded_entry(
+    param: torch.Tensor, entry: StateEntry, state_names: Sequence[str], codecs: Sequence[Codec]
+) -> StateEntry:
+    """The exported state of sharded parameter ``param`` as fp32 DTensors placed like the parameter.
+
+    Encoded (8-bit, 4-bit) state is decoded: its blocks and scales belong to this rank's shard, which a
+    checkpoint saved on other shard boundaries could not split. Loading encodes the values again, into
+    the same codes and scales when the layout is unchanged (the largest value of a block decodes to
+    its scale exactly, and every other value to within rounding of its code).
+    """
+    shard = local_tensor(param)
+    sharded = {}
+    for name, codec in zip(state_names, codecs):
+        fields = tuple(entry[key].reshape(-1) for key in state_keys(codec, name))
+        values = SavedState(codec, fields, shard.numel()).values()
+        sharded[name] = _like_shards_of(param, values.view(shard.shape))
+    return sharded
+
+
+def parse_saved_entry(
+    param: torch.Tensor,
+    saved_id: Any,
+    entry: Any,
+    block_size: Any,
+    state_names: Sequence[str],
+    signed_states: Sequence[bool],
+) -> tuple[float, dict[str, SavedState]]:
+    """The step and the states of ``entry``, saved state of parameter ``saved_id`` loading into ``param``.
+
+    Each state is found in whichever encoding the entry holds it (fp32 values, 8-bit or 4-bit codes with
+    ``block_size`` elements a block). Raises ValueError naming the parameter and key at fault.
+    """
+    numel = local_tensor(param).numel()
+    if not isinstance(entry, dict) or "step" not in entry:
+        raise ValueError(f"state of parameter {saved_id!r} has no 'step'")
+    step = float(entry["step"])
+    if not math.isfinite(step) or step < 0 or step != int(step):
+        raise ValueError(f"state of parameter {saved_id!r} has step {step}, expected a whole number >= 0")
+    states = {}
+    for name, signed in zip(state_names, signed_states):
+        candidates: list[Codec] = [Float32Codec(), *(cls(block_size, signed) for cls in QUANTIZED_CODECS.values())]
+        codec = next((c for c in candidates if all(key in entry for key in state_keys(c, name))), None)
+        if codec is None:
+            raise ValueError(
+                f"state of parameter {saved_id!r} has neither {name!r}, nor {name + '_codes'!r} and "
+                f"{name + '_scales'!r}, nor {name + '_packed_codes'!r} and {name + '_scales'!r} "
+                f"(keys: {sorted(entry)})"
+            )
+        if not isinstance(codec, Float32Codec) and (
+            not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1)
+        ):
+            raise ValueError(
+                f"param group of parameter {saved_id!r} has block_size {block_size!r}, expected a power of two >= 16"
+            )
+        fields = []
+        for key, length, dtype in zip(state_keys(codec, name), codec.field_lengths(numel), codec.field_dtypes()):
+            value = entry[key]
+            if isinstance(value, torch.Tensor):
+                value = local_tensor(value)
+            if not isinstance(value, torch.Tensor) or value.numel() != length:
+                raise ValueError(
+                    f"state {key!r} of parameter {saved_id!r} must be a tensor of {length} elements, got "
+                    f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}"
+                )
+            if dtype.is_floating_point != value.is_floating_point():
+                raise ValueError(f"state {key!r} of parameter {saved_id!r} has dtype {value.dtype}, expected {dtype}")
+            fields.append(value.detach().to("cpu", dtype).reshape(-1))
+        states[name] = SavedState(codec, tuple(fields), numel)
+    return step, states
+
+
+def import_state(
+    layout: StateLayout, state_names: Sequence[str], sources: dict[torch.Tensor, dict[str, SavedState]]
+) -> None:
+    """Write the pages of the tensors of ``sources`` (each with new pages of its own) from their saved states."""
+    pages = {id(page): page for tensor in sources for page, _ in layout[tensor].segments}
+    for page in sorted(pages.values(), key=lambda page: page.index):
+        data = tuple(torch.zeros(numel, dtype=dtype) for numel, dtype in page.specs)
+        arrays = page.format.arrays(data)
+        for segment in page.segments:
+            saved = sources[layout.tensor_of(segment)]
+            for name, codec, array in zip(state_names, page.format.codecs, arrays):
+                saved[name].write(codec, codec.select(array, segment.offset, segment.length), segment)
+        layout.store.write(page, data)
+
+
+def _like_shards_of(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """CPU tensor ``local`` (shaped like this rank's shard of DTensor ``param``) as a DTensor placed like ``param``.
+
+    The local tensor stays on the CPU, as FSDP2's CPU offload keeps its sharded parameters on a device
+    mesh: ``DTensor.from_local`` would copy it to the mesh's device. ``torch.distributed.checkpoint`` reads
+    and writes such local tensors where they are, and gathers them through the mesh's device one at a time.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    meta = TensorMeta(param.shape, param.stride(), local.dtype)
+    spec = DTensorSpec(param.device_mesh, tuple(param.placements), tensor_meta=meta)
+    return DTensor(local, spec, requires_grad=False)
+
+
+class SavedState:
+    """One saved state tensor of a parameter, in the encoding it was saved in."""
+
+    def __init__(self, codec: Codec, fields: tuple[torch.Tensor, ...], numel: int) -> None:
+        self.codec = codec
+        self.fields = fields
+        self.numel = numel
+        self._values: torch.Tensor | None = None
+
+    def values(self) -> torch.Tensor:
+        """The state as fp32 values (decoded once)."""
+        if self._values is None:
+            padded = -(-self.numel // self.codec.alignment) * self.codec.alignment
+            fields = [
+                torch.cat([field, field.new_zeros(length - field.numel())]) if length > field.numel() else field
+                for field, length in zip(self.fields, self.codec.field_lengths(padded))
+            ]
+            encoded = self.codec.select(tuple(fields), 0, padded)
+            self._values = self.codec.decode(encoded).reshape(-1)[: self.numel]
+        return self._values
+
+    def write(self, codec: Codec, encoded: tuple[torch.Tensor, ...], segment: Segment) -> None:
+        """Write this state's elements of ``segment`` into its page views, encoded by ``codec``."""
+        if codec == self.codec:
+            for field, view, offset, length in zip(
+                self.fields, encoded, codec.field_offsets(segment.start), codec.field_lengths(segment.length)
+            ):
+                view.reshape(-1)[:length].copy_(field[offset : offset + length])
+        else:
+            values = self.values()[segment.start : segment.start + segment.length]
+            codec.encode(to_blocks(values, codec.alignment), encoded)

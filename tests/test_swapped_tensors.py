@@ -1,0 +1,287 @@
+"""State follows the tensors in the param groups, as in ``torch.optim``, when an engine swaps them after construction.
+
+Each engine's swap is reproduced here as the engine does it, without the engine (tests/test_fsdp2_trainer.py and
+tests/test_deepspeed.py run the engines themselves):
+
+* accelerate's FSDP2 switch (``fsdp2_switch_optimizer_parameters``): the Trainer builds the optimizer on the full
+  parameters; before any step, each group's ``params`` is replaced by the sharded parameters, of other shapes.
+* DeepSpeed ZeRO stages 1 and 2: each group's ``params`` becomes one flat fp32 partition at engine init, and
+  around each step ``optimizer.param_groups`` is narrowed to one group at a time.
+* DeepSpeed ZeRO stage 3: the groups' ``params`` are empty between steps; the flat fp32 partitions are put in
+  only around ``step()``, ``state_dict()`` and ``load_state_dict()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import hf_paged
+from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
+
+STEPS = 6
+
+
+def make_optimizer(name: str, params, **paging) -> torch.optim.Optimizer:
+    if name == "torch AdamW":
+        return torch.optim.AdamW(params, lr=1e-2, fused=True)
+    return OPTIMIZERS[name](params, **optimizer_kwargs(name, **paging))
+
+
+def switch_parameters(optimizer: torch.optim.Optimizer, mapping: dict[torch.Tensor, torch.Tensor]) -> None:
+    """What accelerate's ``fsdp2_switch_optimizer_parameters`` does: each group's tensors replaced in place."""
+    for group in optimizer.param_groups:
+        group["params"] = [mapping[param] for param in group["params"]]
+
+
+def sharded_and_full(seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A "sharded" MLP (hidden 32: each weight a slice of the full one's shape) and the full MLP (hidden 64)."""
+    return make_mlp(seed, hidden=32), make_mlp(seed, hidden=64)
+
+
+@pytest.mark.parametrize("name", ["torch AdamW", *sorted(OPTIMIZERS)])
+def test_tensors_switched_before_the_first_step_are_trained_with_pages_of_their_size(name):
+    batches = regression_batches(STEPS)
+    sharded, full = sharded_and_full()
+    optimizer = make_optimizer(name, decay_groups(full))
+    switch_parameters(optimizer, dict(zip(full.parameters(), sharded.parameters(), strict=True)))
+    full_before = [param.detach().clone() for param in full.parameters()]
+    train(sharded, optimizer, batches)
+
+    direct_model = make_mlp(0, hidden=32)
+    direct = make_optimizer(name, decay_groups(direct_model))
+    train(direct_model, direct, batches)
+    for param, expected in zip(sharded.parameters(), direct_model.parameters(), strict=True):
+        assert torch.equal(param, expected)
+    for param, before in zip(full.parameters(), full_before, strict=True):
+        assert torch.equal(param, before)  # the tensors that left the groups are not touched
+    saved, expected_saved = optimizer.state_dict(), direct.state_dict()  # no KeyError for the tensors that left
+    assert saved["state"].keys() == expected_saved["state"].keys()
+    for index, entry in expected_saved["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(saved["state"][index][key], value), (index, key)
+    if name != "torch AdamW":
+        assert optimizer.paging_stats()["pages_total"] == direct.paging_stats()["pages_total"]
+        assert optimizer.paging_stats()["host_bytes"] + optimizer.paging_stats()["device_bytes"] == (
+            direct.paging_stats()["host_bytes"] + direct.paging_stats()["device_bytes"]
+        )
+
+
+class ZeroLike:
+    """What DeepSpeed ZeRO does to its client optimizer, on one rank holding every partition.
+
+    Each param group's tensors are flattened into one fp32 partition (kept by the engine); the model's
+    gradients are copied into the partitions' gradients before a step and the partitions back into the model
+    after it. Stages 1 and 2 list the partitions in the groups and step one group at a time; stage 3 lists them
+    only around ``step()``, ``state_dict()`` and ``load_state_dict()``. Stage 0 is the reference: an optimizer
+    built on the partitions, with nothing swapped.
+    """
+
+    def __init__(self, model: torch.nn.Module, name: str, stage: int, **paging) -> None:
+        self.stage = stage
+        groups = decay_groups(model)
+        self.model_params = [group["params"] for group in groups]
+        self.partitions = [
+            torch.cat([param.detach().reshape(-1) for param in params]).requires_grad_() for params in self.model_params
+        ]
+        if stage == 0:
+            partition_groups = [{**group, "params": [part]} for group, part in zip(groups, self.partitions)]
+            self.optimizer = make_optimizer(name, partition_groups, **paging)
+            return
+        self.optimizer = make_optimizer(name, groups, **paging)
+        for group, partition in zip(self.optimizer.param_groups, self.partitions):
+            group["params"] = [partition] if stage < 3 else []
+
+    @contextlib.contextmanager
+    def listed(self):
+        """Stage 3 lists the partitions in the groups only around the optimizer's calls."""
+        if self.stage == 3:
+            for group, partition in zip(self.optimizer.param_groups, self.partitions):
+                group["params"] = [partition]
+        try:
+            yield
+        finally:
+            if self.stage == 3:
+                for group in self.optimizer.param_groups:
+                    group["params"] = []
+
+    def step(self) -> None:
+        for partition, params in zip(self.partitions, self.model_params):
+            partition.grad = torch.cat([param.grad.reshape(-1) for param in params])
+        if self.stage in (1, 2):
+            groups = self.optimizer.param_groups
+            for group in groups:
+                self.optimizer.param_groups = [group]
+                self.optimizer.step()
+            self.optimizer.param_groups = groups
+        else:
+            with self.listed():
+                self.optimizer.step()
+        with torch.no_grad():
+            for partition, params in zip(self.partitions, self.model_params):
+                partition.grad = None
+                for piece, param in zip(partition.split([param.numel() for param in params]), params):
+                    param.copy_(piece.view_as(param))
+
+    def zero_grad(self) -> None:
+        for params in self.model_params:
+            for param in params:
+                param.grad = None
+
+    def state_dict(self) -> dict:
+        with self.listed():
+            return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        with self.listed():
+            self.optimizer.load_state_dict(state_dict)
+
+
+def assert_same_training(model, engine, reference_model, reference_engine) -> None:
+    for param, expected in zip(model.parameters(), reference_model.parameters(), strict=True):
+        assert torch.equal(param, expected)
+    for partition, expected in zip(engine.partitions, reference_engine.partitions, strict=True):
+        assert torch.equal(partition, expected)
+    saved, expected_saved = engine.state_dict()["state"], reference_engine.state_dict()["state"]
+    assert saved.keys() == expected_saved.keys() == {0, 1}
+    for index, entry in expected_saved.items():
+        for key, value in entry.items():
+            assert torch.equal(saved[index][key], value), (index, key)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("name", ["torch AdamW", *sorted(OPTIMIZERS)])
+def test_zero_partitions_train_as_with_an_optimizer_built_on_them(name, stage):
+    batches = regression_batches(STEPS)
+    model, reference_model = make_mlp(), make_mlp()
+    engine, reference = ZeroLike(model, name, stage), ZeroLike(reference_model, name, 0)
+    train(model, engine, batches)
+    train(reference_model, reference, batches)
+    assert_same_training(model, engine, reference_model, reference)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_paged_adamw_matches_torch_fused_adamw_bitwise(stage):
+    batches = regression_batches(STEPS)
+    model, reference_model = make_mlp(), make_mlp()
+    engine = ZeroLike(model, "PagedAdamW", stage, device_budget=4096)
+    train(model, engine, batches)
+    train(reference_model, ZeroLike(reference_model, "torch AdamW", stage), batches)
+    for param, expected in zip(model.parameters(), reference_model.parameters(), strict=True):
+        assert torch.equal(param, expected)
+    assert engine.optimizer.paging_stats()["page_outs"] > 0
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_zero_state_dict_resumes_bitwise_under_another_budget(name, stage):
+    batches = regression_batches(STEPS)
+    reference_model = make_mlp()
+    reference = ZeroLike(reference_model, name, stage)
+    train(reference_model, reference, batches)
+
+    model = make_mlp()
+    engine = ZeroLike(model, name, stage)
+    train(model, engine, batches[: STEPS // 2])
+    saved_model, saved_optimizer = model.state_dict(), engine.state_dict()
+    resumed_model = make_mlp(seed=1)
+    resumed_model.load_state_dict(saved_model)
+    resumed = ZeroLike(resumed_model, name, stage, device_budget=4096)
+    resumed.load_state_dict(saved_optimizer)
+    train(resumed_model, resumed, batches[STEPS // 2 :])
+    assert_same_training(resumed_model, resumed, reference_model, reference)
+    assert resumed.optimizer.paging_stats()["page_outs"] > 0
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_zero3_state_stays_paged_while_its_tensors_are_away(name):
+    model = make_mlp()
+    engine = ZeroLike(model, name, 3)
+    train(model, engine, regression_batches(2))
+    optimizer = engine.optimizer
+    assert all(group["params"] == [] for group in optimizer.param_groups)
+    stats = optimizer.paging_stats()
+    assert stats["pages_total"] > 0 and stats["device_bytes"] > 0
+    assert optimizer.evict() == stats["device_bytes"]
+    assert optimizer.paging_stats()["device_bytes"] == 0
+    assert optimizer.state_dict()["state"] == {}  # nothing listed, nothing to number
+    saved = engine.state_dict()
+    assert saved["state"].keys() == {0, 1} and saved["state"][0]["step"] == 2
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_tensor_with_state_that_changes_shape_is_a_clear_error_before_any_update(name):
+    model = make_mlp()
+    optimizer = make_optimizer(name, model.parameters())
+    train(model, optimizer, regression_batches(1))
+    before = [param.detach().clone() for param in model.parameters()]
+    saved = optimizer.state_dict()
+    weight = model[-1].weight
+    weight.data = torch.zeros(6, 64)
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    message = r"parameter 4 of param group 0 has shape \(6, 64\).*laid out for shape \(3, 64\)"
+    with pytest.raises(RuntimeError, match=message):
+        optimizer.step()
+    for param, expected in zip(list(model.parameters())[:-2], before[:-2]):
+        assert torch.equal(param, expected)
+    state = optimizer.state_dict()["state"]
+    assert all(torch.equal(state[0][key], saved["state"][0][key]) for key in saved["state"][0])
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_gradient_of_another_size_than_its_tensor_is_a_clear_error(name):
+    """The fused CPU AdamW kernel does not check sizes: a longer gradient would be read out of bounds."""
+    partition = torch.zeros(100, requires_grad=True)
+    optimizer = make_optimizer(name, [partition])
+    partition.grad = torch.ones(100)
+    partition.data = torch.zeros(50)
+    with pytest.raises(RuntimeError, match=r"gradient of shape \(100,\).*expected shape \(50,\)"):
+        optimizer.step()
+    assert torch.equal(partition, torch.zeros(50))
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_tensors_get_pages_lazily_at_their_first_step(name):
+    model = make_mlp()
+    optimizer = make_optimizer(name, model.parameters())
+    assert optimizer.paging_stats()["pages_total"] == 0 and optimizer.state_dict()["state"] == {}
+    last = list(model.parameters())[-2:]
+    for param in last:
+        param.requires_grad_(False)
+    train(model, optimizer, regression_batches(1))
+    first_pages = optimizer.paging_stats()["pages_total"]
+    assert first_pages > 0 and all(param not in optimizer.state for param in last)
+    for param in last:
+        param.requires_grad_(True)
+    train(model, optimizer, regression_batches(1))
+    assert optimizer.paging_stats()["pages_total"] > first_pages
+    assert sorted(optimizer.state_dict()["state"]) == list(range(6))
+
+
+def test_oom_recovery_follows_switched_tensors():
+    """A recovery built before the switch resets the gradients of the tensors the groups hold at the error."""
+
+    def run(fail: bool) -> torch.nn.Module:
+        sharded, full = sharded_and_full()
+        optimizer = hf_paged.PagedAdamW(full.parameters(), lr=1e-2, page_size=4096)
+        recovery = hf_paged.OOMRecovery(optimizer)
+        switch_parameters(optimizer, dict(zip(full.parameters(), sharded.parameters(), strict=True)))
+        failures = [fail]
+
+        def forward_backward(inputs, targets):
+            torch.nn.functional.mse_loss(sharded(inputs), targets).backward()
+            if failures.pop() if failures else False:
+                raise torch.OutOfMemoryError("injected after backward")
+
+        for inputs, targets in regression_batches(2):
+            with recovery.window():
+                recovery.run(forward_backward, inputs, targets)
+            optimizer.step()
+            optimizer.zero_grad()
+        return sharded
+
+    for param, expected in zip(run(fail=True).parameters(), run(fail=False).parameters(), strict=True):
+        assert torch.equal(param, expected)
