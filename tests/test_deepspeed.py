@@ -1,0 +1,290 @@
+"""DeepSpeed ZeRO 1, 2 and 3 through the Trainer, with the paged optimizers as DeepSpeed's client optimizer.
+
+Three launches of ``tests/scripts/deepspeed_train.py`` (module fixtures) train a tiny causal LM with every
+configuration of :data:`deepspeed_train.CONFIGS` and save and resume a DeepSpeed checkpoint; the tests read
+what they wrote:
+
+- one process: ZeRO 1, 2 and 3, ZeRO-1 with bf16 parameters (DeepSpeed's BF16_Optimizer), and ZeRO-Offload
+  under stages 2 and 3;
+- two processes (``torchrun``): ZeRO 2 and 3, each rank's client holding its own partitions;
+- two processes under ``accelerate launch --config_file configs/accelerate/zero3.yaml`` (bf16).
+
+DeepSpeed runs on the CPU with its gloo fallback; the script keeps DeepSpeed from JIT-compiling its
+shared-memory op (see its docstring), so no launch compiles anything.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import math
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "tests", "scripts", "deepspeed_train.py")
+sys.path.insert(0, os.path.dirname(SCRIPT))
+
+from deepspeed_train import CONFIGS, SETUPS
+
+from trainer_utils import tiny_llama
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed (pip install deepspeed)"
+)
+
+STEPS, SAVE_AT = 6, 3
+SINGLE_PROCESS = ["zero1", "zero2", "zero3", "zero1_bf16", "zero2_offload", "zero3_offload"]
+TWO_RANKS = ["zero2", "zero3"]
+RUNS = [("single_process", setup) for setup in SINGLE_PROCESS] + [("two_ranks", setup) for setup in TWO_RANKS]
+"""(fixture, setup) pairs: every setup of the two ``torch.distributed`` launches."""
+
+PAGED = [name for name in CONFIGS if name != "adamw_torch"]
+CLIENTS = {
+    "adamw_torch": "AdamW",
+    "adamw_32bit": "PagedAdamW",
+    "adamw_32bit_budget": "PagedAdamW",
+    "adamw_8bit": "PagedAdamW8bit",
+    "adamw_8bit_budget": "PagedAdamW8bit",
+    "adamw_4bit": "PagedAdamW4bit",
+    "lion_32bit": "PagedLion",
+    "lion_8bit": "PagedLion8bit",
+}
+"""The client optimizer class each configuration's ``optim`` selects."""
+
+
+def deepspeed_optimizer(setup: str) -> str:
+    """The class of the optimizer DeepSpeed wraps the client in under ``setup``."""
+    if SETUPS[setup].stage == 3:
+        return "DeepSpeedZeroOptimizer_Stage3"
+    if SETUPS[setup].stage == 1 and SETUPS[setup].bf16:
+        return "BF16_Optimizer"  # bf16 parameters with fp32 gradient accumulation
+    return "DeepSpeedZeroOptimizer"
+
+
+def launch(launcher: list[str], folder, *options: str) -> dict:
+    """Run the training script under ``launcher``; what rank 0 wrote."""
+    output = folder / "result.pt"
+    command = [
+        *launcher,
+        SCRIPT,
+        "--folder",
+        str(folder / "runs"),
+        "--output",
+        str(output),
+        "--steps",
+        str(STEPS),
+        "--save-at",
+        str(SAVE_AT),
+        *options,
+    ]
+    environment = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, check=False, capture_output=True, text=True, env=environment, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return torch.load(output, weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory) -> dict:
+    """Every configuration under every setup of :data:`SINGLE_PROCESS`, in one process."""
+    return launch([sys.executable], tmp_path_factory.mktemp("deepspeed_single"), "--setups", *SINGLE_PROCESS)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    """Every configuration under every setup of :data:`TWO_RANKS`, in two processes."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    return launch(launcher, tmp_path_factory.mktemp("deepspeed_two_ranks"), "--setups", *TWO_RANKS)
+
+
+@pytest.fixture(scope="module")
+def accelerate_zero3(tmp_path_factory) -> dict:
+    """``adamw_torch`` and 8-bit AdamW, two processes, as ``configs/accelerate/zero3.yaml`` sets DeepSpeed up."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    launcher = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        os.path.join(REPO, "configs", "accelerate", "zero3.yaml"),
+        "--main_process_port",
+        str(port),
+    ]
+    folder = tmp_path_factory.mktemp("deepspeed_accelerate")
+    return launch(launcher, folder, "--setups", "accelerate", "--configs", "adamw_torch", "adamw_8bit")
+
+
+@pytest.fixture(params=RUNS, ids=[f"{setup}-{'1' if run == 'single_process' else '2'}rank" for run, setup in RUNS])
+def run(request) -> tuple[dict, str]:
+    """The summary of one launch and one of its setups."""
+    launch_name, setup = request.param
+    return request.getfixturevalue(launch_name), setup
+
+
+def completed(summary: dict, setup: str, name: str) -> dict:
+    """The result of configuration ``name``, which must have trained, saved and resumed without an error."""
+    result = summary["results"][setup][name]
+    full = result["full"]
+    assert result["error"] is None, (
+        f"{name} under {setup} ({summary['world_size']} rank(s)) failed: {result['error']}; "
+        f"logged before it: losses {full.get('losses')}, grad norms {full.get('grad_norms')}"
+    )
+    return result
+
+
+def final_loss(result: dict) -> float:
+    return result["full"]["losses"][-1]
+
+
+def assert_finite(result: dict) -> None:
+    for run_name in ("full", "resumed"):
+        values = result[run_name]["losses"] + result[run_name]["grad_norms"]
+        assert all(math.isfinite(value) for value in values), (run_name, result[run_name])
+
+
+def assert_zero_checkpoint(summary: dict, result: dict) -> None:
+    """The checkpoint has DeepSpeed's folder with the ZeRO optimizer state of each rank."""
+    saved = {path.split("/")[-1] for path in result["checkpoint_files"] if path.startswith(f"global_step{SAVE_AT}/")}
+    for rank in range(summary["world_size"]):
+        name = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        assert {name, f"bf16_{name}"} & saved, result["checkpoint_files"]
+
+
+def test_deepspeed_is_in_effect(run):
+    summary, setup = run
+    stage, offload, bf16 = SETUPS[setup]
+    assert not summary["shm_op"]  # nothing was compiled
+    for name, result in summary["results"][setup].items():
+        record = result["full"]
+        assert "engine" in record, f"{name} stopped before training began: {result['error']}"
+        assert record["engine"] == "DeepSpeedEngine" and record["deepspeed_is_engine"], name
+        assert (record["zero_stage"], record["offload"], record["bf16"]) == (stage, offload, bf16), name
+        assert record["optimizers"] == ["DeepSpeedOptimizerWrapper", deepspeed_optimizer(setup), CLIENTS[name]], name
+    assert_zero_checkpoint(summary, completed(summary, setup, "adamw_torch"))
+
+
+def test_deepspeed_hands_the_client_flat_partitions(run):
+    """What any client optimizer meets (recorded with ``adamw_torch``): the Trainer built it on the model's
+    parameters (two groups, with and without weight decay); DeepSpeed swaps in one flat fp32 partition per
+    group and, but for the BF16_Optimizer, steps one group at a time (that group's tensor and nothing else)."""
+    summary, setup = run
+    world = summary["world_size"]
+    record = completed(summary, setup, "adamw_torch")["full"]
+    between, at_steps = record["groups_between_steps"], record["groups_at_steps"]
+    wrapper = deepspeed_optimizer(setup)
+    if wrapper == "DeepSpeedZeroOptimizer_Stage3":
+        assert between == [[], []]  # params are empty between steps
+        assert len(at_steps) == 2 * STEPS  # one step() per group
+        assert all(len(groups) == 2 and sorted(map(len, groups)) == [0, 1] for groups in at_steps), at_steps
+    elif wrapper == "DeepSpeedZeroOptimizer":
+        assert [len(group) for group in between] == [1, 1]
+        assert len(at_steps) == 2 * STEPS  # param_groups narrowed to the one group stepped
+        assert all(len(groups) == 1 and len(groups[0]) == 1 for groups in at_steps), at_steps
+    else:
+        assert [len(group) for group in between] == [1, 1]
+        assert at_steps == [between] * STEPS  # one step() over both groups
+    seen = [shape for groups in at_steps for group in groups for shape in group]
+    assert all(len(shape) == 1 for shape in seen), seen
+    partition = sum(shape[0] for shape in seen[:2])  # this rank's share of both groups
+    numel = sum(param.numel() for param in tiny_llama().parameters())
+    if world == 1:
+        assert partition == numel
+    else:
+        assert numel / world <= partition < numel
+
+
+def test_paged_adamw_32bit_matches_adamw_torch(run):
+    """To fp32 rounding; with bf16 parameters a master weight that differs in its last fp32 bit can round to
+    another bf16 value (a step of 2**-8), so the losses drift apart faster (2.7e-4 after 6 steps, measured)."""
+    summary, setup = run
+    loss_tolerance, weight_tolerance = (1e-3, 1e-3) if SETUPS[setup].bf16 else (1e-4, 1e-5)
+    reference = completed(summary, setup, "adamw_torch")["full"]
+    paged = completed(summary, setup, "adamw_32bit")["full"]
+    assert paged["steps"] == reference["steps"] == list(range(1, STEPS + 1))
+    for step, loss, expected in zip(paged["steps"], paged["losses"], reference["losses"]):
+        assert abs(loss - expected) <= loss_tolerance * abs(expected), (step, paged["losses"], reference["losses"])
+    deviation = (paged["weights"] - reference["weights"]).norm() / reference["weights"].norm()
+    assert deviation.item() < weight_tolerance
+
+
+@pytest.mark.parametrize("name", ["adamw_8bit", "adamw_4bit"])
+def test_quantized_adamw_learns_like_32bit(run, name):
+    summary, setup = run
+    reference = completed(summary, setup, "adamw_torch")
+    result = completed(summary, setup, name)
+    assert_finite(result)
+    assert abs(final_loss(result) - final_loss(reference)) <= 0.03 * final_loss(reference), (
+        result["full"]["losses"],
+        reference["full"]["losses"],
+    )
+
+
+@pytest.mark.parametrize("name", ["lion_32bit", "lion_8bit"])
+def test_lion_learns(run, name):
+    summary, setup = run
+    result = completed(summary, setup, name)
+    assert_finite(result)
+    losses = result["full"]["losses"]  # the same batch at every step
+    assert all(later < earlier for earlier, later in itertools.pairwise(losses)), losses
+    assert losses[-1] < 0.95 * losses[0], losses
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_deepspeed_checkpoint_resumes_bitwise(run, name):
+    summary, setup = run
+    result = completed(summary, setup, name)
+    assert_zero_checkpoint(summary, result)
+    full, resumed = result["full"], result["resumed"]
+    assert resumed["steps"] == list(range(SAVE_AT + 1, STEPS + 1))
+    assert resumed["losses"] == full["losses"][SAVE_AT:]
+    assert resumed["grad_norms"] == full["grad_norms"][SAVE_AT:]
+    assert torch.equal(resumed["weights"], full["weights"])
+
+
+@pytest.mark.parametrize("name", ["adamw_32bit", "adamw_8bit"])
+def test_paging_under_a_small_budget_is_bitwise(run, name):
+    summary, setup = run
+    unbounded = completed(summary, setup, name)["full"]
+    paged = completed(summary, setup, f"{name}_budget")["full"]
+    assert unbounded["paging"]["page_outs"] == 0
+    assert paged["paging"]["page_outs"] > 0
+    assert paged["paging"]["device_bytes"] <= paged["paging"]["device_budget"]
+    assert paged["losses"] == unbounded["losses"]
+    assert paged["grad_norms"] == unbounded["grad_norms"]
+    assert torch.equal(paged["weights"], unbounded["weights"])
+
+
+@pytest.mark.parametrize("setup", ["zero2_offload", "zero3_offload"])
+@pytest.mark.parametrize("name", PAGED)
+def test_zero_offload_steps_paged_state_on_the_host(single_process, setup, name):
+    """``offload_optimizer: cpu`` with ``zero_force_ds_cpu_optimizer: false``: DeepSpeed steps our optimizer
+    (not its CPU Adam) on partitions in host memory, and the pages stay on the host."""
+    result = completed(single_process, setup, name)
+    record = result["full"]
+    assert record["offload"] and record["optimizers"][-1] == CLIENTS[name]
+    assert set(record["paging"]["devices"]) == {"cpu"}
+    assert_finite(result)
+    assert record["losses"][-1] < 0.95 * record["losses"][0]
+
+
+def test_accelerate_zero3_config_trains_paged_optimizer(accelerate_zero3):
+    """``accelerate launch --config_file configs/accelerate/zero3.yaml``, the Trainer in bf16 as the config's mixed
+    precision requires: the Trainer's optimizer is DeepSpeed's client under ZeRO-3, trains like ``adamw_torch``
+    and resumes bitwise."""
+    assert accelerate_zero3["world_size"] == 2
+    reference = completed(accelerate_zero3, "accelerate", "adamw_torch")
+    result = completed(accelerate_zero3, "accelerate", "adamw_8bit")
+    record = result["full"]
+    assert record["engine"] == "DeepSpeedEngine" and record["zero_stage"] == 3 and record["bf16"]
+    assert record["optimizers"] == ["DeepSpeedOptimizerWrapper", "DeepSpeedZeroOptimizer_Stage3", "PagedAdamW8bit"]
+    assert_finite(result)
+    assert abs(final_loss(result) - final_loss(reference)) <= 0.03 * final_loss(reference)
+    assert result["resumed"]["losses"] == record["losses"][SAVE_AT:]
+    assert torch.equal(result["resumed"]["weights"], record["weights"])
