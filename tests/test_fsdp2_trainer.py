@@ -21,7 +21,7 @@ SCRIPT = os.path.join(REPO, "tests", "scripts", "fsdp2_trainer.py")
 CONFIG = os.path.join(REPO, "configs", "accelerate", "fsdp2.yaml")
 sys.path.insert(0, os.path.dirname(SCRIPT))
 
-from fsdp2_trainer import tiny_llama
+from fsdp2_trainer import sharded_llama
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
@@ -114,7 +114,7 @@ def test_model_trains(results, optim):
     uninterrupted = succeeded(results, optim, "uninterrupted")
     trained = losses(uninterrupted[0])
     assert trained[-1] < 0.95 * trained[0], f"{optim}: losses {trained} (adamw_torch: {reference})"
-    initial = dict(tiny_llama().named_parameters())
+    initial = dict(sharded_llama().named_parameters())
     for rank, run in enumerate(uninterrupted):
         assert run["weights"].keys() == initial.keys()
         for name, weight in run["weights"].items():

@@ -6,19 +6,21 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 
-def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+def tiny_llama(seed: int = 0, **config_overrides) -> LlamaForCausalLM:
+    """A one-layer Llama with a vocabulary of 128 (``config_overrides`` change its ``LlamaConfig``)."""
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config)
+    settings = {
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": False,
+        **config_overrides,
+    }
+    return LlamaForCausalLM(LlamaConfig(**settings))
 
 
 def token_dataset(samples: int = 16, length: int = 16, seed: int = 0) -> list[dict[str, torch.Tensor]]:

@@ -28,8 +28,11 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import sys
 import traceback
 from datetime import timedelta
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 import torch.distributed as dist
@@ -37,9 +40,11 @@ from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
 import hf_paged  # noqa: F401  (registers the hf_paged_* names, as ``-m hf_paged.run`` does)
+
+from trainer_utils import tiny_llama, token_dataset
 
 FSDP2_ENVIRONMENT = {
     "ACCELERATE_USE_FSDP": "true",
@@ -53,7 +58,7 @@ FSDP2_ENVIRONMENT = {
 }
 """What ``accelerate launch --config_file configs/accelerate/fsdp2.yaml --mixed_precision no`` sets for FSDP."""
 
-VOCAB, LENGTH, BATCH = 128, 16, 4
+BATCH = 4
 
 OPTIM_ARGS = {
     "hf_paged_adamw_32bit": "page_size=1KiB,device_budget=8KiB",
@@ -97,26 +102,9 @@ def enable_fsdp_on_cpu() -> None:
     AcceleratorState.__init__ = __init__
 
 
-def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=LENGTH,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config)
-
-
-def token_dataset(samples: int) -> list[dict[str, torch.Tensor]]:
-    """Sequences that count up from a random start (modulo the vocabulary): learnable in a few steps."""
-    generator = torch.Generator().manual_seed(0)
-    ids = (torch.randint(0, VOCAB, (samples, 1), generator=generator) + torch.arange(LENGTH)) % VOCAB
-    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+def sharded_llama() -> LlamaForCausalLM:
+    """Two decoder layers (each its own FSDP unit) with every dimension even, so that both ranks get equal shards."""
+    return tiny_llama(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=1)
 
 
 def training_args(optim: str, output_dir: str, steps: int, save_at: int) -> TrainingArguments:
@@ -151,7 +139,7 @@ def pages(optimizer) -> int | None:
 
 def unsharded_pages(trainer: Trainer) -> int | None:
     """The pages of the optimizer ``trainer`` builds, on an unsharded model of its own, after one step."""
-    model = tiny_llama()
+    model = sharded_llama()
     optimizer = trainer.create_optimizer(model)
     trainer.optimizer = None  # train() builds the optimizer it uses
     for param in model.parameters():  # a step, in case the pages are laid out at the first one
@@ -191,7 +179,7 @@ def listing(folder: str) -> dict[str, list[str]]:
 def train(optim: str, output_dir: str, steps: int, save_at: int, resume_from: str | None = None) -> dict:
     """One Trainer run of a fresh model; what this rank saw, and the error if it failed."""
     args = training_args(optim, output_dir, steps, save_at)
-    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=token_dataset(2 * BATCH * steps))
+    trainer = Trainer(model=sharded_llama(), args=args, train_dataset=token_dataset(2 * BATCH * steps))
     run: dict = {"error": None, "unsharded_pages": unsharded_pages(trainer)}
     try:
         trainer.train(resume_from_checkpoint=resume_from)
