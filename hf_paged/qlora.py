@@ -7,9 +7,11 @@ TRL's ``SFTTrainer``, e.g. with ``optim="hf_paged_adamw_8bit"``. :func:`qlora_re
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Collection
+import warnings
+from collections.abc import Collection, Iterator
 from numbers import Real
 from typing import Any
 
@@ -35,6 +37,25 @@ COMPUTE_DTYPES: dict[str, torch.dtype] = {
 """Names accepted for ``compute_dtype`` besides ``"auto"`` (the dtypes themselves are accepted too)."""
 
 _PLACEMENT_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Non-reentrant activation (gradient) checkpointing of ``model``'s layers, through the API the installed
+    transformers has: ``activation_checkpointing_enable`` (transformers 5), else ``gradient_checkpointing_enable``."""
+    options = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+
+
+@contextlib.contextmanager
+def quiet_peft_checkpointing_check() -> Iterator[None]:
+    """Keep out transformers' deprecation warning for ``is_gradient_checkpointing``, which peft reads when it wraps
+    a model: the call is peft's to update, not the user's."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 def _bitsandbytes() -> Any:
@@ -284,15 +305,14 @@ def prepare_qlora(
             "model_or_path must be a hub name or local path (str or os.PathLike) or a transformers "
             f"PreTrainedModel, got {type(model_or_path).__name__}"
         )
-    model = prepare_model_for_kbit_training(
-        model,
-        use_gradient_checkpointing=gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
-    )
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if gradient_checkpointing:
+        enable_activation_checkpointing(model)  # what peft would enable, through transformers' current API
     lora = LoraConfig(
         r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=target_modules, task_type="CAUSAL_LM"
     )
-    peft_model = get_peft_model(model, lora)
+    with quiet_peft_checkpointing_check():
+        peft_model = get_peft_model(model, lora)
     report = qlora_report(peft_model)
     logger.info(_describe(report))
     peft_model.hf_paged_qlora_report = report

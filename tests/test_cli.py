@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import os
 import re
 import shutil
@@ -71,6 +72,36 @@ def test_default_run_succeeds_and_the_loss_falls(default_run):
     assert float(match.group(1)) == pytest.approx(losses[0], abs=1e-4)
     assert float(match.group(2)) == pytest.approx(losses[-1], abs=1e-4)
     assert "160/160" in completed.stderr  # the Trainer's progress bar
+
+
+def test_default_run_prints_no_warning_the_user_cannot_act_on(default_run):
+    """No third-party warning, failed optional load or deprecation notice reaches a user of the default run."""
+    completed, _ = default_run
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    noise = re.compile(r"warning|failed to load|deprecat", re.IGNORECASE)
+    lines = (completed.stdout + completed.stderr).splitlines()
+    assert [line for line in lines if noise.search(line) and not line.startswith("hf-paged")] == []
+
+
+def test_quiet_drops_only_the_messages_it_names(caplog):
+    from hf_paged.cli import quiet
+
+    quiet.install()
+    quiet.install()  # idempotent: one filter per logger
+    bitsandbytes = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    try:
+        assert len(bitsandbytes.filters) == 1
+        with caplog.at_level(logging.WARNING, logger="bitsandbytes.backends.cpu.ops"):
+            bitsandbytes.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s.", "offline")
+            bitsandbytes.warning("Failed to load CPU gemv")
+        assert [record.getMessage() for record in caplog.records] == ["Failed to load CPU gemv"]
+        assert quiet.notes() == [
+            "4-bit matmuls use bitsandbytes' portable CPU path (its optional fast kernel is not installed)"
+        ]
+    finally:
+        for name, message_filter in quiet._FILTERS.items():
+            logging.getLogger(name).removeFilter(message_filter)
+            message_filter.dropped = 0
 
 
 def test_default_run_writes_a_trained_adapter_and_tokenizer(default_run):

@@ -53,8 +53,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from . import quiet
     from .config import load_config, to_dict, update
 
+    quiet.install()
     config = load_config(args.config, args.overrides)
     if args.output_dir is not None:
         update(config, {"training": {"output_dir": args.output_dir}}, source="--output-dir")

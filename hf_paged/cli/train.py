@@ -18,6 +18,7 @@ import yaml
 
 from .. import register
 from ..sizes import format_size
+from . import quiet
 from .config import Config, ConfigError, DataConfig, default_config, to_dict
 from .tokenizer import byte_tokenizer
 
@@ -135,7 +136,7 @@ def build_model(config: Config, tokenizer: Any, device: torch.device) -> Any:
     """The base model with LoRA adapters (4-bit base weights when ``lora.quantize``), on ``device``."""
     from peft import LoraConfig, get_peft_model
 
-    from ..qlora import prepare_qlora
+    from ..qlora import enable_activation_checkpointing, prepare_qlora, quiet_peft_checkpointing_check
 
     model_config, lora = config.model, config.lora
     dtype = _DTYPES.get(model_config.dtype, "auto")
@@ -170,7 +171,7 @@ def build_model(config: Config, tokenizer: Any, device: torch.device) -> Any:
             model_config.name, dtype=dtype, trust_remote_code=model_config.trust_remote_code
         )
     if lora.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
         model.enable_input_require_grads()
     adapters = LoraConfig(
         r=lora.r,
@@ -179,7 +180,8 @@ def build_model(config: Config, tokenizer: Any, device: torch.device) -> Any:
         target_modules=lora.target_modules,
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, adapters)
+    with quiet_peft_checkpointing_check():
+        return get_peft_model(model, adapters)
 
 
 def tiny_model(config: Config, tokenizer: Any) -> Any:
@@ -216,10 +218,18 @@ def training_arguments(config: Config) -> Any:
     register()
     from transformers import TrainingArguments
 
+    settings = dict(config.training)
+    if "dataloader_pin_memory" not in settings:
+        settings["dataloader_pin_memory"] = _accelerator_available()  # pinned batches need an accelerator
     try:
-        return TrainingArguments(**config.training)
+        return TrainingArguments(**settings)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"training: TrainingArguments rejects these settings: {error}") from None
+
+
+def _accelerator_available() -> bool:
+    accelerator = getattr(torch, "accelerator", None)  # torch 2.6 and later
+    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
 
 
 def memory_callback(config: Config) -> Any | None:
@@ -277,6 +287,8 @@ def run(config: Config | None = None) -> dict[str, Any]:
     _progress(f"model {config.model.name!r} with {method} on {args.device}")
     model = build_model(config, tokenizer, args.device)
     trainable, total = _parameter_counts(model)
+    for note in quiet.notes():
+        _progress(note)
     _progress(f"{len(dataset)} examples, {trainable:,} trainable of {total:,} parameters; training")
     callback = memory_callback(config)
     callbacks = [callback] if callback is not None else []
