@@ -84,15 +84,16 @@ def _log_eager_fallback(device_type: str, reason: str) -> None:
 
 
 COMPILE_MIN_ELEMENTS = 2**21
-"""State elements from which the default setting compiles: below, a compile (10 to 20 s on a CPU, cold
+"""Parameter elements from which the default setting compiles: below, a compile (10 to 20 s on a CPU, cold
 cache) costs more than eager updates save over a short run, and the first step would stall for it."""
 
 
-def resolve_compiled(compiled: bool | None, device: torch.device, state_elements: int) -> bool:
-    """The ``compiled`` setting in force for an optimizer holding ``state_elements`` elements of state.
+def resolve_compiled(compiled: bool | None, device: torch.device, param_elements: int) -> bool:
+    """The ``compiled`` setting in force for an optimizer of parameters with ``param_elements`` elements (local
+    elements: a rank's shards), whatever number of state tensors each element has.
 
     The argument when given; else ``HF_PAGED_COMPILE`` (``1`` compiles where a compiler is available,
-    ``0`` never does); else compile where a compiler is available and the state has at least
+    ``0`` never does); else compile where a compiler is available and the parameters have at least
     :data:`COMPILE_MIN_ELEMENTS` elements.
     """
     if compiled is not None:
@@ -102,7 +103,7 @@ def resolve_compiled(compiled: bool | None, device: torch.device, state_elements
         return False
     if setting not in ("", "1", "true", "yes", "on"):
         raise ValueError(f"HF_PAGED_COMPILE={setting!r} is not allowed: use 0 or 1")
-    if not setting and state_elements < COMPILE_MIN_ELEMENTS:
+    if not setting and param_elements < COMPILE_MIN_ELEMENTS:
         return False
     return compile_available(device)
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import io
-import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,29 +13,17 @@ import hf_paged
 from hf_paged.codecs import Blockwise4bitCodec, to_blocks
 from conftest import decay_groups, deviation, make_mlp, regression_batches, train
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import fidelity
+
 STEPS = 200
 
 
-def student() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 512), torch.nn.GELU(), torch.nn.Linear(512, 16)
-    )
-
-
-def teacher_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A regression task: targets from a fixed random linear teacher."""
-    generator = torch.Generator().manual_seed(1)
-    teacher = torch.randn(128, 16, generator=generator) / math.sqrt(128)
-    return [(inputs, inputs @ teacher) for inputs in (torch.randn(256, 128, generator=generator) for _ in range(STEPS))]
-
-
 def fit(make_optimizer) -> tuple[torch.nn.Module, float, float]:
-    """Train the student; return it with its first and final (mean of the last 20 steps) loss."""
-    model = student()
-    losses = train(model, make_optimizer(model.parameters()), teacher_batches())
-    return model, losses[0], sum(losses[-20:]) / 20
-
+    """The task of ``benchmarks/fidelity.py`` (which prints the figures these tests bound): the trained student, its
+    first and its final (mean of the last 20 steps) loss."""
+    return fidelity.fit(make_optimizer, STEPS)
 
 
 @pytest.fixture(scope="module", autouse=True)

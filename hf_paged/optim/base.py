@@ -118,7 +118,7 @@ class PagedOptimizer(Optimizer):
         four_bit: store tensors of ``min_4bit_size`` or more elements in blockwise 4-bit codes instead.
         min_4bit_size: tensors with fewer elements keep 32-bit state (4-bit state).
         compiled: fuse each segment's decode-update-encode with ``torch.compile``; ``None`` chooses by the
-            ``HF_PAGED_COMPILE`` environment variable, else compiles states of 2**21 elements or more where a
+            ``HF_PAGED_COMPILE`` environment variable, else compiles parameters of 2**21 elements or more where a
             compiler is available (see :func:`~hf_paged.kernels.resolve_compiled`).
     """
 
@@ -266,9 +266,9 @@ class PagedOptimizer(Optimizer):
     @property
     def compiled(self) -> bool:
         """Whether segment updates run through ``torch.compile`` (see :func:`~hf_paged.kernels.resolve_compiled`),
-        chosen by the elements of state of the tensors that have pages or are in the param groups."""
+        chosen by the local elements of the tensors that have pages or are in the param groups."""
         tensors = {param: None for group in self.param_groups for param in group["params"]}
-        elements = self._layout.state_elements
+        elements = self._layout.tensor_elements
         elements += sum(local_tensor(param).numel() for param in tensors if param not in self._layout)
         first = next(iter(tensors), next(iter(self._layout), None))
         device = torch.device("cpu") if first is None else local_tensor(first).device

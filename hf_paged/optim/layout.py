@@ -129,6 +129,6 @@ class StateLayout:
         self._tensor_of.clear()
 
     @property
-    def state_elements(self) -> int:
-        """Elements of state laid out (local elements of the tensors that have pages)."""
+    def tensor_elements(self) -> int:
+        """Local elements of the tensors that have pages."""
         return sum(pages.numel for pages in self._pages_of.values())
