@@ -285,3 +285,36 @@ def test_oom_recovery_follows_switched_tensors():
 
     for param, expected in zip(run(fail=True).parameters(), run(fail=False).parameters(), strict=True):
         assert torch.equal(param, expected)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_tensors_with_state_swapped_for_tensors_of_another_shape_is_a_clear_error(name):
+    sharded, full = sharded_and_full()
+    optimizer = make_optimizer(name, decay_groups(full))
+    train(full, optimizer, regression_batches(1))
+    saved = optimizer.state_dict()
+    switch_parameters(optimizer, dict(zip(full.parameters(), sharded.parameters(), strict=True)))
+    before = [param.detach().clone() for param in sharded.parameters()]
+    message = r"parameter 0 of param group 0 is a new tensor of shape \(32, 20\) in place of one whose state has shape"
+    with pytest.raises(RuntimeError, match=message):
+        train(sharded, optimizer, regression_batches(1))
+    for param, expected in zip(sharded.parameters(), before, strict=True):
+        assert torch.equal(param, expected)
+    switch_parameters(optimizer, dict(zip(sharded.parameters(), full.parameters(), strict=True)))
+    state = optimizer.state_dict()["state"]
+    for index, entry in saved["state"].items():
+        assert all(torch.equal(state[index][key], value) for key, value in entry.items())
+
+
+@pytest.mark.parametrize("name", ["torch AdamW", "PagedAdamW"])
+def test_tensors_with_state_swapped_for_tensors_of_the_same_shape_start_afresh_as_in_torch(name):
+    """State is keyed by tensor: a new tensor gets new state, as ``torch.optim.AdamW`` gives it."""
+    first, second = make_mlp(seed=0), make_mlp(seed=1)
+    optimizer = make_optimizer(name, decay_groups(first))
+    train(first, optimizer, regression_batches(2))
+    switch_parameters(optimizer, dict(zip(first.parameters(), second.parameters(), strict=True)))
+    train(second, optimizer, regression_batches(2, seed=3))
+    fresh_model = make_mlp(seed=1)
+    train(fresh_model, make_optimizer(name, decay_groups(fresh_model)), regression_batches(2, seed=3))
+    for param, expected in zip(second.parameters(), fresh_model.parameters(), strict=True):
+        assert torch.equal(param, expected)

@@ -169,6 +169,7 @@ class PagedOptimizer(Optimizer):
         self._compiled_setting = compiled
         self._store = DeviceStores(self._new_store)
         self._layout = StateLayout(self._store, self._formats, self.page_size, self._state_device)
+        self._stepped_params: dict[int, tuple[dict[str, Any], list[torch.Tensor]]] = {}
         self._budget = DeviceBudget.parse(device_budget, "device_budget", self.page_size)
         self._auto_budgets: dict[str, AutoBudget] = {}
         self.check_group(defaults)
@@ -279,6 +280,7 @@ class PagedOptimizer(Optimizer):
         their groups; checks them all before any update."""
         work = []
         for group_index, group in enumerate(self.param_groups):
+            self._check_replacements(group_index, group)
             for position, param in enumerate(group["params"]):
                 if param.grad is None:
                     continue
@@ -299,10 +301,35 @@ class PagedOptimizer(Optimizer):
                         raise RuntimeError(
                             f"{where} has shape {tuple(local.shape)} on {self._state_device(param)}, but its state was "
                             f"laid out for shape {tuple(pages.shape)} on {pages.device}: a tensor with optimizer state "
-                            "cannot change shape or device (replace it with a new tensor, or load a state dict)"
+                            "cannot change shape or device (save the state dict and load it after the change)"
                         )
                 work.append((param, flat_elements(grad), group))
         return work
+
+    def _check_replacements(self, group_index: int, group: dict[str, Any]) -> None:
+        """Raise if, since ``group``'s last step, a tensor with state was replaced at its position by a new tensor
+        of another shape: its state cannot follow it, and a fresh start would be a silent loss."""
+        stepped = self._stepped_params.get(id(group))
+        if stepped is None or stepped[0] is not group:
+            return
+        for position, (old, new) in enumerate(zip(stepped[1], group["params"])):
+            if old is new or old not in self._layout or new in self._layout:
+                continue
+            laid_out = self._layout[old].shape
+            if local_tensor(new).shape != laid_out:
+                where = describe_parameter(group_index, position, group.get("param_names"))
+                raise RuntimeError(
+                    f"{where} is a new tensor of shape {tuple(local_tensor(new).shape)} in place of one whose state "
+                    f"has shape {tuple(laid_out)}: state cannot follow a tensor into another shape. Swap tensors "
+                    "before the first step (as accelerate's FSDP2 preparation does), or save the state dict and "
+                    "load it after the swap"
+                )
+
+    def _record_stepped(self) -> None:
+        """Remember the tensors of each group that lists any, for :meth:`_check_replacements`."""
+        for group in self.param_groups:
+            if group["params"]:
+                self._stepped_params[id(group)] = (group, list(group["params"]))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -356,6 +383,7 @@ class PagedOptimizer(Optimizer):
             for _, _, strided_params in gathered:
                 for strided, values in strided_params:
                     strided.scatter(values)
+        self._record_stepped()
         if self._auto_budgets:
             self.prepare_forward()
             for auto in self._auto_budgets.values():
@@ -470,6 +498,7 @@ class PagedOptimizer(Optimizer):
             self.state[param] = {"step": torch.tensor(step, dtype=torch.float32)}
         self.state.update(other_state)
         self._layout.clear()
+        self._stepped_params.clear()
         group_of = {param: group for group in self.param_groups for param in group["params"]}
         self._place([(param, group_of[param]) for param in sources])
         import_state(self._layout, self.state_names, sources)
@@ -522,7 +551,7 @@ class PagedOptimizer(Optimizer):
 
     # Copying and pickling -------------------------------------------------------------------------------
 
-    _REBUILT_ATTRIBUTES: ClassVar[tuple[str, ...]] = ("_store", "_auto_budgets", "_layout")
+    _REBUILT_ATTRIBUTES: ClassVar[tuple[str, ...]] = ("_store", "_auto_budgets", "_layout", "_stepped_params")
     """Attributes that hold the page store and the layout: rebuilt from the param groups, never copied."""
 
     def __getstate__(self) -> dict[str, Any]:
@@ -554,6 +583,7 @@ class PagedOptimizer(Optimizer):
             self.defaults.pop("differentiable", None)
         self._store, self._auto_budgets = DeviceStores(self._new_store), {}
         self._layout = StateLayout(self._store, self._formats, self.page_size, self._state_device)
+        self._stepped_params = {}
         for group in param_groups:
             self.add_param_group(group)
         self._load_state_dict(saved_state)
