@@ -285,19 +285,26 @@ class PageStore:
         pending: dict[int, Page] = {page.index: page for page in pages}
         schedule = [([page], -1) for page in resident] + [([page], position) for position, page in enumerate(streamed)]
         fetched = 0
-        for batch, position in schedule:
-            if position == fetched:
-                self._fetch(batch[0], pending.values(), blocking=True)
-                fetched += 1
-            while fetched < len(streamed) and fetched - position - 1 < self.prefetch:
-                if not self._fetch(streamed[fetched], pending.values(), blocking=False):
-                    break
-                fetched += 1
-            for page in batch:
-                self._finish_page_in(page)
-            yield batch
-            for page in batch:
-                del pending[page.index]
+        try:
+            for batch, position in schedule:
+                if position == fetched:
+                    self._fetch(batch[0], pending.values(), blocking=True)
+                    fetched += 1
+                while fetched < len(streamed) and fetched - position - 1 < self.prefetch:
+                    if not self._fetch(streamed[fetched], pending.values(), blocking=False):
+                        break
+                    fetched += 1
+                for page in batch:
+                    self._finish_page_in(page)
+                yield batch
+                for page in batch:
+                    del pending[page.index]
+        finally:
+            # A step that stops early (an error, or the caller leaving) leaves no page in flight: pages fetched
+            # ahead become resident, where eviction and the budget reach them.
+            for page in pending.values():
+                if page.state is PageState.PAGING_IN:
+                    self._finish_page_in(page)
         self._make_room(0, pinned=(), blocking=True)
 
     def _fetch(self, page: Page, pinned: Iterable[Page], blocking: bool) -> bool:
