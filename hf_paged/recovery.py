@@ -1,6 +1,7 @@
 """Recovery from an out-of-memory error in forward or backward: give the optimizer state back, replay exactly.
 
-A ``torch.OutOfMemoryError`` raised in the forward or backward of a micro-batch leaves the step half done:
+A ``torch.OutOfMemoryError`` raised in the forward or backward of a micro-batch (or a failed allocation that a
+device library reports as a ``RuntimeError``, see :func:`is_out_of_memory`) leaves the step half done:
 some parameters' gradients of that micro-batch may already be accumulated, and with gradient accumulation
 the earlier micro-batches of the step have contributed theirs. :class:`OOMRecovery` runs each micro-batch of
 a step and, on such an error, moves all optimizer state to host memory, frees the device's cached memory,
@@ -36,6 +37,27 @@ ADVICE = (
 )
 
 
+_ALLOCATION_FAILURES = (
+    "out of memory",  # the CUDA runtime's cudaErrorMemoryAllocation, HIP's, MPS's and XPU's wording
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUSOLVER_STATUS_ALLOC_FAILED",
+    "CUSPARSE_STATUS_ALLOC_FAILED",
+    "CUFFT_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+)
+"""How device libraries word a failed allocation that PyTorch raises as a ``RuntimeError``, not as
+``torch.OutOfMemoryError`` (a library handle or workspace that found no memory)."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is a failed device allocation: ``torch.OutOfMemoryError``, or a ``RuntimeError`` in the
+    wording a device library reports one with."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    message = str(error)
+    return isinstance(error, RuntimeError) and any(wording in message for wording in _ALLOCATION_FAILURES)
+
+
 @dataclass
 class Recovery:
     """One recovery: the step (if known), the micro-batch that failed (from 0) and what was done (bytes)."""
@@ -46,7 +68,7 @@ class Recovery:
     attempt: int
     state_bytes_evicted: int
     other_bytes: int
-    error: torch.OutOfMemoryError
+    error: RuntimeError
 
 
 @dataclass
@@ -178,7 +200,9 @@ class OOMRecovery:
                 if replay:
                     self._replay_earlier()
                 return fn(*args, **kwargs)
-            except torch.OutOfMemoryError as caught:
+            except RuntimeError as caught:  # torch.OutOfMemoryError is one
+                if not is_out_of_memory(caught):
+                    raise
                 error = caught
             replay = True
             self._recover(error)
@@ -192,7 +216,7 @@ class OOMRecovery:
             micro_batch.fn(*micro_batch.args, **micro_batch.kwargs)
         _set_rng_state(self._device, self._micro_batches[-1].rng_state)
 
-    def _recover(self, error: torch.OutOfMemoryError) -> None:
+    def _recover(self, error: RuntimeError) -> None:
         """Free the failed attempt's memory and make room, or raise ``error`` with a note."""
         stats = self.optimizer.paging_stats()
         state_bytes = stats["device_bytes"]

@@ -213,8 +213,11 @@ def test_callback_state_round_trips_the_recovery_count():
     assert restored.oom_retries == 3 and restored.oom_recoveries == 2
 
 
-def _plain_loop(recovery_retries, fail_at_backward=(), budget=None, set_to_none=True, device="cpu"):
-    """Two steps of two micro-batches on an MLP with dropout, through hf_paged.recover_oom."""
+def _plain_loop(
+    recovery_retries, fail_at_backward=(), budget=None, set_to_none=True, device="cpu", error=None
+):
+    """Two steps of two micro-batches on an MLP with dropout, through hf_paged.recover_oom; the injected
+    failures raise ``error`` (by default ``torch.OutOfMemoryError``)."""
     torch.manual_seed(0)
     if device == "cuda":
         torch.cuda.manual_seed_all(0)
@@ -226,7 +229,7 @@ def _plain_loop(recovery_retries, fail_at_backward=(), budget=None, set_to_none=
     def hook(grad):
         calls[0] += 1
         if calls[0] in fail_at_backward:
-            raise torch.OutOfMemoryError("injected in backward")
+            raise torch.OutOfMemoryError("injected in backward") if error is None else error
 
     model[0].weight.register_hook(hook)
     data = torch.randn(2, 2, 4, 8, generator=torch.Generator().manual_seed(1)).to(device)
@@ -254,6 +257,27 @@ def test_recover_oom_in_a_plain_loop_replays_the_window_exactly():
     assert optimizer.paging_stats()["page_outs"] > 0
     with pytest.raises(torch.OutOfMemoryError, match="injected in backward"):
         _plain_loop(1, fail_at_backward=(4, 5))
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+        "CUDA error: out of memory",
+        "MPS backend out of memory (MPS allocated: 1.00 GB, other allocations: 0 bytes, max allowed: 1.00 GB)",
+    ],
+)
+def test_allocation_failures_that_libraries_raise_as_runtime_errors_are_recovered(message):
+    reference, _, reference_losses = _plain_loop(2)
+    model, _, losses = _plain_loop(2, fail_at_backward=(4,), budget=1024, error=RuntimeError(message))
+    assert losses == reference_losses
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(mine, theirs)
+
+
+def test_other_runtime_errors_are_not_taken_for_out_of_memory():
+    with pytest.raises(RuntimeError, match="CUBLAS_STATUS_EXECUTION_FAILED"):
+        _plain_loop(2, fail_at_backward=(4,), error=RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED"))
 
 
 def test_gradients_left_before_a_step_are_not_silently_lost():
