@@ -71,6 +71,29 @@ class Recovery:
     error: RuntimeError
 
 
+class _BufferSnapshot:
+    """The buffers of a model as they were when a step's window opened (BatchNorm's running statistics and
+    ``num_batches_tracked``, quantization observers, spectral norm's vectors: what forward may change), to
+    put back before a replay. Copies on the buffers' own devices; a model's buffers are usually small."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._saved = [
+            (module, name, buffer.detach().clone())
+            for module in model.modules()
+            for name, buffer in module._buffers.items()
+            if buffer is not None
+        ]
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for module, name, saved in self._saved:
+            current = module._buffers.get(name)
+            if current is not None and current.shape == saved.shape and current.dtype == saved.dtype:
+                current.copy_(saved)
+            else:
+                module._buffers[name] = saved.clone()  # forward replaced the buffer: put the old one back
+
+
 @dataclass
 class _MicroBatch:
     fn: Callable[..., Any]
@@ -138,6 +161,9 @@ class OOMRecovery:
         optimizer: an hf-paged optimizer, or a wrapper of one at ``.optimizer``.
         retries: recoveries allowed per step; 0 runs the micro-batches unprotected.
         on_recovery: called with a :class:`Recovery` after each recovery, before the replay.
+        model: the model the micro-batches run; its buffers (which forward may change, as BatchNorm's
+            running statistics) are copied when each window opens and put back before a replay, so the
+            replayed micro-batches count once. ``None``: buffers are not restored.
     """
 
     def __init__(
@@ -145,12 +171,15 @@ class OOMRecovery:
         optimizer: Any,
         retries: int = 2,
         on_recovery: Callable[[Recovery], None] | None = None,
+        model: torch.nn.Module | None = None,
     ) -> None:
         if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
             raise ValueError(f"retries must be an integer >= 0, got {retries!r}")
         self.optimizer = paged_optimizer_of(optimizer)
         self.retries = retries
         self.on_recovery = on_recovery
+        self.model = model
+        self._buffers: _BufferSnapshot | None = None
         self.recoveries = 0
         self.step: int | None = None
         params = self._params()
@@ -172,6 +201,7 @@ class OOMRecovery:
         self._micro_batches.clear()
         self._failures = 0
         self._grads_at_start = any(param.grad is not None for param in self._params())
+        self._buffers = _BufferSnapshot(self.model) if self.model is not None and self.retries > 0 else None
         auto = self.optimizer.auto_budget
         self._marked = auto is not None and self.retries > 0
         if self._marked:
@@ -185,6 +215,7 @@ class OOMRecovery:
             yield self
         finally:
             self._micro_batches.clear()
+            self._buffers = None
             self._open = False
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -238,6 +269,8 @@ class OOMRecovery:
         self._learn(state_bytes)
         for param in self._params():
             param.grad = None
+        if self._buffers is not None:
+            self._buffers.restore()
         evicted = self.optimizer.evict()
         empty_device_cache(self._device)
         self.recoveries += 1
@@ -290,10 +323,12 @@ def recover_oom(
     optimizer: Any,
     *,
     retries: int = 2,
+    model: torch.nn.Module | None = None,
 ) -> list[Any]:
     """Run ``fn(micro_batch)`` (forward and backward) for each micro-batch of one optimizer step, recovering
-    from out-of-memory errors as :class:`OOMRecovery` does; return the results. Clear the gradients first.
+    from out-of-memory errors as :class:`OOMRecovery` does (``model``: whose buffers a replay restores); return
+    the results. Clear the gradients first.
     """
-    recovery = OOMRecovery(optimizer, retries=retries)
+    recovery = OOMRecovery(optimizer, retries=retries, model=model)
     with recovery.window():
         return [recovery.run(fn, micro_batch) for micro_batch in micro_batches]

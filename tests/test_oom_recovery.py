@@ -296,3 +296,42 @@ def test_recover_oom_on_cuda_restores_the_device_generator():
     for mine, theirs in zip(model.parameters(), reference.parameters()):
         assert torch.equal(mine, theirs)
     assert optimizer.paging_stats()["device_bytes"] <= 1024
+
+
+def _batch_norm_loop(fail_at_backward=(), budget=None, with_model=True):
+    """Two steps of two micro-batches through Linear-BatchNorm1d-Linear (forward updates the running
+    statistics), through hf_paged.recover_oom; returns the model and the losses."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 1))
+    optimizer = hf_paged.PagedAdamW(model.parameters(), lr=1e-2, page_size=512, device_budget=budget)
+    calls = [0]
+
+    def hook(grad):
+        calls[0] += 1
+        if calls[0] in fail_at_backward:
+            raise torch.OutOfMemoryError("injected in backward")
+
+    model[0].weight.register_hook(hook)
+    data = torch.randn(2, 2, 4, 8, generator=torch.Generator().manual_seed(1))
+
+    def forward_backward(micro_batch):
+        loss = model(micro_batch).square().mean() / 2
+        loss.backward()
+        return loss.detach()
+
+    losses = []
+    for step in data:
+        losses += hf_paged.recover_oom(forward_backward, step, optimizer, model=model if with_model else None)
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, losses
+
+
+def test_replay_restores_the_buffers_forward_changed():
+    """BatchNorm's running statistics count each micro-batch once, as in a run without the error."""
+    reference, reference_losses = _batch_norm_loop()
+    model, losses = _batch_norm_loop(fail_at_backward=(4,), budget=1024)  # step 2's second micro-batch
+    assert losses == reference_losses
+    assert model[1].num_batches_tracked.item() == 4
+    for (name, mine), theirs in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(mine, theirs), name

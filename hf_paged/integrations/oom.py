@@ -61,7 +61,7 @@ def enable_oom_recovery(
         if on_recovery is not None:
             on_recovery(recovery)
 
-    recovery = OOMRecovery(optimizer, retries=retries, on_recovery=rewind_and_report)
+    recovery = OOMRecovery(optimizer, retries=retries, on_recovery=rewind_and_report, model=trainer.model)
     original = trainer.training_step
     window_step: list[int | None] = [None]
 
