@@ -1,11 +1,14 @@
 """The automatic device budget: optimizer state gets what the measured memory of training leaves free.
 
-With usable memory ``U = capacity × (1 − safety_margin)``:
+With usable memory ``U = min(capacity, free + reserved) × (1 − safety_margin)`` (``free`` as the driver reports it,
+so other processes on the device and the context count; ``reserved`` what this process holds):
 
-* between steps (the forward/backward to come): ``budget = U − P``, where ``P`` is the predicted peak of
+* between steps (the forward/backward to come): ``budget = s × (U − P)``, where ``P`` is the predicted peak of
   forward and backward without optimizer state: the highest of the exact peaks measured in the last
-  ``window`` steps, each the peak since the end of the previous step minus the optimizer state the device
-  held then, or the last exact peak when none of those steps had one. A peak the probe only sampled (a
+  ``window`` steps, each the peak since the end of the optimizer's previous step minus the optimizer state
+  (of every optimizer measuring the device) it held then, or the last exact peak when none of those steps
+  had one; ``s`` is the optimizer's share of the state of all optimizers with automatic budgets on the device
+  (1 for one optimizer), so their budgets together leave room for the peak. A peak the probe only sampled (a
   device whose high-water mark is not reset, in a phase below an earlier high) misses the phase's
   activations and never enters the prediction; until a step has an exact peak, ``budget = 0``;
 * during a step: ``budget = U − (A − S) − W``, where ``A`` is allocated now, ``S`` the optimizer state on the
@@ -16,12 +19,20 @@ With usable memory ``U = capacity × (1 − safety_margin)``:
 from __future__ import annotations
 
 import math
+import weakref
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
 from .memory import MemoryProbe, probe_for
 from .sizes import parse_size
+
+StateBytes = Callable[[], tuple[int, int]]
+"""An optimizer's state on one device: ``(bytes on the device now, bytes of all its pages)``."""
+
+_PEERS: weakref.WeakKeyDictionary[MemoryProbe, weakref.WeakSet[AutoBudget]] = weakref.WeakKeyDictionary()
+"""The automatic budgets that measure each probe: the optimizers sharing a device."""
 
 
 class AutoBudget:
@@ -48,16 +59,47 @@ class AutoBudget:
         self.capacity = capacity
         self._peaks: deque[int | None] = deque(maxlen=window)
         self._last_exact: int | None = None
+        self._state: StateBytes | None = None
         self.probe = probe
 
     def __getstate__(self) -> dict:
-        """Copies and pickles keep the settings and measured peaks, not the probe: binding measures again."""
-        return {**self.__dict__, "probe": None}
+        """Copies and pickles keep the settings and measured peaks, not the probe nor the optimizer's state:
+        binding measures again."""
+        return {**self.__dict__, "probe": None, "_state": None}
 
-    def bind(self, device: torch.device) -> None:
-        """Measure ``device`` with its shared probe unless a probe was given."""
+    def bind(self, device: torch.device, state: StateBytes | None = None) -> None:
+        """Measure ``device`` with its shared probe unless a probe was given, for an optimizer whose state there
+        ``state`` reports; the automatic budgets of all optimizers on one probe share its memory."""
         if self.probe is None:
             self.probe = probe_for(device)
+        self._state = state
+        _PEERS.setdefault(self.probe, weakref.WeakSet()).add(self)
+
+    def alone(self) -> bool:
+        """Whether no other bound automatic budget measures this budget's probe."""
+        return not [peer for peer in self._peers() if peer is not self]
+
+    def _peers(self) -> list[AutoBudget]:
+        """The bound automatic budgets on this budget's probe that know their optimizer's state, this one included."""
+        if self.probe is None:
+            return [self]
+        peers = [peer for peer in _PEERS.get(self.probe, ()) if peer._state is not None]
+        return peers if self in peers else [*peers, self]
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on the device now: of every optimizer whose automatic budget measures it."""
+        return sum(peer._state()[0] for peer in self._peers() if peer._state is not None)
+
+    def share(self) -> float:
+        """This optimizer's share of the room left for optimizer state: its pages' bytes over those of all the
+        optimizers measuring the device (equal shares while one of them has no pages yet)."""
+        totals = [(peer is self, peer._state()[1]) for peer in self._peers() if peer._state is not None]
+        if len(totals) <= 1:
+            return 1.0
+        if not all(total for _, total in totals):
+            return 1 / len(totals)
+        own = next(total for mine, total in totals if mine)
+        return own / sum(total for _, total in totals)
 
     @property
     def safety_margin(self) -> float:
@@ -86,8 +128,12 @@ class AutoBudget:
 
     @property
     def usable(self) -> int:
-        """Bytes that training may use: the capacity less the safety margin."""
-        return int(self.capacity * (1 - self.safety_margin))
+        """Bytes that training may use: the capacity, or what other processes leave of it (free memory as the
+        driver reports it, plus what this process holds), less the safety margin."""
+        available = self.capacity
+        if self.probe is not None:
+            available = min(available, self.probe.free() + self.probe.reserved())
+        return int(available * (1 - self.safety_margin))
 
     def observe(self, peak_without_state: int | None) -> None:
         """Record one step's forward/backward peak without optimizer state, in bytes.
@@ -103,19 +149,26 @@ class AutoBudget:
     def predicted_peak(self) -> int | None:
         """The forward/backward peak without optimizer state expected next, ``None`` before any exact measurement.
 
-        The highest exact peak of the last ``window`` steps, else the last exact peak, which never expires.
+        Of each optimizer measuring the device, the highest exact peak of its last ``window`` steps, else its
+        last exact peak, which never expires; the highest of these. (Several optimizers share one phase mark:
+        the first to step after a forward/backward measures it, the next ones only the steps between.)
         """
+        predictions = [peer._own_prediction() for peer in self._peers()]
+        return max((peak for peak in predictions if peak is not None), default=None)
+
+    def _own_prediction(self) -> int | None:
         return max((peak for peak in self._peaks if peak is not None), default=self._last_exact)
 
     def resting_budget(self) -> int | None:
-        """The budget for the coming forward/backward, ``None`` (leave it) before any step was observed.
+        """The budget for the coming forward/backward, ``None`` (leave it) before any step was observed: this
+        optimizer's :meth:`share` of what the predicted peak leaves of the usable memory.
 
         0 while the observed steps had no exact peak: nothing is known to fit beside the activations.
         """
         predicted = self.predicted_peak
         if predicted is None:
             return 0 if self._peaks else None
-        return max(0, self.usable - predicted)
+        return int(max(0, self.usable - predicted) * self.share())
 
     def step_budget(self, state_bytes: int, workspace: int, minimum: int) -> int:
         """The budget while the optimizer steps: what the step leaves free, at least ``minimum`` bytes."""

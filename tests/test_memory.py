@@ -195,3 +195,89 @@ def test_set_device_budget_switches_between_auto_and_fixed():
 def test_optim_args_accept_auto():
     assert parse_optim_args({"device_budget": "auto"}, hf_paged.PagedAdamW8bit) == {"device_budget": "auto"}
     assert parse_optim_args({"device_budget": "AUTO"}, hf_paged.PagedLion) == {"device_budget": "auto"}
+
+
+class SharedDevice(ScriptedMemory):
+    """A scripted device whose level is the activations of the moment plus every optimizer's state on it (kept
+    up to date by a page observer), with ``other_process`` bytes held by another process."""
+
+    def __init__(self, total: int, other_process: int = 0) -> None:
+        super().__init__(total=total)
+        self.other_process = other_process
+        self.activations = 0
+        self.optimizers: list = []
+        self.peaks_with_state: list[int] = []
+
+    def attach(self, optimizer) -> None:
+        self.optimizers.append(optimizer)
+        optimizer._store.add_observer(lambda operation, page: self.update())
+
+    def update(self) -> None:
+        self.set_level(self.activations + sum(o.paging_stats()["device_bytes"] for o in self.optimizers))
+
+    def forward_backward(self, activations: int) -> None:
+        self.activations = activations
+        self.update()
+        self.peaks_with_state.append(self.level)
+        self.activations = 0
+        self.update()
+
+    def free(self) -> int:
+        return self.total() - self.level - self.other_process
+
+
+def _two_layer(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))  # 8320 parameters, 65 KiB of state
+
+
+@pytest.mark.parametrize("other_process", [0, 20 * 4096])
+def test_automatic_budgets_of_two_optimizers_and_another_process_share_one_device(other_process):
+    """Two optimizers with automatic budgets on one device of 60 pages, activations of 30 pages and, in one case,
+    another process holding 20 pages: at every forward/backward peak everything fits on the device."""
+    page, capacity, activations = 4096, 60 * 4096, 30 * 4096
+    device = SharedDevice(total=capacity, other_process=other_process)
+    probe = MemoryProbe("cpu", memory=device)
+    models = [_two_layer(0), _two_layer(1)]
+    optimizers = [
+        hf_paged.PagedAdamW(
+            model.parameters(), lr=1e-2, page_size=page, device_budget=AutoBudget(safety_margin=0.0, probe=probe)
+        )
+        for model in models
+    ]
+    for optimizer in optimizers:
+        device.attach(optimizer)
+    inputs = torch.randn(4, 64)
+    for _ in range(6):
+        for model in models:
+            model(inputs).square().mean().backward()
+        device.forward_backward(activations)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for optimizer in optimizers:
+        assert optimizer.auto_budget.predicted_peak >= activations
+    assert max(device.peaks_with_state) + other_process <= capacity, device.peaks_with_state
+    state = sum(o.paging_stats()["pages_total"] for o in optimizers) * page
+    assert state + activations + other_process > capacity  # not everything fits: the budgets had to share
+
+
+def test_a_copy_keeps_the_measured_peaks_and_leaves_the_original_measuring(monkeypatch):
+    import copy
+
+    import hf_paged.memory
+
+    memory = ScriptedMemory(total=1 * GIB, level=100 * MIB)
+    monkeypatch.setitem(hf_paged.memory._probes, "cpu", MemoryProbe("cpu", memory=memory))  # the shared probe
+    model = _model()
+    optimizer = hf_paged.PagedAdamW(model.parameters(), page_size="16KiB", device_budget="auto")
+    optimizer.auto_budget.safety_margin = 0.0
+    model(torch.randn(4, 128)).sum().backward()
+    memory.spike(600 * MIB, after=150 * MIB)
+    optimizer.step()
+    assert optimizer.auto_budget.predicted_peak is not None
+    memory.spike(700 * MIB, after=150 * MIB)  # the original's next forward/backward
+    duplicate = copy.deepcopy(optimizer)
+    assert duplicate.auto_budget.predicted_peak == optimizer.auto_budget.predicted_peak
+    optimizer.step()  # measured from the end of its own last step, whatever the copy marked since
+    assert optimizer.auto_budget.predicted_peak >= 700 * MIB - 100 * MIB

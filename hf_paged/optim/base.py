@@ -50,7 +50,8 @@ WorkItem = tuple[Segment, torch.Tensor, torch.Tensor, float, dict[str, Any]]
 """One segment's update in a step: the segment, its parameter and gradient elements, the step, the group."""
 
 _BETWEEN_STEPS = "hf_paged.optimizer.between_steps"
-"""The probe mark an automatic budget sets at the end of each step: the forward/backward phase."""
+"""The probe mark automatic budgets set at the end of each step: the forward/backward phase. Every optimizer on a
+device shares it, so the first to step after a forward/backward measures it; their predictions are pooled."""
 
 _LAYOUT_KEYS = ("block_size", "min_8bit_size", "min_4bit_size")
 """Group entries that fix the state layout: saved with the state, never taken from a loaded state dict."""
@@ -211,8 +212,10 @@ class PagedOptimizer(Optimizer):
         return state_device(param)
 
     def _new_store(self, device: str) -> PageStore:
-        """The page store of ``device``, under its budget."""
-        budget = self._budget.resolve([device])[device]
+        """The page store of ``device``, under its budget (an automatic budget a copy carried over, or its own)."""
+        budget = self._auto_budgets.get(device)
+        if budget is None:
+            budget = self._budget.resolve([device])[device]
         store = PageStore(
             backend_for(torch.device(device)), None if isinstance(budget, AutoBudget) else budget, self.prefetch
         )
@@ -551,7 +554,12 @@ class PagedOptimizer(Optimizer):
 
     # Copying and pickling -------------------------------------------------------------------------------
 
-    _REBUILT_ATTRIBUTES: ClassVar[tuple[str, ...]] = ("_store", "_auto_budgets", "_layout", "_stepped_params")
+    _REBUILT_ATTRIBUTES: ClassVar[tuple[str, ...]] = (
+        "_store",
+        "_auto_budgets",
+        "_layout",
+        "_stepped_params",
+    )
     """Attributes that hold the page store and the layout: rebuilt from the param groups, never copied."""
 
     def __getstate__(self) -> dict[str, Any]:
@@ -567,6 +575,7 @@ class PagedOptimizer(Optimizer):
         saved = {key: value for key, value in vars(self).items() if key not in left_out}
         saved["param_groups"] = [dict(group) for group in self.param_groups]
         saved["_saved_state"] = self._state_dict()
+        saved["_saved_auto_budgets"] = dict(self._auto_budgets)  # settings and measured peaks, not the probe
         return saved
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -576,12 +585,13 @@ class PagedOptimizer(Optimizer):
             return
         state = dict(state)
         saved_state = state.pop("_saved_state")
+        auto_budgets = state.pop("_saved_auto_budgets", {})
         param_groups = state.pop("param_groups")
         had_differentiable = "differentiable" in state["defaults"]
         super().__setstate__({**state, "state": defaultdict(dict), "param_groups": []})
         if not had_differentiable:
             self.defaults.pop("differentiable", None)
-        self._store, self._auto_budgets = DeviceStores(self._new_store), {}
+        self._store, self._auto_budgets = DeviceStores(self._new_store), auto_budgets
         self._layout = StateLayout(self._store, self._formats, self.page_size, self._state_device)
         self._stepped_params = {}
         for group in param_groups:
@@ -645,15 +655,21 @@ class PagedOptimizer(Optimizer):
     def _bind_auto_budget(self, device: str) -> None:
         """Measure ``device``; its first forward/backward is measured from now."""
         auto = self._auto_budgets[device]
-        auto.bind(torch.device(device))
-        auto.probe.mark(_BETWEEN_STEPS)
+        auto.bind(torch.device(device), state=lambda: self._state_bytes_on(device))
+        if auto.alone():  # another optimizer measuring the device keeps its phase (a copy must not reset it)
+            auto.probe.mark(_BETWEEN_STEPS)
+
+    def _state_bytes_on(self, device: str) -> tuple[int, int]:
+        """This optimizer's state on ``device``: bytes there now, and bytes of all its pages."""
+        store = self._store.stores.get(device)
+        return (0, 0) if store is None else (store.device_bytes, sum(page.nbytes for page in store.pages))
 
     def _begin_auto_step(self) -> None:
         """Record each device's forward/backward peak just ended and give the step what it leaves free."""
         for device, auto in self._auto_budgets.items():
             store = self._store.stores[device]
             peak = auto.probe.exact_peak(_BETWEEN_STEPS)
-            auto.observe(None if peak is None else peak - store.device_bytes)
+            auto.observe(None if peak is None else peak - auto.state_bytes())
             store.set_budget(auto.step_budget(store.device_bytes, self.step_workspace, minimum=store.max_page_bytes))
 
     def evict(self, nbytes: int | str | None = None) -> int:
