@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import random
+import sys
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -99,7 +101,7 @@ class _MicroBatch:
     fn: Callable[..., Any]
     args: tuple
     kwargs: dict[str, Any]
-    rng_state: tuple[torch.Tensor, Any]
+    rng_state: dict[str, Any]
 
 
 def paged_optimizer_of(optimizer: Any) -> Any:
@@ -116,25 +118,32 @@ def paged_optimizer_of(optimizer: Any) -> Any:
     return found
 
 
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, Any]:
-    """The CPU generator's state and that of the accelerator generators of ``device``'s kind."""
-    if device.type == "cpu":
-        return torch.get_rng_state(), None
-    module = torch.get_device_module(device.type)
-    get_all = getattr(module, "get_rng_state_all", None)
-    return torch.get_rng_state(), get_all() if get_all is not None else module.get_rng_state()
+def _rng_state(device_types: Iterable[str]) -> dict[str, Any]:
+    """The state of every generator a micro-batch may draw from: PyTorch's CPU generator, the generators of the
+    accelerator kinds ``device_types``, Python's ``random`` and, where it is loaded, NumPy's global generator."""
+    state: dict[str, Any] = {"cpu": torch.get_rng_state(), "random": random.getstate()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        state["numpy"] = numpy.random.get_state()
+    for kind in device_types:
+        module = torch.get_device_module(kind)
+        get_all = getattr(module, "get_rng_state_all", None)
+        state[kind] = get_all() if get_all is not None else module.get_rng_state()
+    return state
 
 
-def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, Any]) -> None:
-    cpu, accelerator = state
-    torch.set_rng_state(cpu)
-    if accelerator is None:
-        return
-    module = torch.get_device_module(device.type)
-    if isinstance(accelerator, list):
-        module.set_rng_state_all(accelerator)
-    else:
-        module.set_rng_state(accelerator)
+def _set_rng_state(state: dict[str, Any]) -> None:
+    for kind, value in state.items():
+        if kind == "cpu":
+            torch.set_rng_state(value)
+        elif kind == "random":
+            random.setstate(value)
+        elif kind == "numpy":
+            sys.modules["numpy"].random.set_state(value)
+        elif isinstance(value, list):
+            torch.get_device_module(kind).set_rng_state_all(value)
+        else:
+            torch.get_device_module(kind).set_rng_state(value)
 
 
 def empty_device_cache(device: torch.device) -> None:
@@ -194,6 +203,12 @@ class OOMRecovery:
         """The tensors that the optimizer's param groups hold now (engines swap them after construction)."""
         return [param for group in self.optimizer.param_groups for param in group["params"]]
 
+    def _accelerator_kinds(self) -> set[str]:
+        """The accelerator kinds that the optimizer's parameters and the model live on (a model with
+        ``device_map`` offload may start on the CPU and run dropout on CUDA)."""
+        tensors = [*self._params(), *(self.model.parameters() if self.model is not None else ())]
+        return {tensor.device.type for tensor in tensors} - {"cpu", "meta"}
+
     def start_window(self, step: int | None = None) -> None:
         """Begin a new optimizer step (``step`` only labels messages): forget the last step's micro-batches."""
         self.step = step
@@ -224,7 +239,7 @@ class OOMRecovery:
             return fn(*args, **kwargs)
         if not self._open:
             raise RuntimeError("OOMRecovery.run needs a step: call start_window() or enter window() before it")
-        self._micro_batches.append(_MicroBatch(fn, args, kwargs, _rng_state(self._device)))
+        self._micro_batches.append(_MicroBatch(fn, args, kwargs, _rng_state(self._accelerator_kinds())))
         replay = False
         while True:
             try:
@@ -243,9 +258,9 @@ class OOMRecovery:
 
     def _replay_earlier(self) -> None:
         for micro_batch in self._micro_batches[:-1]:
-            _set_rng_state(self._device, micro_batch.rng_state)
+            _set_rng_state(micro_batch.rng_state)
             micro_batch.fn(*micro_batch.args, **micro_batch.kwargs)
-        _set_rng_state(self._device, self._micro_batches[-1].rng_state)
+        _set_rng_state(self._micro_batches[-1].rng_state)
 
     def _recover(self, error: RuntimeError) -> None:
         """Free the failed attempt's memory and make room, or raise ``error`` with a note."""

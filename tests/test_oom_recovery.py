@@ -335,3 +335,44 @@ def test_replay_restores_the_buffers_forward_changed():
     assert model[1].num_batches_tracked.item() == 4
     for (name, mine), theirs in zip(model.state_dict().items(), reference.state_dict().values()):
         assert torch.equal(mine, theirs), name
+
+
+def test_replay_restores_python_and_numpy_generators():
+    """A micro-batch that draws from Python's ``random`` and NumPy's global generator replays the same draws."""
+    import random
+
+    import numpy
+
+    def run(fail_at_backward):
+        torch.manual_seed(0)
+        random.seed(0)
+        numpy.random.seed(0)
+        model = torch.nn.Linear(8, 1)
+        optimizer = hf_paged.PagedAdamW(model.parameters(), lr=1e-2, page_size=512)
+        calls = [0]
+
+        def hook(grad):
+            calls[0] += 1
+            if calls[0] in fail_at_backward:
+                raise torch.OutOfMemoryError("injected in backward")
+
+        model.weight.register_hook(hook)
+
+        def forward_backward(micro_batch):
+            scale = random.random() + float(numpy.random.rand())  # augmentation drawn on the host
+            loss = model(micro_batch * scale).square().mean()
+            loss.backward()
+            return loss.detach()
+
+        data = torch.randn(2, 2, 4, 8, generator=torch.Generator().manual_seed(1))
+        losses = []
+        for step in data:
+            losses += hf_paged.recover_oom(forward_backward, step, optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+        return model, losses
+
+    reference, reference_losses = run(())
+    model, losses = run((4,))
+    assert losses == reference_losses
+    assert torch.equal(model.weight, reference.weight)
