@@ -123,3 +123,19 @@ def test_compiled_step_temporaries_fit_the_reserved_workspace(name, dtype):
     peak = allocated_peak(optimizer.step)
     assert 0 < optimizer.step_workspace <= 3 * page_size
     assert 0 < peak <= optimizer.step_workspace, (peak / page_size, "pages")
+
+
+def test_resident_pages_of_non_contiguous_parameters_copy_one_page_at_a_time():
+    """With every page resident (one batch), the contiguous copies of transposed weights are made page by page,
+    as when pages stream: 8 transposed 512x512 weights are 8 MiB, a page's share 128 KiB (and as much of gradient)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(512, 512).t()) for _ in range(8)]
+    page_size = 256 * 2**10
+    optimizer = OPTIMIZERS["PagedAdamW"](params, page_size=page_size)
+    for param in params:
+        param.grad = torch.randn(512, 512).t()
+    optimizer.step()  # lays out the pages (the state's own 16 MiB)
+    with PeakAllocation() as allocation:
+        optimizer.step()  # every page resident: one batch
+    assert optimizer.paging_stats()["pages_total"] == optimizer.paging_stats()["pages_resident"] == 64
+    assert allocation.peak <= 3 * page_size, (allocation.peak / page_size, "pages")

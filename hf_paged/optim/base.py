@@ -374,24 +374,40 @@ class PagedOptimizer(Optimizer):
         step_tensors = {key: torch.full((), key[1], dtype=torch.float32, device=key[0]) for key in step_devices}
         scalars_cache: dict[tuple[int, float], dict[str, float | torch.Tensor]] = {}
         for batch in self._store.stream(pages):
-            gathered = [(page, *_gathered(by_page[page.index])) for page in batch]
-            for page, items in self.update_pages_fast([(page, items) for page, items, _ in gathered], step_tensors):
-                kernel = segment_kernel(self.update_rule(), page.format.codecs, compiled)
-                arrays = page.format.arrays(page.device)
-                for segment, param_slice, grad_slice, step, group in items:
-                    key = (id(group), step)
-                    if key not in scalars_cache:
-                        scalars_cache[key] = prepare_scalars(self.rule_scalars(group, step), compiled)
-                    self._update_segment(kernel, page, arrays, segment, param_slice, grad_slice, scalars_cache[key])
-            for _, _, strided_params in gathered:
-                for strided, values in strided_params:
-                    strided.scatter(values)
+            # Pages of non-contiguous parameters are updated one at a time: their contiguous copies stay within
+            # one page's share of the parameters, however many pages are resident.
+            whole = [page for page in batch if not _has_strided(by_page[page.index])]
+            one_by_one = [[page] for page in batch if _has_strided(by_page[page.index])]
+            for pages_at_once in ([whole] if whole else []) + one_by_one:
+                self._update_pages(pages_at_once, by_page, step_tensors, compiled, scalars_cache)
         self._record_stepped()
         if self._auto_budgets:
             self.prepare_forward()
             for auto in self._auto_budgets.values():
                 auto.probe.mark(_BETWEEN_STEPS)
         return loss
+
+    def _update_pages(
+        self,
+        pages: list[Page],
+        by_page: dict[int, list[WorkItem]],
+        step_tensors: dict[tuple[torch.device, float], torch.Tensor],
+        compiled: bool,
+        scalars_cache: dict[tuple[int, float], dict[str, float | torch.Tensor]],
+    ) -> None:
+        """Update resident ``pages``: a multi-tensor kernel where the subclass has one, else segment by segment."""
+        gathered = [(page, *_gathered(by_page[page.index])) for page in pages]
+        for page, items in self.update_pages_fast([(page, items) for page, items, _ in gathered], step_tensors):
+            kernel = segment_kernel(self.update_rule(), page.format.codecs, compiled)
+            arrays = page.format.arrays(page.device)
+            for segment, param_slice, grad_slice, step, group in items:
+                key = (id(group), step)
+                if key not in scalars_cache:
+                    scalars_cache[key] = prepare_scalars(self.rule_scalars(group, step), compiled)
+                self._update_segment(kernel, page, arrays, segment, param_slice, grad_slice, scalars_cache[key])
+        for _, _, strided_params in gathered:
+            for strided, values in strided_params:
+                strided.scatter(values)
 
     # Saving and loading -------------------------------------------------------------------------------
 
@@ -706,6 +722,11 @@ def _store_stats(store: PageStore | DeviceStores) -> dict[str, int | float | Non
         "stall_seconds": stats.stall_seconds,
         "device_budget": store.device_budget,
     }
+
+
+def _has_strided(items: list[WorkItem]) -> bool:
+    """Whether a page's work items read a non-contiguous parameter or gradient (through a copy)."""
+    return any(isinstance(param, StridedRange) or isinstance(grad, StridedRange) for _, param, grad, *_ in items)
 
 
 def _gathered(items: list[tuple]) -> tuple[list[tuple], list[tuple[StridedRange, torch.Tensor]]]:
