@@ -318,3 +318,24 @@ def test_tensors_with_state_swapped_for_tensors_of_the_same_shape_start_afresh_a
     train(fresh_model, make_optimizer(name, decay_groups(fresh_model)), regression_batches(2, seed=3))
     for param, expected in zip(second.parameters(), fresh_model.parameters(), strict=True):
         assert torch.equal(param, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_partitions_on_cuda_page_under_a_budget_bitwise(stage):
+    """The ZeRO swaps on CUDA: partitions on the device, pages streamed under a one-page budget through the copy
+    streams, bitwise the result of an optimizer built on the partitions with no budget."""
+
+    def run(engine_stage: int, **paging) -> list[torch.Tensor]:
+        model = make_mlp().cuda()
+        engine = ZeroLike(model, "PagedAdamW8bit", engine_stage, **paging)
+        for inputs, targets in regression_batches(STEPS):
+            engine.zero_grad()
+            torch.nn.functional.mse_loss(model(inputs.cuda()), targets.cuda()).backward()
+            engine.step()
+        return [partition.detach().cpu() for partition in engine.partitions]
+
+    reference = run(0)
+    for partition, expected in zip(run(stage, device_budget=4096), reference, strict=True):
+        assert torch.equal(partition, expected)
