@@ -214,14 +214,22 @@ def test_callback_state_round_trips_the_recovery_count():
 
 
 def _plain_loop(
-    recovery_retries, fail_at_backward=(), budget=None, set_to_none=True, device="cpu", error=None
+    recovery_retries,
+    fail_at_backward=(),
+    budget=None,
+    set_to_none=True,
+    device="cpu",
+    error=None,
+    batch_norm=False,
 ):
-    """Two steps of two micro-batches on an MLP with dropout, through hf_paged.recover_oom; the injected
+    """Two steps of two micro-batches on an MLP with dropout (or, with ``batch_norm``, a BatchNorm1d whose running
+    statistics forward updates, its model given to the recovery), through hf_paged.recover_oom; the injected
     failures raise ``error`` (by default ``torch.OutOfMemoryError``)."""
     torch.manual_seed(0)
     if device == "cuda":
         torch.cuda.manual_seed_all(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.5), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    middle = torch.nn.BatchNorm1d(32) if batch_norm else torch.nn.Dropout(0.5)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), middle, torch.nn.ReLU(), torch.nn.Linear(32, 1))
     model.to(device)
     optimizer = hf_paged.PagedAdamW(model.parameters(), lr=1e-2, page_size=512, device_budget=budget)
     calls = [0]
@@ -241,7 +249,8 @@ def _plain_loop(
 
     losses = []
     for step in data:
-        losses += hf_paged.recover_oom(forward_backward, step, optimizer, retries=recovery_retries)
+        replayed = model if batch_norm else None
+        losses += hf_paged.recover_oom(forward_backward, step, optimizer, retries=recovery_retries, model=replayed)
         optimizer.step()
         optimizer.zero_grad(set_to_none=set_to_none)
     return model, optimizer, losses
@@ -298,39 +307,10 @@ def test_recover_oom_on_cuda_restores_the_device_generator():
     assert optimizer.paging_stats()["device_bytes"] <= 1024
 
 
-def _batch_norm_loop(fail_at_backward=(), budget=None, with_model=True):
-    """Two steps of two micro-batches through Linear-BatchNorm1d-Linear (forward updates the running
-    statistics), through hf_paged.recover_oom; returns the model and the losses."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 1))
-    optimizer = hf_paged.PagedAdamW(model.parameters(), lr=1e-2, page_size=512, device_budget=budget)
-    calls = [0]
-
-    def hook(grad):
-        calls[0] += 1
-        if calls[0] in fail_at_backward:
-            raise torch.OutOfMemoryError("injected in backward")
-
-    model[0].weight.register_hook(hook)
-    data = torch.randn(2, 2, 4, 8, generator=torch.Generator().manual_seed(1))
-
-    def forward_backward(micro_batch):
-        loss = model(micro_batch).square().mean() / 2
-        loss.backward()
-        return loss.detach()
-
-    losses = []
-    for step in data:
-        losses += hf_paged.recover_oom(forward_backward, step, optimizer, model=model if with_model else None)
-        optimizer.step()
-        optimizer.zero_grad()
-    return model, losses
-
-
 def test_replay_restores_the_buffers_forward_changed():
     """BatchNorm's running statistics count each micro-batch once, as in a run without the error."""
-    reference, reference_losses = _batch_norm_loop()
-    model, losses = _batch_norm_loop(fail_at_backward=(4,), budget=1024)  # step 2's second micro-batch
+    reference, _, reference_losses = _plain_loop(2, batch_norm=True)
+    model, _, losses = _plain_loop(2, fail_at_backward=(4,), budget=1024, batch_norm=True)  # step 2, micro-batch 2
     assert losses == reference_losses
     assert model[1].num_batches_tracked.item() == 4
     for (name, mine), theirs in zip(model.state_dict().items(), reference.state_dict().values()):
