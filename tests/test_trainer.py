@@ -251,6 +251,25 @@ def test_runner_replaces_bitsandbytes_names_only_when_asked(tmp_path):
     assert json.loads(default.stdout.strip().splitlines()[-1])["optimizer"] != "PagedAdamW8bit"
 
 
+def test_runner_ends_the_process_group_a_script_leaves_open(tmp_path):
+    """As PyTorch asks of a program before it exits; the ranks meet first, so none tears down a live peer."""
+    script = tmp_path / "leaves_a_group.py"
+    script.write_text(
+        "import torch.distributed as dist\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+    )
+    code = (
+        "import sys, torch.distributed as dist\n"
+        "from hf_paged.run import main\n"
+        "main(sys.argv[1:])\n"
+        "print('initialized after the script:', dist.is_initialized())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(script)], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": REPO}, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "initialized after the script: False" in result.stdout
+
+
 def test_runner_without_a_script_explains_usage():
     result = subprocess.run([sys.executable, "-m", "hf_paged.run"], capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": REPO})
