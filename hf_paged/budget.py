@@ -5,12 +5,13 @@ so other processes on the device and the context count; ``reserved`` what this p
 
 * between steps (the forward/backward to come): ``budget = s × (U − P)``, where ``P`` is the predicted peak of
   forward and backward without optimizer state: the highest of the exact peaks measured in the last
-  ``window`` steps, each the peak since the end of the optimizer's previous step minus the optimizer state
-  (of every optimizer measuring the device) it held then, or the last exact peak when none of those steps
-  had one; ``s`` is the optimizer's share of the state of all optimizers with automatic budgets on the device
-  (1 for one optimizer), so their budgets together leave room for the peak. A peak the probe only sampled (a
-  device whose high-water mark is not reset, in a phase below an earlier high) misses the phase's
-  activations and never enters the prediction; until a step has an exact peak, ``budget = 0``;
+  ``window`` steps of any optimizer measuring the device, each the peak since the end of the step before
+  (of any of them) minus the optimizer state (of all of them) the device held then, or the last exact peak
+  when none of those steps had one; ``s`` is the optimizer's share of the state of all optimizers with
+  automatic budgets on the device (1 for one optimizer), so their budgets together leave room for the peak.
+  A peak the probe only sampled (a device whose high-water mark is not reset, in a phase below an earlier
+  high) misses the phase's activations and never enters the prediction; until a step has an exact peak,
+  ``budget = 0``;
 * during a step: ``budget = U − (A − S) − W``, where ``A`` is allocated now, ``S`` the optimizer state on the
   device and ``W`` the step's workspace (the temporaries of one chunk of a page, see
   ``PagedOptimizer.step_workspace``); at least the largest page, so a step always runs.

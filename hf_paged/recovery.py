@@ -196,6 +196,7 @@ class OOMRecovery:
         self._micro_batches: list[_MicroBatch] = []
         self._failures = 0
         self._grads_at_start = False
+        self._accelerators: set[str] = set()
         self._marked = False
         self._open = False
 
@@ -216,6 +217,7 @@ class OOMRecovery:
         self._micro_batches.clear()
         self._failures = 0
         self._grads_at_start = any(param.grad is not None for param in self._params())
+        self._accelerators = self._accelerator_kinds()
         self._buffers = _BufferSnapshot(self.model) if self.model is not None and self.retries > 0 else None
         auto = self.optimizer.auto_budget
         self._marked = auto is not None and self.retries > 0
@@ -239,7 +241,7 @@ class OOMRecovery:
             return fn(*args, **kwargs)
         if not self._open:
             raise RuntimeError("OOMRecovery.run needs a step: call start_window() or enter window() before it")
-        self._micro_batches.append(_MicroBatch(fn, args, kwargs, _rng_state(self._accelerator_kinds())))
+        self._micro_batches.append(_MicroBatch(fn, args, kwargs, _rng_state(self._accelerators)))
         replay = False
         while True:
             try:
