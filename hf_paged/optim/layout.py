@@ -81,9 +81,6 @@ class StateLayout:
     def __getitem__(self, tensor: torch.Tensor) -> TensorPages:
         return self._pages_of[tensor]
 
-    def __len__(self) -> int:
-        return len(self._pages_of)
-
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter(self._pages_of)
 
