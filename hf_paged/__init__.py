@@ -17,10 +17,12 @@ __all__ = [
     "PagedAdamW8bit",
     "PagedLion",
     "PagedLion8bit",
+    "MemoryPlan",
     "MemorySpikeCallback",
     "OOMRecovery",
     "PagedOptimizer",
     "parse_size",
+    "plan",
     "recover_oom",
     "register",
 ]
@@ -31,6 +33,10 @@ def __getattr__(name: str):
         from .callbacks import MemorySpikeCallback
 
         return MemorySpikeCallback
+    if name in ("plan", "MemoryPlan"):
+        from . import planner
+
+        return getattr(planner, name)
     raise AttributeError(f"module 'hf_paged' has no attribute {name!r}")
 
 

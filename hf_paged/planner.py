@@ -1,0 +1,457 @@
+"""The memory planner: one training step of any ``nn.Module`` traced under fake tensors, its peaks per phase.
+
+:func:`plan` builds the model, the optimizer and each batch under ``FakeTensorMode`` (tensors with shapes and
+dtypes but no data, so an 8B-parameter model costs no memory) and runs ``steps`` training steps: forward and
+backward, then the optimizer step and ``zero_grad(set_to_none=True)``, the order of ``transformers.Trainer``.
+A ``TorchDispatchMode`` sees every tensor an operator returns and a ledger follows each storage from then until
+Python frees it (a weak reference, so tracing keeps nothing alive). The live bytes of all storages, taken
+after every operator, give each phase's peak, exactly as PyTorch's CPU allocator would see it.
+
+A fresh dispatch mode traces each phase: a mode reused across phases is kept by non-reentrant checkpointing
+and what it holds stays alive. The optimizer is traced eagerly (``torch.compile`` of fake tensors plans other
+temporaries than the compiled kernels allocate). State outside ``optimizer.state`` (a paged optimizer's page
+buffers, quantization state a caller names through ``extra_state``) is classified explicitly.
+
+Only torch is imported here: models built from configs, adapters and 4-bit weights are built by the callers
+(:mod:`hf_paged.cli.plan`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from . import device as device_module
+from .device import SyncBackend
+
+FORWARD_BACKWARD = "forward_backward"
+OPTIMIZER_STEP = "optimizer_step"
+PHASES = (FORWARD_BACKWARD, OPTIMIZER_STEP)
+"""The phases of a training step, in order."""
+
+KINDS = (
+    "frozen_weights",
+    "trainable_weights",
+    "quantization_state",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "temporaries",
+)
+"""What the bytes at a peak hold: ``activations`` in forward and backward, ``temporaries`` in the optimizer
+step (everything no other kind claims)."""
+
+CUDA_ALLOCATION_ROUNDING = 512
+"""Bytes to which PyTorch's CUDA caching allocator rounds every allocation (what ``max_memory_allocated``
+counts)."""
+
+CUDA_WORKSPACE_BYTES = 32 * 2**20
+"""Device memory a CUDA step holds that no traced operator returns: cuBLAS' workspace for the compute stream,
+allocated through PyTorch's allocator at the first matrix product (32 MiB on Hopper GPUs, less on older ones).
+The CUDA context itself (a few hundred MiB, outside PyTorch's allocator) is not counted."""
+
+
+@dataclass(frozen=True)
+class PhasePeak:
+    """The peak of one phase of one traced step."""
+
+    phase: str
+    """``forward_backward`` or ``optimizer_step``."""
+    step: int
+    """Training step, from 1."""
+    peak_bytes: int
+    """Highest bytes of live tensors on the device during the phase."""
+    by_kind: dict[str, int]
+    """The bytes live at the peak by :data:`KINDS` (they add up to ``peak_bytes``)."""
+
+
+@dataclass
+class MemoryPlan:
+    """Predicted device memory of training, in bytes, from :func:`plan`."""
+
+    device: str
+    """The device planned for (``cpu``, ``cuda``...)."""
+    phases: list[PhasePeak]
+    """Every phase of every traced step, in order."""
+    trainable_params: int
+    """Elements of the trainable parameters."""
+    total_params: int
+    """Elements of all parameters, as stored (a packed 4-bit weight counts its bytes)."""
+    seconds: float
+    """Wall time the plan took."""
+    notes: list[str] = field(default_factory=list)
+    """What the figures include besides traced tensors (constants added for the device)."""
+
+    def peak(self, phase: str) -> PhasePeak:
+        """The highest peak of ``phase`` over the traced steps."""
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {', '.join(map(repr, PHASES))}, got {phase!r}")
+        return max((item for item in self.phases if item.phase == phase), key=lambda item: item.peak_bytes)
+
+    @property
+    def forward_backward_peak(self) -> int:
+        """Highest bytes live during forward and backward (optimizer state of earlier steps included)."""
+        return self.peak(FORWARD_BACKWARD).peak_bytes
+
+    @property
+    def optimizer_step_peak(self) -> int:
+        """Highest bytes live during the optimizer step."""
+        return self.peak(OPTIMIZER_STEP).peak_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """Highest bytes live at any time of training."""
+        return max(self.forward_backward_peak, self.optimizer_step_peak)
+
+    def fits(self, capacity: int) -> bool:
+        """Whether training fits in ``capacity`` bytes of device memory."""
+        return self.peak_bytes <= capacity
+
+
+class _Ledger:
+    """Live tensor storages and their bytes, followed through weak references; peaks between marks."""
+
+    def __init__(self, rounding: int) -> None:
+        self.rounding = rounding
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.on_host = False
+        """While set, new storages are host memory: followed, never counted on the device."""
+        self._serial_of: dict[int, int] = {}
+        self._bytes_of: dict[int, int] = {}
+        self._references: dict[int, weakref.ref] = {}
+        self._next_serial = 1
+        self._events: list[int] = []
+        self._mark_live: set[int] = set()
+        self._peak_event = 0
+
+    def add(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        if key in self._serial_of:
+            return
+        serial = self._next_serial
+        self._next_serial += 1
+        nbytes = 0 if self.on_host else math.ceil(storage.nbytes() / self.rounding) * self.rounding
+        self._serial_of[key] = serial
+        self._bytes_of[serial] = nbytes
+        self._references[key] = weakref.ref(storage, lambda _, key=key: self._drop(key))
+        self._events.append(serial)
+        self.live_bytes += nbytes
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+            self._peak_event = len(self._events)
+
+    def _drop(self, key: int) -> None:
+        serial = self._serial_of.pop(key)
+        del self._references[key]
+        self._events.append(-serial)
+        self.live_bytes -= self._bytes_of[serial]
+
+    def serial(self, tensor: torch.Tensor) -> int | None:
+        """The serial number of ``tensor``'s storage while it lives, ``None`` if the ledger does not follow it."""
+        return self._serial_of.get(id(tensor.untyped_storage()))
+
+    def live_serials(self) -> set[int]:
+        return set(self._serial_of.values())
+
+    def mark(self) -> None:
+        """Start a phase: its peak starts from the bytes live now."""
+        self._mark_live = self.live_serials()
+        self._events.clear()
+        self.peak_bytes = self.live_bytes
+        self._peak_event = 0
+
+    def live_at_peak(self) -> dict[int, int]:
+        """The storages live at the phase's peak (its first moment at that level): serial to bytes."""
+        live = set(self._mark_live)
+        for event in self._events[: self._peak_event]:
+            if event > 0:
+                live.add(event)
+            else:
+                live.discard(-event)
+        return {serial: self._bytes_of[serial] for serial in live}
+
+
+class _StorageTracker(TorchDispatchMode):
+    """Adds the storage of every tensor an operator returns to a ledger (holds no tensor itself)."""
+
+    def __init__(self, ledger: _Ledger) -> None:
+        super().__init__()
+        self._ledger = ledger
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        output = func(*args, **(kwargs or {}))
+        for item in tree_flatten(output)[0]:
+            if isinstance(item, torch.Tensor):
+                self._ledger.add(item.untyped_storage())
+        return output
+
+
+class _PlanningBackend(SyncBackend):
+    """The page store backend while planning: host buffers of pages are not device memory."""
+
+    def __init__(self, device: torch.device, ledger: _Ledger) -> None:
+        super().__init__(device)
+        self._ledger = ledger
+
+    def empty_host(self, specs: Any) -> Any:
+        self._ledger.on_host = True
+        try:
+            return super().empty_host(specs)
+        finally:
+            self._ledger.on_host = False
+
+
+@contextlib.contextmanager
+def _page_backend(ledger: _Ledger, host_is_device: bool) -> Iterator[None]:
+    """Paged optimizers built inside get page stores that keep host buffers off the device's count."""
+    if host_is_device:
+        yield
+        return
+    previous = device_module._backend_factory
+    device_module._backend_factory = lambda device: _PlanningBackend(device, ledger)
+    try:
+        yield
+    finally:
+        device_module._backend_factory = previous
+
+
+def _move_module(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+    """``module.to(...)`` for fake tensors: a parameter that changes becomes a new ``nn.Parameter`` (``Module.to``
+    swaps tensors in place, which fake tensors refuse); parameter subclasses (4-bit weights) are left as they are."""
+    device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+
+    def convert(tensor: torch.Tensor) -> torch.Tensor:
+        if dtype is not None and (tensor.is_floating_point() or tensor.is_complex()):
+            return tensor.to(device, dtype, non_blocking)
+        return tensor.to(device, non_blocking=non_blocking)
+
+    for submodule in module.modules():
+        for key, param in submodule._parameters.items():
+            if type(param) is not nn.Parameter:
+                continue
+            with torch.no_grad():
+                moved = convert(param)
+            if moved is not param:
+                submodule._parameters[key] = nn.Parameter(moved, requires_grad=param.requires_grad)
+        for key, buffer in submodule._buffers.items():
+            if buffer is not None:
+                submodule._buffers[key] = convert(buffer)
+    return module
+
+
+@contextlib.contextmanager
+def _fake_module_moves() -> Iterator[None]:
+    """``nn.Module.to`` works on fake parameters while the model is built (see :func:`_move_module`)."""
+    original = nn.Module.to
+    nn.Module.to = _move_module
+    try:
+        yield
+    finally:
+        nn.Module.to = original
+
+
+def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The loss of one batch: ``model(**batch)`` for a mapping, ``model(*batch)`` for a tuple or list, else
+    ``model(batch)``; the output's ``loss`` (Hugging Face models), else the output itself if it is a scalar."""
+    if isinstance(batch, Mapping):
+        output = model(**batch)
+    elif isinstance(batch, (tuple, list)):
+        output = model(*batch)
+    else:
+        output = model(batch)
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if loss is None:
+        loss = output
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(
+            "loss: the model's output has no scalar loss (no 'loss' attribute or key and not a one-element tensor); "
+            "pass loss=callable(model, batch) returning one"
+        )
+    return loss
+
+
+def _check_callable(name: str, value: Any) -> None:
+    if isinstance(value, (nn.Module, torch.optim.Optimizer)):
+        raise TypeError(
+            f"{name} must be a callable that builds it under fake tensors (e.g. a lambda), "
+            f"not a built {type(value).__name__}"
+        )
+    if not callable(value):
+        raise TypeError(f"{name} must be a callable, got {type(value).__name__}")
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    for item in tree_flatten(value)[0]:
+        if isinstance(item, torch.Tensor):
+            yield item
+
+
+def _paged_buffers(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """The page buffers of a paged optimizer, on the device and on the host (none for other optimizers)."""
+    from .optim import PagedOptimizer
+
+    if not isinstance(optimizer, PagedOptimizer):
+        return
+    for page in optimizer._store.pages:
+        for buffers in (page.device, page.host):
+            yield from buffers or ()
+
+
+class _Classifier:
+    """Names the kind of each storage the ledger follows, from what the model and optimizer hold now."""
+
+    def __init__(self, ledger: _Ledger) -> None:
+        self._ledger = ledger
+        self._optimizer_state: set[int] = set()
+        self._extra: dict[int, str] = {}
+
+    def _serials(self, tensors: Iterable[torch.Tensor]) -> set[int]:
+        serials = (self._ledger.serial(tensor) for tensor in tensors)
+        return {serial for serial in serials if serial is not None}
+
+    def kinds(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        extra: Mapping[str, Iterable[torch.Tensor]],
+        after_step: bool,
+    ) -> dict[int, str]:
+        """Serial to kind of the storages held now; after a step, what is new and held by nothing else is
+        optimizer state (``torch.optim``'s state, page buffers, scalars the optimizer keeps)."""
+        for kind, tensors in extra.items():
+            for serial in self._serials(tensors):
+                self._extra.setdefault(serial, kind)
+        params = list(model.parameters())
+        weights = {
+            "frozen_weights": self._serials([*[p for p in params if not p.requires_grad], *model.buffers()]),
+            "trainable_weights": self._serials(p for p in params if p.requires_grad),
+            "gradients": self._serials(p.grad for p in params if p.grad is not None),
+        }
+        state = self._serials([*_tensors(list(optimizer.state.values())), *_paged_buffers(optimizer)])
+        self._optimizer_state |= state
+        kinds: dict[int, str] = {}
+        for kind in ("optimizer_state", "gradients", "trainable_weights", "frozen_weights"):
+            serials = self._optimizer_state if kind == "optimizer_state" else weights[kind]
+            kinds.update(dict.fromkeys(serials, kind))
+        kinds.update(self._extra)
+        if after_step:
+            held = self._ledger.live_serials()
+            for serial in held.difference(kinds):
+                self._optimizer_state.add(serial)
+                kinds[serial] = "optimizer_state"
+        return kinds
+
+
+def plan(
+    model: Callable[[], nn.Module],
+    batch: Callable[[], Any],
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+    *,
+    loss: Callable[[nn.Module, Any], torch.Tensor] = default_loss,
+    steps: int = 2,
+    accumulation: int = 1,
+    device: str | torch.device = "cpu",
+    extra_state: Callable[[nn.Module], Mapping[str, Iterable[torch.Tensor]]] | None = None,
+) -> MemoryPlan:
+    """Predict the device memory of training, in bytes, by tracing ``steps`` training steps under fake tensors.
+
+    Args:
+        model: builds the model (called under ``FakeTensorMode``: its weights take no memory).
+        batch: makes one batch (called at each step, under the same mode), e.g. a dict of ``input_ids`` and
+            ``labels``.
+        optimizer: builds the optimizer of the model's trainable parameters. Traced eagerly: build it
+            without ``torch.compile`` (``compiled=False`` for hf-paged optimizers).
+        loss: the loss of one batch, see :func:`default_loss`.
+        accumulation: forward and backward passes per step (gradient accumulation: later ones run beside the
+            gradients of the first).
+        steps: training steps traced (at least 2: the second forward and backward runs beside the optimizer
+            state the first step created).
+        device: the device to predict for. The trace runs on fake CPU tensors; for ``cuda`` every allocation
+            is rounded as PyTorch's allocator rounds it, :data:`CUDA_WORKSPACE_BYTES` are added to each peak
+            and host buffers of paged optimizers do not count.
+        extra_state: names tensors of the model that are neither parameters nor buffers (for example the
+            quantization state of 4-bit weights), by kind of :data:`KINDS`.
+
+    Returns:
+        the :class:`MemoryPlan`: each phase's peak and what it holds.
+    """
+    started = time.perf_counter()
+    for name, value in (("model", model), ("batch", batch), ("optimizer", optimizer), ("loss", loss)):
+        _check_callable(name, value)
+    if extra_state is not None:
+        _check_callable("extra_state", extra_state)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
+        raise ValueError(f"steps must be an integer >= 2, got {steps!r}")
+    if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
+        raise ValueError(f"accumulation must be an integer >= 1, got {accumulation!r}")
+    target = torch.device(device)
+    on_cuda = target.type == "cuda"
+    ledger = _Ledger(rounding=CUDA_ALLOCATION_ROUNDING if on_cuda else 1)
+    added = CUDA_WORKSPACE_BYTES if on_cuda else 0
+    classifier = _Classifier(ledger)
+    phases: list[PhasePeak] = []
+    with FakeTensorMode(allow_non_fake_inputs=False), _page_backend(ledger, host_is_device=target.type == "cpu"):
+        with _StorageTracker(ledger):
+            with _fake_module_moves():
+                built = model()
+            if not isinstance(built, nn.Module):
+                raise TypeError(f"model must build an nn.Module, got {type(built).__name__}")
+            built.train()
+            built_optimizer = optimizer(built)
+            if not isinstance(built_optimizer, torch.optim.Optimizer):
+                raise TypeError(f"optimizer must build a torch.optim.Optimizer, got {type(built_optimizer).__name__}")
+        extra = dict(extra_state(built)) if extra_state is not None else {}
+        unknown = set(extra).difference(KINDS)
+        if unknown:
+            raise ValueError(f"extra_state: kinds must be among {', '.join(KINDS)}, got {', '.join(sorted(unknown))}")
+        for tensors in extra.values():
+            for tensor in tensors:
+                ledger.add(tensor.untyped_storage())
+        for step in range(1, steps + 1):
+            for phase in PHASES:
+                ledger.mark()
+                held_before = classifier.kinds(built, built_optimizer, extra, after_step=False)
+                with _StorageTracker(ledger):
+                    if phase == FORWARD_BACKWARD:
+                        for _ in range(accumulation):
+                            inputs = batch()
+                            value = loss(built, inputs)
+                            value.backward()
+                            del value, inputs
+                    else:
+                        built_optimizer.step()
+                        built_optimizer.zero_grad(set_to_none=True)
+                at_peak = ledger.live_at_peak()
+                kinds = {**held_before, **classifier.kinds(built, built_optimizer, extra, phase == OPTIMIZER_STEP)}
+                other = "activations" if phase == FORWARD_BACKWARD else "temporaries"
+                by_kind = dict.fromkeys(KINDS, 0)
+                for serial, nbytes in at_peak.items():
+                    by_kind[kinds.get(serial, other)] += nbytes
+                by_kind["temporaries"] += added
+                phases.append(PhasePeak(phase, step, ledger.peak_bytes + added, by_kind))
+        params = list(built.parameters())
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        total = sum(p.numel() for p in params)
+    notes = [f"includes {CUDA_WORKSPACE_BYTES} bytes of cuBLAS workspace"] if on_cuda else []
+    return MemoryPlan(
+        device=str(target),
+        phases=phases,
+        trainable_params=trainable,
+        total_params=total,
+        seconds=time.perf_counter() - started,
+        notes=notes,
+    )
