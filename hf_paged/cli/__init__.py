@@ -1,7 +1,9 @@
-"""The ``hf-paged`` command: ``hf-paged train [CONFIG.yaml] [--set key=value ...]`` and ``hf-paged env``.
+"""The ``hf-paged`` command: ``hf-paged train [CONFIG.yaml] [--set key=value ...]``, ``hf-paged plan`` and
+``hf-paged env``.
 
 ``train`` fine-tunes with LoRA or QLoRA, a paged optimizer and the memory callback (with no config: the
-embedded tiny model on the shipped instructions, about a minute on a CPU) and prints a summary; ``env``
+embedded tiny model on the shipped instructions, about a minute on a CPU) and prints a summary; ``plan``
+predicts the memory of the same config without weights and says whether it fits; ``env``
 prints the versions, devices and optimizer names. Importing ``hf_paged`` does not import this package.
 """
 
@@ -33,12 +35,40 @@ def _parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--output-dir", help="where the adapter, timeline and summary go (training.output_dir)")
     train.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    plan = commands.add_parser(
+        "plan",
+        help="predict the peak memory of each training phase from the model's config.json, and the verdict",
+        description=(
+            "Trace one training step of CONFIG.yaml (default: the embedded tiny QLoRA run) under fake tensors, "
+            "without weights, and print memory by kind, the forward+backward and optimizer-step peaks and whether "
+            "they fit; exit status 1 when they do not."
+        ),
+    )
+    plan.add_argument("config", nargs="?", help="YAML config of hf-paged train; its keys update the embedded default")
+    plan.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one dotted key, the value read as YAML (repeatable), e.g. --set tokenizer.max_length=2048",
+    )
+    plan.add_argument(
+        "--device-memory", metavar="SIZE", help="memory the device offers, e.g. 24GiB (default: the GPU's)"
+    )
+    plan.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="device to plan for (default cuda)")
+    plan.add_argument(
+        "--method",
+        choices=("full", "lora", "qlora"),
+        help="what is trained (default: qlora if lora.quantize, else lora)",
+    )
     commands.add_parser("env", help="print versions, devices and their memory, and the optimizer names")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``hf-paged`` command line; return the exit status (0 success, 2 bad arguments or config)."""
+    """Run the ``hf-paged`` command line; return the exit status (0 success, 1 a plan that does not fit, 2 bad
+    arguments or config)."""
     args = _parser().parse_args(argv)
     try:
         if args.command == "env":
@@ -46,6 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(report())
             return 0
+        if args.command == "plan":
+            return _plan(args)
         return _train(args)
     except ConfigError as error:
         print(f"hf-paged: error: {error}", file=sys.stderr)
@@ -69,3 +101,35 @@ def _train(args: argparse.Namespace) -> int:
 
     print(format_summary(run(config)), flush=True)
     return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from ..sizes import parse_size
+    from . import quiet
+    from .config import load_config
+    from .plan import format_report, report, setup_from_config
+
+    capacity = None
+    if args.device_memory is not None:
+        try:
+            capacity = parse_size(args.device_memory, "--device-memory")
+        except (TypeError, ValueError) as error:
+            raise ConfigError(str(error)) from None
+    quiet.install()
+    config = load_config(args.config, args.overrides)
+    if capacity is None and config.memory.device_capacity is not None:
+        capacity = parse_size(config.memory.device_capacity, "memory.device_capacity")
+    if capacity is None and args.device == "cuda" and torch_cuda_available():
+        import torch
+
+        capacity = torch.cuda.get_device_properties(0).total_memory
+    outcome = report(setup_from_config(config, args.method), args.device, capacity)
+    print(format_report(outcome), flush=True)
+    return 1 if outcome.fits is False else 0
+
+
+def torch_cuda_available() -> bool:
+    """Whether PyTorch sees a CUDA device."""
+    import torch
+
+    return torch.cuda.is_available()

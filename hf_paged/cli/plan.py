@@ -1,0 +1,529 @@
+"""``hf-paged plan``: the memory of a ``hf-paged train`` config, predicted without weights and without training.
+
+:class:`TrainingSetup` says what is trained (a :class:`~hf_paged.cli.config.Config`, the method: full fine-tune,
+LoRA or QLoRA, and the kind of gradient checkpointing); :func:`build_model`, :func:`make_batch` and
+:func:`build_optimizer` build it as ``hf-paged train`` would, from the model's ``config.json`` only. With
+``shapes_only`` the 4-bit layers of QLoRA are shells whose fake storage has the size bitsandbytes' quantization
+gives (their codes cannot be computed from fake weights). :func:`plan_setup` traces it with
+:func:`hf_paged.planner.plan`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..planner import MemoryPlan, plan
+from .config import Config, ConfigError
+from .train import IGNORE_INDEX
+
+METHODS = ("full", "lora", "qlora")
+"""Full fine-tune (every weight trained), LoRA adapters on full-precision weights, QLoRA (4-bit weights)."""
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+QUANT_BLOCK = 64
+"""Weights per absmax of bitsandbytes' 4-bit quantization."""
+
+NESTED_QUANT_BLOCK = 256
+"""Absmax values per fp32 scale of double quantization."""
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """What a plan traces: a train config, the method and the kind of gradient checkpointing."""
+
+    config: Config
+    method: str
+    """One of :data:`METHODS`."""
+    gradient_checkpointing: bool
+    reentrant: bool = False
+    """Reentrant checkpointing (``torch.utils.checkpoint`` with ``use_reentrant=True``); full and LoRA only."""
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"method must be one of {', '.join(map(repr, METHODS))}, got {self.method!r}")
+        if self.reentrant and self.method == "qlora":
+            raise ConfigError("reentrant checkpointing is not available with QLoRA (prepare_qlora uses non-reentrant)")
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.config.training.get("per_device_train_batch_size", 8))
+
+    @property
+    def sequence_length(self) -> int:
+        """Tokens per example: ``tokenizer.max_length``, the longest a batch is padded to."""
+        return self.config.tokenizer.max_length
+
+    @property
+    def accumulation(self) -> int:
+        return int(self.config.training.get("gradient_accumulation_steps", 1))
+
+    @property
+    def optimizer_name(self) -> str:
+        optim = self.config.training.get("optim", "adamw_torch")
+        return str(getattr(optim, "value", optim))
+
+    def describe(self) -> str:
+        checkpointing = "off"
+        if self.gradient_checkpointing:
+            checkpointing = "reentrant" if self.reentrant else "on"
+        return (
+            f"{self.method}, batch {self.batch_size} x {self.sequence_length} tokens"
+            f"{f' (x{self.accumulation} accumulation)' if self.accumulation > 1 else ''}, "
+            f"checkpointing {checkpointing}, {self.optimizer_name}"
+        )
+
+    def with_changes(
+        self, training: dict[str, Any] | None = None, tokens: int | None = None, **fields: Any
+    ) -> TrainingSetup:
+        """A copy with ``training`` keys and the sequence length changed, and any field replaced."""
+        config = copy.deepcopy(self.config)
+        if training:
+            config.training.update(training)
+        if tokens is not None:
+            config.tokenizer.max_length = tokens
+        return dataclasses.replace(self, config=config, **fields)
+
+
+def setup_from_config(config: Config, method: str | None = None) -> TrainingSetup:
+    """The setup ``hf-paged train`` runs from ``config``: QLoRA if ``lora.quantize`` else LoRA (``method``
+    overrides), checkpointing from ``lora.gradient_checkpointing`` or ``training.gradient_checkpointing``."""
+    if method is None:
+        method = "qlora" if config.lora.quantize else "lora"
+    training = config.training
+    reentrant = False
+    checkpointing = config.lora.gradient_checkpointing
+    if training.get("gradient_checkpointing"):
+        checkpointing = True
+        kwargs = training.get("gradient_checkpointing_kwargs") or {}
+        reentrant = bool(kwargs.get("use_reentrant", False)) and method != "qlora"
+    return TrainingSetup(config=config, method=method, gradient_checkpointing=checkpointing, reentrant=reentrant)
+
+
+def weight_dtype(setup: TrainingSetup) -> torch.dtype:
+    """The dtype of the weights left unquantized: ``model.dtype``, or for ``auto`` the checkpoint's (float32 for
+    the embedded tiny model)."""
+    name = setup.config.model.dtype
+    if name != "auto":
+        return _DTYPES[name]
+    if setup.config.model.name == "tiny":
+        return torch.float32
+    model_config = architecture(setup.config)
+    dtype = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = _DTYPES.get(dtype, torch.float32)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def architecture(config: Config) -> Any:
+    """The model's transformers config: the embedded tiny Llama's, else ``config.json`` read by ``AutoConfig``."""
+    if config.model.name == "tiny":
+        from .tokenizer import byte_tokenizer
+        from .train import tiny_model
+
+        with torch.device("meta"):
+            return tiny_model(config, byte_tokenizer(model_max_length=config.tokenizer.max_length)).config
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(config.model.name, trust_remote_code=config.model.trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"model.name: cannot read the config.json of {config.model.name!r}: {error}") from None
+
+
+def compute_dtype(setup: TrainingSetup, device: str) -> torch.dtype:
+    """The 4-bit layers' compute dtype: ``lora.compute_dtype``; ``auto`` is bfloat16 on CUDA, float32 elsewhere."""
+    name = setup.config.lora.compute_dtype
+    if name != "auto":
+        return _DTYPES[name]
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def _enable_checkpointing(model: Any, reentrant: bool) -> None:
+    options = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+    model.enable_input_require_grads()
+
+
+def build_model(setup: TrainingSetup, device: str = "cpu", shapes_only: bool = False) -> nn.Module:
+    """The model ``hf-paged train`` would train, with random weights, on the CPU; ``shapes_only``: 4-bit layers
+    are shells of the right size (for fake tensors, which bitsandbytes cannot quantize)."""
+    from peft import LoraConfig, get_peft_model
+
+    from ..qlora import prepare_qlora, quiet_peft_checkpointing_check
+
+    config, lora = setup.config, setup.config.lora
+    dtype = weight_dtype(setup)
+    if config.model.name == "tiny":
+        from .tokenizer import byte_tokenizer
+        from .train import tiny_model
+
+        model = tiny_model(config, byte_tokenizer(model_max_length=config.tokenizer.max_length)).to(dtype)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(
+            architecture(config), dtype=dtype, trust_remote_code=config.model.trust_remote_code
+        )
+    if setup.method == "qlora":
+        with _shell_quantization() if shapes_only else contextlib.nullcontext():
+            return prepare_qlora(
+                model,
+                r=lora.r,
+                lora_alpha=lora.lora_alpha,
+                lora_dropout=lora.lora_dropout,
+                target_modules=lora.target_modules,
+                quant_type=lora.quant_type,
+                double_quant=lora.double_quant,
+                compute_dtype=compute_dtype(setup, device),
+                gradient_checkpointing=setup.gradient_checkpointing,
+            )
+    if setup.gradient_checkpointing:
+        _enable_checkpointing(model, setup.reentrant)
+    if setup.method == "full":
+        return model
+    adapters = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.lora_alpha,
+        lora_dropout=lora.lora_dropout,
+        target_modules=lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    with quiet_peft_checkpointing_check():
+        return get_peft_model(model, adapters)
+
+
+def _linear4bit_shell(module: nn.Module, config: Any, bnb: Any) -> nn.Module:
+    """A ``bnb.nn.Linear4bit`` for ``module`` whose packed weight and quantization state are fake tensors of the
+    sizes bitsandbytes' quantization gives: 0.5 byte per weight, an absmax per 64 weights (fp32, or 8-bit with
+    an fp32 scale per 256 of them and a 256-entry code book under double quantization), a 16-entry code book."""
+    from bitsandbytes.functional import QuantState
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    out_features, in_features = module.weight.shape
+    double_quant = config.bnb_4bit_use_double_quant
+    with unset_fake_temporarily(), torch.device("meta"):  # its meta Params4bit is replaced below
+        layer = bnb.nn.Linear4bit(
+            in_features,
+            out_features,
+            bias=module.bias is not None,
+            compute_dtype=config.bnb_4bit_compute_dtype,
+            compress_statistics=double_quant,
+            quant_type=config.bnb_4bit_quant_type,
+            quant_storage=config.bnb_4bit_quant_storage,
+        )
+    weights = out_features * in_features
+    blocks = math.ceil(weights / QUANT_BLOCK)
+    nested = None
+    offset = None
+    if double_quant:
+        absmax = torch.empty(blocks, dtype=torch.uint8)
+        nested = QuantState(
+            absmax=torch.empty(math.ceil(blocks / NESTED_QUANT_BLOCK), dtype=torch.float32),
+            code=torch.empty(256, dtype=torch.float32),
+            blocksize=NESTED_QUANT_BLOCK,
+            dtype=torch.float32,
+        )
+        offset = torch.empty((), dtype=torch.float32)
+    else:
+        absmax = torch.empty(blocks, dtype=torch.float32)
+    state = QuantState(
+        absmax=absmax,
+        shape=module.weight.shape,
+        code=torch.empty(16, dtype=torch.float32),
+        blocksize=QUANT_BLOCK,
+        quant_type=config.bnb_4bit_quant_type,
+        dtype=module.weight.dtype,
+        offset=offset,
+        state2=nested,
+    )
+    storage = config.bnb_4bit_quant_storage
+    packed = torch.empty((math.ceil(weights / 2 / storage.itemsize), 1), dtype=storage)
+    # Params4bit cannot wrap a fake tensor: a plain parameter carries the attributes bitsandbytes and peft read.
+    weight = nn.Parameter(packed, requires_grad=False)
+    weight.quant_state = state
+    weight.blocksize = QUANT_BLOCK
+    weight.compress_statistics = double_quant
+    weight.quant_type = config.bnb_4bit_quant_type
+    weight.quant_storage = storage
+    weight.bnb_quantized = True
+    weight.module = layer
+    layer.weight = weight
+    layer.quant_state = state
+    layer.bias = module.bias
+    layer.requires_grad_(False)
+    return layer
+
+
+@contextlib.contextmanager
+def _shell_quantization() -> Iterator[None]:
+    """:func:`hf_paged.qlora.prepare_qlora` makes 4-bit shells instead of quantizing (see :func:`_linear4bit_shell`)."""
+    from .. import qlora
+
+    original = qlora._linear4bit
+    qlora._linear4bit = _linear4bit_shell
+    try:
+        yield
+    finally:
+        qlora._linear4bit = original
+
+
+def quantization_state(model: nn.Module) -> dict[str, list[torch.Tensor]]:
+    """The tensors of the 4-bit layers' quantization state (absmax, code books, offsets), by planner kind."""
+    import bitsandbytes as bnb
+
+    tensors: list[torch.Tensor] = []
+    for module in model.modules():
+        state = getattr(module, "weight", None)
+        state = getattr(state, "quant_state", None) if isinstance(module, bnb.nn.Linear4bit) else None
+        if state is None:
+            continue
+        tensors += [state.absmax, state.code]
+        if state.nested:
+            tensors += [state.offset, state.state2.absmax, state.state2.code]
+    return {"quantization_state": tensors}
+
+
+def make_batch(setup: TrainingSetup, vocab_size: int) -> dict[str, torch.Tensor]:
+    """One batch of random tokens: ``input_ids``, ``labels`` and ``attention_mask``, batch x sequence length.
+
+    The last token of the last example is padding, as in the batches the collator pads to their longest
+    example: transformers then builds the 4D attention mask (what it also does for fake tensors, whose
+    padding it cannot read)."""
+    ids = torch.randint(0, vocab_size, (setup.batch_size, setup.sequence_length))
+    mask = torch.ones_like(ids)
+    mask[-1, -1] = 0
+    labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def build_optimizer(setup: TrainingSetup, model: nn.Module, device: str = "cpu") -> torch.optim.Optimizer:
+    """The optimizer ``training.optim`` and ``training.optim_args`` name, over the trainable parameters, eager
+    (hf-paged optimizers with ``compiled=False``); an automatic budget is planned as no limit; on CUDA,
+    ``torch.optim`` optimizers take their multi-tensor path as they would there."""
+    from transformers import Trainer
+
+    from ..budget import AutoBudget
+    from ..optim import PagedOptimizer
+    from .train import training_arguments
+
+    args = training_arguments(setup.config)
+    try:
+        optimizer_class, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"training.optim: {error}") from None
+    kwargs = dict(kwargs)
+    if isinstance(optimizer_class, type) and issubclass(optimizer_class, PagedOptimizer):
+        kwargs["compiled"] = False
+        if kwargs.get("device_budget") == "auto" or isinstance(kwargs.get("device_budget"), AutoBudget):
+            kwargs["device_budget"] = None
+    elif optimizer_class.__module__.startswith("torch.optim") and torch.device(device).type == "cuda":
+        kwargs.setdefault("foreach", True)
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    return optimizer_class(trainable, **kwargs)
+
+
+def plan_setup(setup: TrainingSetup, device: str = "cpu") -> MemoryPlan:
+    """Trace ``setup`` with :func:`hf_paged.planner.plan` for ``device`` (``cpu`` or ``cuda``)."""
+    vocab_size = architecture(setup.config).vocab_size
+    extra = quantization_state if setup.method == "qlora" else None
+    return plan(
+        lambda: build_model(setup, device, shapes_only=True),
+        lambda: make_batch(setup, vocab_size),
+        lambda model: build_optimizer(setup, model, device),
+        device=device,
+        accumulation=min(setup.accumulation, 2),
+        extra_state=extra,
+    )
+
+
+def optimizer_state_bytes(plan_result: MemoryPlan) -> int:
+    """Bytes of optimizer state at the optimizer step's peak."""
+    return plan_result.peak("optimizer_step").by_kind["optimizer_state"]
+
+
+KIND_LABELS = {
+    "frozen_weights": "frozen weights",
+    "trainable_weights": "trainable weights",
+    "quantization_state": "4-bit quantization state",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer state",
+    "activations": "activations",
+    "temporaries": "step temporaries",
+}
+
+
+@dataclass
+class Alternative:
+    """A nearby setup, re-planned."""
+
+    change: str
+    plan: MemoryPlan
+
+
+@dataclass
+class PlanReport:
+    """A plan with its verdict for a device's memory, and what fits when the setup does not."""
+
+    setup: TrainingSetup
+    device: str
+    plan: MemoryPlan
+    capacity: int | None
+    largest_budget: tuple[int, MemoryPlan] | None = None
+    """For a paged optimizer: the largest device budget that fits and its plan."""
+    alternatives: list[Alternative] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+    """Wall time of every plan of the report."""
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the setup fits in ``capacity``; ``None`` when no capacity is known."""
+        return None if self.capacity is None else self.plan.fits(self.capacity)
+
+
+def _paged(setup: TrainingSetup) -> bool:
+    from ..integrations.trainer import optimizer_class_for
+
+    return optimizer_class_for(setup.optimizer_name) is not None
+
+
+def _page_size(setup: TrainingSetup) -> int:
+    from ..integrations.trainer import split_optim_args
+    from ..optim.base import DEFAULT_PAGE_SIZE
+    from ..sizes import parse_size
+
+    page_size = split_optim_args(setup.config.training.get("optim_args")).get("page_size")
+    return DEFAULT_PAGE_SIZE if page_size is None else parse_size(page_size, "page_size")
+
+
+def _with_budget(setup: TrainingSetup, budget: int) -> TrainingSetup:
+    from ..integrations.trainer import split_optim_args
+
+    arguments = split_optim_args(setup.config.training.get("optim_args"))
+    arguments["device_budget"] = str(budget)
+    return setup.with_changes(training={"optim_args": ",".join(f"{key}={value}" for key, value in arguments.items())})
+
+
+def _largest_budget(setup: TrainingSetup, result: MemoryPlan, capacity: int, device: str) -> tuple[int, MemoryPlan]:
+    """The largest device budget, in whole pages, whose re-planned peak fits ``capacity`` (at most all the state:
+    that plan is ``result``); ``(0, result)`` if not even one page fits. Without state, each phase's peak drops by
+    the state it held."""
+    page_size = _page_size(setup)
+    without_state = max(item.peak_bytes - item.by_kind["optimizer_state"] for item in result.phases)
+    budget = (capacity - without_state) // page_size * page_size
+    if result.paged_state_bytes is not None and budget >= result.paged_state_bytes and result.fits(capacity):
+        return result.paged_state_bytes, result
+    while budget >= page_size:
+        budgeted = plan_setup(_with_budget(setup, budget), device)
+        if budgeted.fits(capacity):
+            return budget, budgeted
+        budget -= page_size
+    return 0, result
+
+
+def _alternatives(setup: TrainingSetup) -> list[tuple[str, TrainingSetup]]:
+    """The nearest settings that use less memory, one change each."""
+    options = []
+    if not setup.gradient_checkpointing:
+        options.append(("gradient checkpointing on", setup.with_changes(gradient_checkpointing=True)))
+    if setup.batch_size > 1:
+        batch = setup.batch_size // 2
+        accumulation = setup.accumulation * setup.batch_size // batch
+        options.append(
+            (
+                f"batch {batch} with {accumulation} accumulation steps",
+                setup.with_changes(
+                    training={"per_device_train_batch_size": batch, "gradient_accumulation_steps": accumulation}
+                ),
+            )
+        )
+    if setup.sequence_length > 1:
+        tokens = setup.sequence_length // 2
+        options.append((f"sequences of {tokens} tokens", setup.with_changes(tokens=tokens)))
+    for name in ("hf_paged_adamw_8bit", "hf_paged_adamw_4bit"):
+        if setup.optimizer_name != name and not setup.optimizer_name.endswith("4bit"):
+            options.append((f"optimizer {name}", setup.with_changes(training={"optim": name, "optim_args": None})))
+    if setup.method != "qlora":
+        options.append(("QLoRA (4-bit base weights)", setup.with_changes(method="qlora", reentrant=False)))
+    return options
+
+
+def report(setup: TrainingSetup, device: str = "cuda", capacity: int | None = None) -> PlanReport:
+    """Plan ``setup`` for ``device``; with a ``capacity`` (bytes), also the largest budget of a paged optimizer that
+    fits and, when the setup does not fit, its alternatives, each re-planned."""
+    import time
+
+    started = time.perf_counter()
+    result = plan_setup(setup, device)
+    outcome = PlanReport(setup=setup, device=device, plan=result, capacity=capacity)
+    if capacity is not None and _paged(setup) and torch.device(device).type != "cpu":
+        outcome.largest_budget = _largest_budget(setup, result, capacity, device)
+    if capacity is not None and not result.fits(capacity):
+        outcome.alternatives = [
+            Alternative(change, plan_setup(other, device)) for change, other in _alternatives(setup)
+        ]
+    outcome.seconds = time.perf_counter() - started
+    return outcome
+
+
+def format_report(outcome: PlanReport) -> str:
+    """The report as a table a person reads in ten seconds, then the verdict."""
+    from ..sizes import format_size
+
+    result = outcome.plan
+    forward_backward, step = result.peak("forward_backward"), result.peak("optimizer_step")
+    lines = [
+        f"hf-paged plan: {outcome.setup.config.model.name}, {outcome.setup.describe()}, on {outcome.device}",
+        f"  {result.trainable_params:,} trainable of {result.total_params:,} parameters (as stored)",
+        "",
+        f"  {'memory by kind':<28}{'forward+backward':>18}{'optimizer step':>18}",
+    ]
+    for kind, label in KIND_LABELS.items():
+        if forward_backward.by_kind[kind] or step.by_kind[kind]:
+            lines.append(
+                f"  {label:<28}{format_size(forward_backward.by_kind[kind]):>18}{format_size(step.by_kind[kind]):>18}"
+            )
+    lines.append(f"  {'peak':<28}{format_size(forward_backward.peak_bytes):>18}{format_size(step.peak_bytes):>18}")
+    lines += [f"  ({note})" for note in result.notes]
+    lines.append("")
+    if outcome.capacity is None:
+        lines.append(f"verdict: peak {format_size(result.peak_bytes)}; give --device-memory (e.g. 24GiB) for a verdict")
+    else:
+        verdict = "fits" if outcome.fits else "does not fit"
+        lines.append(
+            f"verdict: {verdict} in {format_size(outcome.capacity)} "
+            f"(peak {format_size(result.peak_bytes)}, {100 * result.peak_bytes / outcome.capacity:.0f}% of it)"
+        )
+    if outcome.largest_budget is not None:
+        budget, budgeted = outcome.largest_budget
+        if budget and budget == result.paged_state_bytes:
+            lines.append(f"largest device budget that fits: all the state ({format_size(budget)}), no limit needed")
+        elif budget:
+            lines.append(
+                f"largest device budget that fits: {format_size(budget)} "
+                f"(re-planned peak {format_size(budgeted.peak_bytes)}; optim_args device_budget={budget})"
+            )
+        else:
+            lines.append("largest device budget that fits: none (not even one page of state fits)")
+    if outcome.alternatives:
+        lines.append("alternatives (one change each, re-planned):")
+        for alternative in outcome.alternatives:
+            fits = alternative.plan.fits(outcome.capacity) if outcome.capacity is not None else None
+            lines.append(
+                f"  {alternative.change:<44} peak {format_size(alternative.plan.peak_bytes):>10}  "
+                f"{'fits' if fits else 'does not fit'}"
+            )
+    lines.append(f"planned in {outcome.seconds:.1f} s")
+    return "\n".join(lines)

@@ -1,0 +1,238 @@
+"""The memory planner against the truth: the peak of live tensor bytes the CPU allocator reports to the profiler.
+
+Each case builds a small Llama from a config as ``hf-paged train`` would, trains two steps for real under
+``torch.profiler`` (``profile_memory=True``), sums the allocator's events into the live bytes over time and takes
+each phase's peak; the plan of the same setup, traced under fake tensors, must be within 2% of it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from hf_paged.cli import main
+from hf_paged.cli.config import load_config
+from hf_paged.cli.plan import (
+    TrainingSetup,
+    architecture,
+    build_model,
+    build_optimizer,
+    make_batch,
+    plan_setup,
+    setup_from_config,
+)
+from hf_paged.planner import FORWARD_BACKWARD, KINDS, OPTIMIZER_STEP, default_loss, plan
+
+TOLERANCE = 0.02
+"""Largest relative difference allowed between a planned and a measured peak."""
+
+SMALL_LLAMA = [
+    "model.tiny.hidden_size=128",
+    "model.tiny.intermediate_size=344",
+    "model.tiny.num_hidden_layers=2",
+    "model.tiny.num_attention_heads=4",
+    "model.tiny.num_key_value_heads=2",
+    "tokenizer.max_length=128",
+    "training.per_device_train_batch_size=2",
+    "lora.r=8",
+]
+"""A small Llama and batch: peaks of a few MiB, dominated by activations as in real fine-tunes."""
+
+
+def _measured_peaks(build, batch, optimizer, steps: int = 2) -> list[tuple[str, int, int]]:
+    """(phase, step, peak bytes of live tensors) of a real run of ``steps`` training steps on the CPU, from the
+    allocation events of ``torch.profiler``; everything is allocated inside the profile, so live bytes start at 0."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        model = build()
+        built_optimizer = optimizer(model)
+        for step in range(1, steps + 1):
+            with record_function(f"plan-test:{FORWARD_BACKWARD}:{step}"):
+                inputs = batch()
+                loss = default_loss(model, inputs)
+                loss.backward()
+                del loss, inputs
+            with record_function(f"plan-test:{OPTIMIZER_STEP}:{step}"):
+                built_optimizer.step()
+                built_optimizer.zero_grad(set_to_none=True)
+    allocations, windows = [], []
+    pending = list(profiler.profiler.kineto_results.experimental_event_tree())
+    while pending:
+        event = pending.pop()
+        if event.typed[0] == _EventType.Allocation:
+            allocations.append((event.start_time_ns, event.typed[1].alloc_size))
+        elif event.name.startswith("plan-test:"):
+            _, phase, step = event.name.split(":")
+            windows.append((event.start_time_ns, event.end_time_ns, phase, int(step)))
+        pending.extend(event.children)
+    allocations.sort()
+    peaks = []
+    for start, end, phase, step in sorted(windows):
+        live = sum(size for when, size in allocations if when < start)
+        peak = live
+        for when, size in allocations:
+            if start <= when <= end:
+                live += size
+                peak = max(peak, live)
+        peaks.append((phase, step, peak))
+    return peaks
+
+
+def _check(planned, measured) -> list[str]:
+    """The phases whose planned peak is off by more than the tolerance (with the figures), for the assertion."""
+    assert [(item.phase, item.step) for item in planned.phases] == [(phase, step) for phase, step, _ in measured]
+    failures = []
+    for item, (_, _, truth) in zip(planned.phases, measured):
+        ratio = item.peak_bytes / truth
+        print(f"{item.phase} step {item.step}: planned {item.peak_bytes}, measured {truth}, ratio {ratio:.4f}")
+        if abs(ratio - 1) > TOLERANCE:
+            failures.append(f"{item.phase} step {item.step}: planned {item.peak_bytes} measured {truth}")
+    return failures
+
+
+def _setup(method: str, *overrides: str, reentrant: bool = False, checkpointing: bool | None = None) -> TrainingSetup:
+    setup = setup_from_config(load_config(None, [*SMALL_LLAMA, *overrides]), method)
+    if checkpointing is not None:
+        setup = setup.with_changes(gradient_checkpointing=checkpointing, reentrant=reentrant)
+    return setup
+
+
+CASES = {
+    "full": _setup("full", "training.optim=adamw_torch", checkpointing=False),
+    "lora": _setup("lora", "training.optim=adamw_torch", checkpointing=False),
+    "lora-checkpointing": _setup("lora", "training.optim=adamw_torch", checkpointing=True),
+    "lora-checkpointing-reentrant": _setup("lora", "training.optim=adamw_torch", checkpointing=True, reentrant=True),
+    "qlora": _setup("qlora", "training.optim=adamw_torch", checkpointing=False),
+    "qlora-checkpointing": _setup("qlora", "training.optim=adamw_torch", checkpointing=True),
+}
+for _name in ("adamw_32bit", "adamw_8bit", "adamw_4bit", "lion_32bit", "lion_8bit"):
+    _args = "page_size=256KiB,min_8bit_size=1024" if "8bit" in _name else "page_size=256KiB"
+    if _name == "adamw_4bit":
+        _args = "page_size=256KiB,min_4bit_size=1024"
+    for _budget in ("", ",device_budget=256KiB"):
+        CASES[f"full-hf_paged_{_name}{'-budget' if _budget else ''}"] = _setup(
+            "full", f"training.optim=hf_paged_{_name}", f"training.optim_args={_args}{_budget}", checkpointing=False
+        )
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_plan_matches_the_measured_peak_of_live_tensors(case: str) -> None:
+    setup = CASES[case]
+    vocab_size = architecture(setup.config).vocab_size
+    planned = plan_setup(setup)
+    torch.manual_seed(0)
+    measured = _measured_peaks(
+        lambda: build_model(setup),
+        lambda: make_batch(setup, vocab_size),
+        lambda model: build_optimizer(setup, model),
+    )
+    assert not _check(planned, measured)
+    for item in planned.phases:
+        assert sum(item.by_kind.values()) == item.peak_bytes
+
+
+def test_plan_of_a_plain_module_without_transformers() -> None:
+    def build() -> nn.Module:
+        return _SquaredMean(nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)))
+
+    def batch() -> torch.Tensor:
+        return torch.randn(64, 256)
+
+    def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), foreach=False)
+
+    planned = plan(build, batch, optimizer)
+    assert not _check(planned, _measured_peaks(build, batch, optimizer))
+    weights = (2 * 256 * 1024 + 1024 + 256) * 4
+    step = planned.peak(OPTIMIZER_STEP).by_kind
+    assert step["trainable_weights"] == step["gradients"] == weights
+    assert step["optimizer_state"] >= 2 * weights
+    assert planned.trainable_params == planned.total_params == weights // 4
+    with_loss = plan(lambda: build().inner, batch, optimizer, loss=lambda model, inputs: model(inputs).pow(2).mean())
+    assert with_loss.forward_backward_peak == planned.forward_backward_peak
+
+
+class _SquaredMean(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.inner(inputs).pow(2).mean()
+
+
+def test_plan_kinds_of_qlora() -> None:
+    planned = plan_setup(CASES["qlora-checkpointing"])
+    step = planned.peak(OPTIMIZER_STEP).by_kind
+    assert step["quantization_state"] > 0
+    assert step["gradients"] == step["trainable_weights"]
+    assert set(step) == set(KINDS)
+
+
+def test_cuda_plan_rounds_allocations_and_adds_the_workspace() -> None:
+    setup = CASES["lora"]
+    on_cpu, on_cuda = plan_setup(setup), plan_setup(setup, device="cuda")
+    assert on_cuda.forward_backward_peak > on_cpu.forward_backward_peak + 32 * 2**20
+    assert all(item.peak_bytes % 512 == 0 for item in on_cuda.phases)
+
+
+def test_bad_arguments_are_named() -> None:
+    def build() -> nn.Module:
+        return nn.Linear(2, 2)
+
+    with pytest.raises(ValueError, match="steps must be an integer >= 2"):
+        plan(build, lambda: torch.zeros(2), lambda m: torch.optim.SGD(m.parameters()), steps=1)
+    with pytest.raises(TypeError, match="model must be a callable that builds it"):
+        plan(build(), lambda: torch.zeros(2), lambda m: torch.optim.SGD(m.parameters()))
+    with pytest.raises(ValueError, match="no scalar loss"):
+        plan(build, lambda: torch.zeros(3, 2), lambda m: torch.optim.SGD(m.parameters()))
+
+
+def test_cli_verdict_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
+    overrides = [*SMALL_LLAMA, "training.optim=adamw_torch"]
+    arguments = ["plan", *(item for override in overrides for item in ("--set", override))]
+    started = time.perf_counter()
+    assert main([*arguments, "--device-memory", "1GiB", "--device", "cpu"]) == 0
+    output = capsys.readouterr().out
+    assert "fits" in output and "does not fit" not in output
+    assert main([*arguments, "--device-memory", "2MiB", "--device", "cpu"]) == 1
+    output = capsys.readouterr().out
+    assert "does not fit" in output
+    assert "alternatives" in output.lower()
+    assert time.perf_counter() - started < 120
+
+
+def test_cli_rejects_bad_device_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--device-memory", "lots"]) == 2
+    assert "--device-memory" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_plan_matches_cuda_max_memory_allocated() -> None:
+    setup = _setup("lora", "training.optim=adamw_torch", checkpointing=True)
+    planned = plan_setup(setup, device="cuda")
+    vocab_size = architecture(setup.config).vocab_size
+    model = build_model(setup, device="cuda").cuda()
+    optimizer = build_optimizer(setup, model, device="cuda")
+    for step in range(1, 3):
+        for phase in (FORWARD_BACKWARD, OPTIMIZER_STEP):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            if phase == FORWARD_BACKWARD:
+                inputs = {key: value.cuda() for key, value in make_batch(setup, vocab_size).items()}
+                loss = default_loss(model, inputs)
+                loss.backward()
+                del loss, inputs
+            else:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            truth = torch.cuda.max_memory_allocated()
+            item = next(p for p in planned.phases if p.phase == phase and p.step == step)
+            assert abs(item.peak_bytes / truth - 1) <= 0.03, (phase, step, item.peak_bytes, truth)
+            assert abs(item.peak_bytes / torch.cuda.max_memory_reserved() - 1) <= 0.10
