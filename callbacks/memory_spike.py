@@ -66,8 +66,9 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
         plot: draw ``memory_timeline.png`` (needs matplotlib) besides writing ``memory_timeline.jsonl``.
         oom_retries: times a training step may recover from an out-of-memory error in forward or backward
             (all optimizer state moves to the host and the step's micro-batches are replayed exactly, see
-            :func:`hf_paged.integrations.oom.enable_oom_recovery`); 0 turns recovery off. Only with an
-            hf-paged optimizer in a single process.
+            :func:`hf_paged.integrations.oom.enable_oom_recovery`; a single process only), and, as many times,
+            from one in the optimizer's step (the pages left are updated under a smaller budget, in any number
+            of processes); 0 turns recovery off. Only with an hf-paged optimizer.
     """
 
     def __init__(
@@ -258,10 +259,11 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
     # Internals ------------------------------------------------------------------------------------------
 
     def _enable_recovery(self) -> None:
-        """Wrap the calling trainer's training step in out-of-memory recovery (called from ``on_train_begin``)."""
-        if not self.oom_retries:
-            return
+        """Wrap the calling trainer's training step in out-of-memory recovery and set its optimizer's (called from
+        ``on_train_begin``)."""
         trainer = calling_trainer()
+        if trainer is None and not self.oom_retries:
+            return
         if trainer is None:
             logger.warning(
                 "hf-paged: MemorySpikeCallback could not find the Trainer running it; out-of-memory recovery is "
@@ -307,7 +309,9 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
             "memory/host_resident_gib": last["host_resident"] / GIB,
             "memory/spikes": len(self.detector.spikes),
             "memory/oom_recoveries": self.oom_recoveries,
-            "memory/spike_gib": max((row["forward_backward_peak"] - row["baseline"] for row in rows if row["spike"]), default=0)
+            "memory/spike_gib": max(
+                (row["forward_backward_peak"] - row["baseline"] for row in rows if row["spike"]), default=0
+            )
             / GIB,
         }
         if last["state_bytes_after_step"] is not None:

@@ -62,15 +62,19 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 @dataclass
 class Recovery:
-    """One recovery: the step (if known), the micro-batch that failed (from 0) and what was done (bytes)."""
+    """One recovery: the step (if known), where it failed (``phase``; in forward/backward, the micro-batch, from
+    0) and what was done (bytes)."""
 
     step: int | None
-    micro_batch: int
+    micro_batch: int | None
     micro_batches_replayed: int
     attempt: int
     state_bytes_evicted: int
     other_bytes: int
     error: RuntimeError
+    phase: str = "forward/backward"
+    """``"forward/backward"`` (the step's micro-batches were replayed) or ``"optimizer step"`` (the pages left
+    were updated under a smaller budget, see :attr:`~hf_paged.optim.base.PagedOptimizer.oom_retries`)."""
 
 
 class _BufferSnapshot:
@@ -166,6 +170,9 @@ class OOMRecovery:
     ``retries`` failures within one step the error is raised again with a note on what was tried, what the
     memory held and what to change. Not for several processes (their collectives would diverge).
 
+    It also covers the optimizer's step: it sets the optimizer's ``oom_retries`` to ``retries`` and reports the
+    step's recoveries (``phase="optimizer step"``) to ``on_recovery`` and in :attr:`recoveries` too.
+
     Args:
         optimizer: an hf-paged optimizer, or a wrapper of one at ``.optimizer``.
         retries: recoveries allowed per step; 0 runs the micro-batches unprotected.
@@ -187,6 +194,8 @@ class OOMRecovery:
         self.optimizer = paged_optimizer_of(optimizer)
         self.retries = retries
         self.on_recovery = on_recovery
+        self.optimizer.oom_retries = retries
+        self.optimizer.on_oom_recovery = self._recovered_in_step
         self.model = model
         self._buffers: _BufferSnapshot | None = None
         self.recoveries = 0
@@ -257,6 +266,13 @@ class OOMRecovery:
             del error
 
     # Internals ------------------------------------------------------------------------------------------
+
+    def _recovered_in_step(self, recovery: Recovery) -> None:
+        """Count and report a recovery within the optimizer's step."""
+        recovery.step = self.step
+        self.recoveries += 1
+        if self.on_recovery is not None:
+            self.on_recovery(recovery)
 
     def _replay_earlier(self) -> None:
         for micro_batch in self._micro_batches[:-1]:
@@ -344,7 +360,7 @@ def recover_oom(
 ) -> list[Any]:
     """Run ``fn(micro_batch)`` (forward and backward) for each micro-batch of one optimizer step, recovering
     from out-of-memory errors as :class:`OOMRecovery` does (``model``: whose buffers a replay restores); return
-    the results. Clear the gradients first.
+    the results. Clear the gradients first. The optimizer's step that follows recovers ``retries`` times too.
     """
     recovery = OOMRecovery(optimizer, retries=retries, model=model)
     with recovery.window():

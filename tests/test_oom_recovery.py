@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 import hf_paged
 from hf_paged.callbacks import MemorySpikeCallback
@@ -42,6 +42,26 @@ class Injector:
             raise torch.OutOfMemoryError("injected in backward")
 
 
+class StepInjector(TrainerCallback):
+    """Makes the first page allocation of the optimizer step of the chosen Trainer steps (from 1) raise
+    ``torch.OutOfMemoryError`` (the optimizer needs a budget, so that its pages stream in at every step)."""
+
+    def __init__(self, steps):
+        self.steps = set(steps)
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        if state.global_step + 1 not in self.steps:
+            return
+        (store,) = hf_paged.recovery.paged_optimizer_of(optimizer)._store.stores.values()
+        allocate = store.backend.empty_device
+
+        def failing(specs):
+            store.backend.empty_device = allocate
+            raise torch.OutOfMemoryError("injected in the optimizer step")
+
+        store.backend.empty_device = failing
+
+
 def llama_with_dropout(vocab_size=None):
     model = tiny_llama()
     if vocab_size is not None:
@@ -58,7 +78,7 @@ def llama_with_dropout(vocab_size=None):
 INJECTED = {"forward_at": [4], "backward_at": [7]}
 
 
-def run_trainer(output_dir, budget=None, injected=None, oom_retries=2, trainer_cls=Trainer, **overrides):
+def run_trainer(output_dir, budget=None, injected=None, oom_retries=2, trainer_cls=Trainer, step_at=(), **overrides):
     optim_args = f"page_size={PAGE_SIZE}" + (f",device_budget={budget}" if budget else "")
     callback = MemorySpikeCallback(oom_retries=oom_retries, plot=False)
     if trainer_cls is Trainer:
@@ -77,6 +97,8 @@ def run_trainer(output_dir, budget=None, injected=None, oom_retries=2, trainer_c
         trainer = sft_trainer(output_dir, optim_args, callback)
         model = trainer.model
     Injector(model, **(injected or {}))
+    if step_at:
+        trainer.add_callback(StepInjector(step_at))
     trainer.train()
     return trainer, callback
 
@@ -157,6 +179,17 @@ def test_trainer_recovers_bitwise_from_errors_in_forward_and_mid_backward(tmp_pa
     else:
         assert stats["device_bytes"] <= stats["device_budget"]
     assert "training_step" not in vars(trainer)  # the wrapper is gone after training
+
+
+def test_trainer_recovers_bitwise_from_an_error_in_the_optimizer_step(tmp_path, clean_trainer, caplog):
+    with caplog.at_level(logging.WARNING):
+        trainer, callback = run_trainer(tmp_path, budget="64KiB", step_at=[2])
+    assert_same_run(trainer, clean_trainer)
+    assert [e["memory/oom_recoveries"] for e in trainer.state.log_history if "loss" in e] == [0, 1, 1, 1]
+    assert [row["oom_recoveries"] for row in callback.rows] == [0, 1, 0, 0]
+    warnings = [record.message for record in caplog.records if "out of memory in the optimizer step" in record.message]
+    assert len(warnings) == 1 and "(retry 1 of 2)" in warnings[0]
+    assert paged(trainer).paging_stats()["device_budget"] == 64 * 2**10  # the budget is back after the step
 
 
 def test_sft_trainer_recovers_bitwise_with_its_own_metrics(tmp_path):

@@ -1,28 +1,175 @@
-"""A step that fails part way (an allocation that fails while pages stream in) leaves no page in flight, so
-``evict()`` frees every device byte and the next step fits its budget (issue 19, first point, in part)."""
+"""A step that fails part way (issue 19): no page is left in flight; each chunk is updated whole or not at all and a
+parameter's step count advances with its last chunk; an out-of-memory error at any allocation of the step is
+recovered with bitwise the result of a step without it."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
+import hf_paged
 from hf_paged.store import PageState
 from hf_paged.testing import simulated_streams
 
+BUDGETS = {"no budget": None, "two pages": 2 * 4096}
+SAMPLED_FAILURES = 16
+"""Allocations of a step at which an out-of-memory error is injected, per optimizer and budget (spread evenly)."""
 
-def failing_allocation(store, at: int) -> None:
-    """Make the ``at``-th device allocation of ``store`` (counted from 1) raise ``torch.OutOfMemoryError``."""
-    calls = [0]
-    empty_device = store.backend.empty_device
 
-    def allocate(specs):
-        calls[0] += 1
-        if calls[0] == at:
-            raise torch.OutOfMemoryError("injected: page allocation")
-        return empty_device(specs)
+class FailingAllocations(TorchDispatchMode):
+    """Count the operations that return a new tensor (an allocation) and make those numbered in ``at`` (from 1)
+    raise ``torch.OutOfMemoryError``, as a failed allocation would: such an operation writes only its new output.
 
-    store.backend.empty_device = allocate
+    ``in_step`` is the count when the step's first page was streamed (``None`` if none was)."""
+
+    def __init__(self, at: set[int] = frozenset()) -> None:
+        super().__init__()
+        self.at = set(at)
+        self.count = 0
+        self.in_step: int | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func._schema.is_mutable:
+            return result
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor) and t.numel()]
+        if any(t.untyped_storage().data_ptr() not in inputs for t in outputs):
+            self.count += 1
+            if self.count in self.at:
+                raise torch.OutOfMemoryError(f"injected at allocation {self.count}")
+        return result
+
+
+def build(name, budget, retries=8):
+    model = make_mlp()
+    optimizer = OPTIMIZERS[name](decay_groups(model), **optimizer_kwargs(name, device_budget=budget))
+    optimizer.oom_retries = retries
+    return model, optimizer
+
+
+def mark_streaming(optimizer, mode: FailingAllocations) -> None:
+    stream_pages = optimizer._stream_pages
+
+    def marked(*args, **kwargs):
+        if mode.in_step is None:
+            mode.in_step = mode.count
+        return stream_pages(*args, **kwargs)
+
+    optimizer._stream_pages = marked
+
+
+def failing_step(model, optimizer, batch, mode: FailingAllocations) -> None:
+    inputs, targets = batch
+    optimizer.zero_grad()
+    torch.nn.functional.mse_loss(model(inputs), targets).backward()
+    with mode:
+        optimizer.step()
+
+
+def snapshot(model, optimizer):
+    """The parameters in the optimizer's order (its state dict's numbering) and the state dict."""
+    params = [p.detach().clone() for group in optimizer.param_groups for p in group["params"]]
+    assert len(params) == len(list(model.parameters()))
+    return params, copy.deepcopy(optimizer.state_dict())
+
+
+def assert_same(actual, expected):
+    (params, state), (expected_params, expected_state) = actual, expected
+    for param, expected_param in zip(params, expected_params):
+        assert torch.equal(param, expected_param)
+    assert state["state"].keys() == expected_state["state"].keys()
+    for index, entry in state["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, expected_state["state"][index][key]), (index, key)
+
+
+def allocations_of_a_step(name, budget) -> FailingAllocations:
+    model, optimizer = build(name, budget)
+    batches = regression_batches(2)
+    train(model, optimizer, batches[:1])
+    mode = FailingAllocations()
+    mark_streaming(optimizer, mode)
+    failing_step(model, optimizer, batches[1], mode)
+    return mode
+
+
+@pytest.mark.parametrize("budget", sorted(BUDGETS))
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_an_out_of_memory_error_at_any_allocation_of_the_step_is_recovered_bitwise(name, budget):
+    """Step 2 fails at one allocation (a page, a gathered copy, a chunk's temporaries, a saved copy, a write-back):
+    the step is finished under a smaller budget and steps 2 and 3 equal those of a run without the error."""
+    with simulated_streams():
+        counted = allocations_of_a_step(name, BUDGETS[budget])
+        assert counted.in_step is not None
+        if counted.count == counted.in_step:  # resident fp32 pages of fp32 parameters: torch's fused AdamW
+            assert (name, budget) == ("PagedAdamW", "no budget")
+            return
+        reference_model, reference = build(name, BUDGETS[budget])
+        batches = regression_batches(3)
+        train(reference_model, reference, batches[:2])
+        after_two = snapshot(reference_model, reference)
+        train(reference_model, reference, batches[2:])
+        after_three = snapshot(reference_model, reference)
+        points = sorted(
+            {round(x) for x in torch.linspace(counted.in_step + 1, counted.count, SAMPLED_FAILURES).tolist()}
+        )
+        for at in points:
+            model, optimizer = build(name, BUDGETS[budget])
+            recoveries = []
+            optimizer.on_oom_recovery = recoveries.append
+            train(model, optimizer, batches[:1])
+            failing_step(model, optimizer, batches[1], FailingAllocations({at}))
+            assert [r.phase for r in recoveries] == ["optimizer step"], at
+            assert_same(snapshot(model, optimizer), after_two)
+            assert optimizer.device_budget == BUDGETS[budget]  # a fixed budget is back after the step
+            train(model, optimizer, batches[2:])
+            assert_same(snapshot(model, optimizer), after_three)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_step_that_cannot_recover_leaves_whole_chunks_and_counts_of_finished_parameters(name):
+    """With no retries, a failure part way leaves every element as before or as after the step, the step count
+    advanced exactly for the parameters updated in full, and a note saying so; earlier failures change nothing."""
+    with simulated_streams():
+        counted = allocations_of_a_step(name, BUDGETS["two pages"])
+        batches = regression_batches(2)
+        reference_model, reference = build(name, BUDGETS["two pages"])
+        train(reference_model, reference, batches[:1])
+        before = snapshot(reference_model, reference)
+        train(reference_model, reference, batches[1:])
+        after = snapshot(reference_model, reference)
+        for at in range(1, counted.count + 1, max(1, counted.count // SAMPLED_FAILURES)):
+            model, optimizer = build(name, BUDGETS["two pages"], retries=0)
+            train(model, optimizer, batches[:1])
+            with pytest.raises(torch.OutOfMemoryError, match="injected") as raised:
+                failing_step(model, optimizer, batches[1], FailingAllocations({at}))
+            params, state = snapshot(model, optimizer)
+            finished = 0
+            for index, (param, old, new) in enumerate(zip(params, before[0], after[0])):
+                assert torch.where(param == old, True, param == new).all(), (at, index)
+                step = state["state"][index]["step"]
+                if step == after[1]["state"][index]["step"]:
+                    finished += 1
+                    assert torch.equal(param, new), (at, index)
+                else:
+                    assert step == before[1]["state"][index]["step"], (at, index)
+            note = "\n".join(getattr(raised.value, "__notes__", []))
+            if finished == 0 and all(torch.equal(p, old) for p, old in zip(params, before[0])):
+                assert "updated" not in note
+                continue
+            assert f"updated {finished} of {len(params)} parameters in full" in note, at
+            assert not [
+                page
+                for store in optimizer._store.stores.values()
+                for page in store.pages
+                if page.state is PageState.PAGING_IN
+            ]
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -30,10 +177,20 @@ def test_a_failed_page_allocation_leaves_no_page_in_flight(name):
     with simulated_streams():
         model = make_mlp()
         optimizer = OPTIMIZERS[name](decay_groups(model), **optimizer_kwargs(name, device_budget=4 * 4096))
+        optimizer.oom_retries = 0
         train(model, optimizer, regression_batches(1))
         optimizer.evict()
         (store,) = optimizer._store.stores.values()
-        failing_allocation(store, at=3)  # the second page prefetched while the first is updated
+        calls = [0]
+        empty_device = store.backend.empty_device
+
+        def allocate(specs):
+            calls[0] += 1
+            if calls[0] == 3:  # the second page prefetched while the first is updated
+                raise torch.OutOfMemoryError("injected: page allocation")
+            return empty_device(specs)
+
+        store.backend.empty_device = allocate
         with pytest.raises(torch.OutOfMemoryError, match="injected"):
             train(model, optimizer, regression_batches(1))
         assert not [page for page in store.pages if page.state is PageState.PAGING_IN]
@@ -43,3 +200,69 @@ def test_a_failed_page_allocation_leaves_no_page_in_flight(name):
         optimizer.set_device_budget(4096)  # one page streamed at a time
         train(model, optimizer, regression_batches(1))
         assert optimizer.paging_stats()["device_bytes"] <= 4096
+
+
+def test_recoveries_in_the_step_are_reported_through_oom_recovery_and_limited_by_its_retries():
+    model, optimizer = build("PagedAdamW8bit", BUDGETS["two pages"])
+    reported = []
+    recovery = hf_paged.OOMRecovery(optimizer, retries=1, on_recovery=reported.append)
+    assert optimizer.oom_retries == 1
+    batches = regression_batches(3)
+    train(model, optimizer, batches[:1])
+    counted = allocations_of_a_step("PagedAdamW8bit", BUDGETS["two pages"])
+    with recovery.window(step=2):
+        failing_step(model, optimizer, batches[1], FailingAllocations({counted.in_step + 1}))
+    assert recovery.recoveries == 1 and [(r.phase, r.step) for r in reported] == [("optimizer step", 2)]
+
+    mode = FailingAllocations({counted.in_step + 1})
+    streams = []
+    stream_pages = optimizer._stream_pages
+
+    def fail_again_when_retried(*args, **kwargs):
+        streams.append(mode.count)
+        if len(streams) == 2:
+            mode.at.add(mode.count + 1)  # the retry's first allocation fails too: more than retries=1 allows
+        return stream_pages(*args, **kwargs)
+
+    optimizer._stream_pages = fail_again_when_retried
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        failing_step(model, optimizer, batches[2], mode)
+    assert len(streams) == 2
+    assert "the optimizer step stopped after 1 recoveries" in "\n".join(raised.value.__notes__)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_kernel_that_fails_after_writing_leaves_its_chunk_as_it_was(compiled, monkeypatch):
+    """A segment kernel that fails once it has written its chunk (as a compiled kernel may, allocating between its
+    kernels) is undone, and the recovered step equals one without the failure."""
+    name = "PagedAdamW8bit"
+    batches = regression_batches(3)
+
+    def run(fail_at):
+        model = make_mlp()
+        optimizer = OPTIMIZERS[name](decay_groups(model), **optimizer_kwargs(name, compiled=compiled))
+        train(model, optimizer, batches[:1])
+        calls = [0]
+        real = hf_paged.optim.base.segment_kernel
+
+        def failing(rule, codecs, compiled_kernel):
+            kernel = real(rule, codecs, compiled_kernel)
+
+            def call(*args):
+                kernel(*args)
+                calls[0] += 1
+                if calls[0] == fail_at:
+                    raise torch.OutOfMemoryError("injected after the kernel's writes")
+
+            call.compiled = kernel.compiled
+            return call
+
+        monkeypatch.setattr(hf_paged.optim.base, "segment_kernel", failing)
+        train(model, optimizer, batches[1:])
+        monkeypatch.undo()
+        return snapshot(model, optimizer), calls[0]
+
+    expected, calls = run(fail_at=None)
+    assert calls > 2
+    for fail_at in (1, calls // 2, calls):
+        assert_same(run(fail_at)[0], expected)

@@ -26,30 +26,36 @@ def enable_oom_recovery(
     retries: int = 2,
     on_recovery: Callable[[Recovery], None] | None = None,
 ) -> OOMRecovery | None:
-    """Make ``trainer``'s training steps survive out-of-memory errors in forward and backward.
+    """Make ``trainer``'s training steps survive out-of-memory errors in forward and backward, and in the
+    optimizer's step.
 
     Call it once the trainer's optimizer exists (in ``on_train_begin``, as ``MemorySpikeCallback`` does).
 
     Args:
         trainer: a ``transformers.Trainer`` (or subclass) whose optimizer is, or wraps, an hf-paged one.
-        retries: recoveries allowed per optimizer step; 0 leaves the training step as it is.
-        on_recovery: called with each :class:`~hf_paged.recovery.Recovery`, before the replay.
+        retries: recoveries allowed per optimizer step, in forward/backward and in the optimizer's step (its
+            ``oom_retries``); 0 leaves the training step as it is and the optimizer's step unprotected.
+        on_recovery: called with each :class:`~hf_paged.recovery.Recovery`, before the replay or the rest of the
+            optimizer's step.
 
     Returns:
         The recovery (its ``recoveries`` counts them), or ``None`` where none was installed: ``retries`` is
         0, the optimizer is not an hf-paged one, or training runs in several processes.
     """
     disable_oom_recovery(trainer)
-    if retries == 0:
-        return None
     try:
         optimizer = paged_optimizer_of(trainer.optimizer)
     except TypeError:
         return None
+    optimizer.oom_retries = retries  # the optimizer's own step recovers in any number of processes
+    optimizer.on_oom_recovery = on_recovery
+    if retries == 0:
+        return None
     if trainer.args.world_size > 1:
         logger.warning(
-            "hf-paged: out-of-memory recovery is off: it replays micro-batches in one process, and with %d "
-            "processes their gradient collectives would diverge",
+            "hf-paged: out-of-memory recovery in forward and backward is off: it replays micro-batches in one "
+            "process, and with %d processes their gradient collectives would diverge (the optimizer step still "
+            "recovers)",
             trainer.args.world_size,
         )
         return None
@@ -57,7 +63,8 @@ def enable_oom_recovery(
     marks: dict[str, Any] = {}
 
     def rewind_and_report(recovery: Recovery) -> None:
-        internals.rewind_trainer_metrics(trainer, marks)
+        if recovery.phase == "forward/backward":  # a replay runs the micro-batches' metrics again
+            internals.rewind_trainer_metrics(trainer, marks)
         if on_recovery is not None:
             on_recovery(recovery)
 

@@ -7,8 +7,11 @@ of ``torch.optim`` (``state`` keyed by parameter index, ``param_groups``) with C
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import math
+import traceback
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
@@ -20,31 +23,36 @@ from ..budget import AutoBudget
 from ..codecs import QUANTIZED_CODECS, Float32Codec, PageFormat, to_blocks
 from ..device import backend_for
 from ..kernels import SegmentKernel, UpdateRule, prepare_scalars, resolve_compiled, segment_kernel
-from ..sizes import parse_size
+from ..memory import probe_for
+from ..recovery import Recovery, empty_device_cache, is_out_of_memory
+from ..sizes import format_size, parse_size
 from ..store import Page, PageStore, Segment
 from ..stores import DeviceBudget, DeviceStores
 from ._params import StridedElements, StridedRange, describe_parameter, flat_elements, normalize_param_group
 from .layout import StateLayout, local_tensor, state_device
 from .state_dict import export_state, import_state, pack_param_groups, parse_saved_entry, sharded_entry
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_PAGE_SIZE = 4 * 2**20
 """Default page size in bytes (see ``benchmarks/optimizer_step.py``)."""
 
-_PAGE_BYTES_PER_CHUNK_ELEMENT = {False: 16, True: 4}
-"""A segment is updated in chunks of ``page_size // 16`` elements eagerly and ``page_size // 4`` compiled (whole
-blocks), bounding its temporaries; a compiled kernel keeps far fewer, and a larger chunk costs fewer calls."""
+_PAGE_BYTES_PER_CHUNK_ELEMENT = {False: 16, True: 8}
+"""A segment is updated in chunks of ``page_size // 16`` elements eagerly and ``page_size // 8`` compiled (whole
+blocks), bounding its temporaries; a compiled kernel keeps fewer, and a larger chunk costs fewer calls."""
 
 _WORKSPACE_BYTES_PER_ELEMENT = {
-    (False, "32bit"): 24,
-    (False, "8bit"): 32,
-    (False, "4bit"): 32,
-    (True, "32bit"): 4,
-    (True, "8bit"): 8,
-    (True, "4bit"): 11,
+    (False, "32bit"): 31,
+    (False, "8bit"): 33,
+    (False, "4bit"): 36,
+    (True, "32bit"): 11,
+    (True, "8bit"): 11,
+    (True, "4bit"): 16,
 }
 """Bytes of temporaries per element of a chunk's update, eager or compiled, by page format: the
-measured peak (fp32 and bf16 parameters, tests/test_workspace.py) rounded up. A step's workspace is thus two
-to three pages, whatever the page and model size."""
+measured peak (fp32 and bf16 parameters, tests/test_workspace.py) rounded up. They include the copy of what a
+chunk's update writes (its parameter elements and encoded state), taken so that a failed update can be undone.
+A step's workspace is thus two to three pages, whatever the page and model size."""
 
 WorkItem = tuple[Segment, torch.Tensor, torch.Tensor, float, dict[str, Any]]
 """One segment's update in a step: the segment, its parameter and gradient elements, the step, the group."""
@@ -125,6 +133,13 @@ class PagedOptimizer(Optimizer):
 
     state_names: ClassVar[tuple[str, ...]]
     signed_states: ClassVar[tuple[bool, ...]]
+
+    oom_retries: int = 2
+    """Recoveries from out-of-memory errors allowed within one :meth:`step` (0: the error is raised at once).
+    :class:`~hf_paged.recovery.OOMRecovery` and ``MemorySpikeCallback(oom_retries=...)`` set it to theirs."""
+    on_oom_recovery: Callable[[Recovery], None] | None = None
+    """Called with a :class:`~hf_paged.recovery.Recovery` (``phase="optimizer step"``) after each recovery within
+    :meth:`step`; not copied with the optimizer."""
 
     def __init__(
         self,
@@ -338,7 +353,11 @@ class PagedOptimizer(Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform one optimization step over the pages of the parameters that have gradients.
 
-        Works on the tensors that the param groups hold now: a tensor's first step lays out its pages.
+        Works on the tensors that the param groups hold now: a tensor's first step lays out its pages. Each chunk
+        of a segment is updated whole or not at all, and a parameter's step count advances once all of it is
+        updated. An out-of-memory error part way is recovered (:attr:`oom_retries` times): the state goes back to
+        the host, cached memory is freed and the pages left are updated under a smaller budget, down to one page
+        at a time, with bitwise the result of a step without the error.
         """
         loss = None
         if closure is not None:
@@ -349,37 +368,53 @@ class PagedOptimizer(Optimizer):
             return loss
         self._place([(param, group) for param, _, group in work if param not in self._layout])
         compiled = self.compiled
-        by_page: dict[int, list[WorkItem]] = defaultdict(list)
-        step_devices: set[tuple[torch.device, float]] = set()
         states = [self.state[param] for param, _, _ in work]
         for state in states:
             if "step" not in state:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
         step_counts = [state["step"] for state in states]
-        torch._foreach_add_(step_counts, 1.0)
-        for (param, grad, group), step_count in zip(work, step_counts):
-            step = step_count.item()
+        progress = _StepProgress(step_counts, torch._foreach_add(step_counts, 1.0))
+        by_page: dict[int, list[WorkItem]] = defaultdict(list)
+        step_devices: set[tuple[torch.device, float]] = set()
+        for index, (param, grad, group) in enumerate(work):
+            step = progress.new_counts[index].item()
             local = local_tensor(param)
             flat_param = flat_elements(local.detach())
-            for page, segment in self._layout[param].segments:
+            segments = self._layout[param].segments
+            progress.expect(index, [segment for _, segment in segments])
+            for page, segment in segments:
                 end = segment.start + segment.length
                 by_page[page.index].append(
                     (segment, flat_param[segment.start : end], grad[segment.start : end], step, group)
                 )
             step_devices.add((local.device, step))
-        pages = [self._store.pages[i] for i in sorted(by_page)]
         if self._auto_budgets:
             self._begin_auto_step()
+        budgets = {device: store.device_budget for device, store in self._store.stores.items()}
         # Made once per step: a tensor built from a number on a device per page would wait for a host copy.
         step_tensors = {key: torch.full((), key[1], dtype=torch.float32, device=key[0]) for key in step_devices}
         scalars_cache: dict[tuple[int, float], dict[str, float | torch.Tensor]] = {}
-        for batch in self._store.stream(pages):
-            # Pages of non-contiguous parameters are updated one at a time: their contiguous copies stay within
-            # one page's share of the parameters, however many pages are resident.
-            whole = [page for page in batch if not _has_strided(by_page[page.index])]
-            one_by_one = [[page] for page in batch if _has_strided(by_page[page.index])]
-            for pages_at_once in ([whole] if whole else []) + one_by_one:
-                self._update_pages(pages_at_once, by_page, step_tensors, compiled, scalars_cache)
+        recoveries = 0
+        try:
+            while True:
+                pages = [self._store.pages[i] for i in sorted(by_page) if not progress.page_done(by_page[i])]
+                if not pages:
+                    break
+                try:
+                    self._stream_pages(pages, by_page, progress, step_tensors, compiled, scalars_cache)
+                except RuntimeError as error:  # torch.OutOfMemoryError is one
+                    if not is_out_of_memory(error) or recoveries >= self.oom_retries:
+                        error.add_note(progress.describe(len(work), recoveries))
+                        raise
+                    recoveries += 1
+                    self._recover_in_step(error, recoveries, len(pages))
+                    del error
+        finally:
+            progress.advance_step_counts()
+            if recoveries:
+                for device, budget in budgets.items():
+                    if device not in self._auto_budgets:
+                        self._store.stores[device].set_budget(budget)
         self._record_stepped()
         if self._auto_budgets:
             self.prepare_forward()
@@ -387,27 +422,99 @@ class PagedOptimizer(Optimizer):
                 auto.probe.mark(_BETWEEN_STEPS)
         return loss
 
-    def _update_pages(
+    def _stream_pages(
         self,
         pages: list[Page],
         by_page: dict[int, list[WorkItem]],
+        progress: _StepProgress,
         step_tensors: dict[tuple[torch.device, float], torch.Tensor],
         compiled: bool,
         scalars_cache: dict[tuple[int, float], dict[str, float | torch.Tensor]],
     ) -> None:
-        """Update resident ``pages``: a multi-tensor kernel where the subclass has one, else segment by segment."""
-        gathered = [(page, *_gathered(by_page[page.index])) for page in pages]
-        for page, items in self.update_pages_fast([(page, items) for page, items, _ in gathered], step_tensors):
+        """Stream ``pages`` through the devices and update them; on an error, no page is left in flight."""
+        with contextlib.closing(self._store.stream(pages)) as batches:
+            for batch in batches:
+                # Pages of non-contiguous parameters are updated one at a time: their contiguous copies stay within
+                # one page's share of the parameters, however many pages are resident.
+                whole = [page for page in batch if not _has_strided(by_page[page.index])]
+                one_by_one = [[page] for page in batch if _has_strided(by_page[page.index])]
+                for pages_at_once in ([whole] if whole else []) + one_by_one:
+                    self._update_pages(pages_at_once, by_page, progress, step_tensors, compiled, scalars_cache)
+
+    def _update_pages(
+        self,
+        pages: list[Page],
+        by_page: dict[int, list[WorkItem]],
+        progress: _StepProgress,
+        step_tensors: dict[tuple[torch.device, float], torch.Tensor],
+        compiled: bool,
+        scalars_cache: dict[tuple[int, float], dict[str, float | torch.Tensor]],
+    ) -> None:
+        """Update the segments of resident ``pages`` that ``progress`` has not finished: a multi-tensor kernel
+        where the subclass has one (it allocates nothing, so it updates its pages whole), else chunk by chunk,
+        each chunk whole or not at all. A non-contiguous parameter's copy is written back after each segment's
+        update, whether it finished or not."""
+        gathered = {
+            page.index: [_gathered(item) for item in by_page[page.index] if not progress.finished(item[0])]
+            for page in pages
+        }
+        batch = [(page, [item for item, _ in gathered[page.index]]) for page in pages if gathered[page.index]]
+        left = self.update_pages_fast(batch, step_tensors)
+        left_pages = {page.index for page, _ in left}
+        for page, _ in batch:
+            if page.index not in left_pages:
+                for item, strided in gathered[page.index]:
+                    if strided is not None:
+                        strided.scatter(item[1])
+                    progress.finish(item[0])
+        for page, _ in left:
             kernel = segment_kernel(self.update_rule(), page.format.codecs, compiled)
             arrays = page.format.arrays(page.device)
-            for segment, param_slice, grad_slice, step, group in items:
+            for (segment, param_slice, grad_slice, step, group), strided in gathered[page.index]:
                 key = (id(group), step)
                 if key not in scalars_cache:
                     scalars_cache[key] = prepare_scalars(self.rule_scalars(group, step), compiled)
-                self._update_segment(kernel, page, arrays, segment, param_slice, grad_slice, scalars_cache[key])
-        for _, _, strided_params in gathered:
-            for strided, values in strided_params:
-                strided.scatter(values)
+                try:
+                    self._update_segment(
+                        kernel, page, arrays, segment, param_slice, grad_slice, scalars_cache[key], progress
+                    )
+                finally:
+                    if strided is not None:
+                        strided.scatter(param_slice)
+
+    def _recover_in_step(self, error: RuntimeError, attempt: int, pages_left: int) -> None:
+        """After an out-of-memory error in the step: give the state back to the host, free cached memory and lower
+        each device's budget for the rest of the step (halved, and one page at the last retry)."""
+        traceback.clear_frames(error.__traceback__)  # the failed chunk's temporaries
+        held = {device: store.device_bytes for device, store in self._store.stores.items()}
+        evicted = self._store.evict()
+        last = attempt >= self.oom_retries
+        for device, store in self._store.stores.items():
+            empty_device_cache(torch.device(device))
+            budget = held[device] if store.device_budget is None else min(store.device_budget, held[device])
+            store.set_budget(store.max_page_bytes if last else max(store.max_page_bytes, budget // 2))
+        first_device = torch.device(next(iter(self._store.stores)))
+        recovery = Recovery(
+            step=None,
+            micro_batch=None,
+            micro_batches_replayed=0,
+            attempt=attempt,
+            state_bytes_evicted=evicted,
+            other_bytes=max(0, probe_for(first_device).allocated() - self._store.device_bytes),
+            error=error,
+            phase="optimizer step",
+        )
+        logger.warning(
+            "hf-paged: out of memory in the optimizer step; moved %s of optimizer state to the host, freed cached "
+            "memory, updating the %d page(s) left under a budget of %s (retry %d of %d)",
+            format_size(evicted),
+            pages_left,
+            format_size(self._store.device_budget or 0),
+            attempt,
+            self.oom_retries,
+        )
+        if self.on_oom_recovery is not None:
+            self.on_oom_recovery(recovery)
 
     # Saving and loading -------------------------------------------------------------------------------
 
@@ -531,27 +638,30 @@ class PagedOptimizer(Optimizer):
         param: torch.Tensor,
         grad: torch.Tensor,
         scalars: dict[str, float | torch.Tensor],
+        progress: _StepProgress,
     ) -> None:
-        """Run ``kernel`` on a segment: its whole blocks in place, chunk by chunk; a partial last block through
-        padded copies."""
+        """Run ``kernel`` on the elements of a segment that ``progress`` has not reached: its whole blocks in place,
+        chunk by chunk, each chunk whole or not at all; a partial last block through padded copies."""
         codecs = page.format.codecs
         alignment = page.format.alignment
         chunk = self._chunk_elements(page.format, kernel.compiled)
         body = segment.length - segment.length % alignment
-        for start in range(0, body, chunk):
+        for start in range(progress.reached(segment), body, chunk):
             end = min(start + chunk, body)
             encoded = [codec.select(array, segment.offset + start, end - start) for codec, array in zip(codecs, arrays)]
             param_chunk, grad_chunk = to_blocks(param[start:end], alignment), to_blocks(grad[start:end], alignment)
-            kernel(param_chunk, grad_chunk, encoded, scalars)
+            _update_whole(kernel, param_chunk, grad_chunk, encoded, scalars)
+            progress.reach(segment, end)
         if body < segment.length:
             tail = segment.length - body
             encoded = [codec.select(array, segment.offset + body, tail) for codec, array in zip(codecs, arrays)]
             padded = to_blocks(param[body:], alignment)
-            kernel(padded, to_blocks(grad[body:], alignment), encoded, scalars)
+            _update_whole(kernel, padded, to_blocks(grad[body:], alignment), encoded, scalars)
             param[body:].copy_(padded.view(-1)[:tail])
+        progress.finish(segment)
 
     def _chunk_elements(self, page_format: PageFormat, compiled: bool) -> int:
-        """Elements of a segment updated by one kernel call: ``page_size // 16`` eagerly, ``page_size // 4``
+        """Elements of a segment updated by one kernel call: ``page_size // 16`` eagerly, ``page_size // 8``
         compiled, in whole blocks."""
         alignment = page_format.alignment
         divisor = _PAGE_BYTES_PER_CHUNK_ELEMENT[compiled]
@@ -587,7 +697,7 @@ class PagedOptimizer(Optimizer):
         """
         hooks = [name for name in vars(self) if name.startswith("_optimizer_") and name.endswith("_hooks")]
         patched = [name for name in vars(self) if callable(getattr(type(self), name, None))]
-        left_out = {*self._REBUILT_ATTRIBUTES, *hooks, *patched, "param_groups", "state"}
+        left_out = {*self._REBUILT_ATTRIBUTES, *hooks, *patched, "on_oom_recovery", "param_groups", "state"}
         saved = {key: value for key, value in vars(self).items() if key not in left_out}
         saved["param_groups"] = [dict(group) for group in self.param_groups]
         saved["_saved_state"] = self._state_dict()
@@ -729,15 +839,107 @@ def _has_strided(items: list[WorkItem]) -> bool:
     return any(isinstance(param, StridedRange) or isinstance(grad, StridedRange) for _, param, grad, *_ in items)
 
 
-def _gathered(items: list[tuple]) -> tuple[list[tuple], list[tuple[StridedRange, torch.Tensor]]]:
-    """A page's work items with the ranges of non-contiguous parameters and gradients copied to contiguous
-    tensors, and the parameters' copies to write back after the update."""
-    gathered, write_back = [], []
-    for segment, param_slice, grad_slice, *rest in items:
-        if isinstance(param_slice, StridedRange):
-            strided, param_slice = param_slice, param_slice.gather()
-            write_back.append((strided, param_slice))
-        if isinstance(grad_slice, StridedRange):
-            grad_slice = grad_slice.gather()
-        gathered.append((segment, param_slice, grad_slice, *rest))
-    return gathered, write_back
+def _gathered(item: WorkItem) -> tuple[WorkItem, StridedRange | None]:
+    """A work item with its range of a non-contiguous parameter or gradient copied to a contiguous tensor, and
+    the parameter's range to write the copy back to after the update (``None`` for a contiguous parameter)."""
+    segment, param_slice, grad_slice, *rest = item
+    strided = None
+    if isinstance(param_slice, StridedRange):
+        strided, param_slice = param_slice, param_slice.gather()
+    if isinstance(grad_slice, StridedRange):
+        grad_slice = grad_slice.gather()
+    return (segment, param_slice, grad_slice, *rest), strided
+
+
+def _update_whole(
+    kernel: SegmentKernel,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    encoded: list[tuple[torch.Tensor, ...]],
+    scalars: dict[str, float | torch.Tensor],
+) -> None:
+    """Run ``kernel`` so that it updates ``param`` and the ``encoded`` state whole or not at all.
+
+    A kernel may allocate temporaries after it has written some of its outputs (an eager update writes the
+    parameter, then encodes the state; a compiled one allocates between its kernels), so an out-of-memory error
+    could stop it half way. Unless the kernel says it allocates nothing after its first write
+    (``writes_after_allocating``), what it writes is copied first and copied back if it fails: the copies are
+    allocated before anything is written, and putting them back allocates nothing.
+    """
+    if getattr(kernel, "writes_after_allocating", False):
+        kernel(param, grad, encoded, scalars)
+        return
+    targets = [param, *(array for segment in encoded for array in segment)]
+    saved = [target.clone() for target in targets]
+    try:
+        kernel(param, grad, encoded, scalars)
+    except BaseException:
+        for target, copy_of_target in zip(targets, saved):
+            target.copy_(copy_of_target)
+        raise
+
+
+class _StepProgress:
+    """How far one step got: the elements of each segment updated, and which parameters are updated in full.
+
+    A parameter's step count advances (to ``new_counts``) once every segment of it is finished, so a step that
+    stops part way leaves the counts of the parameters it did not finish as they were.
+    """
+
+    def __init__(self, step_counts: list[torch.Tensor], new_counts: list[torch.Tensor]) -> None:
+        self.step_counts = step_counts
+        self.new_counts = new_counts
+        self._reached: dict[int, int] = {}
+        self._finished: set[int] = set()
+        self._owner: dict[int, int] = {}
+        self._segments_left: list[int] = [0] * len(step_counts)
+        self._started: set[int] = set()
+        self._advanced = False
+
+    def expect(self, index: int, segments: list[Segment]) -> None:
+        """Record that parameter ``index`` is updated when all ``segments`` are."""
+        self._segments_left[index] = len(segments)
+        for segment in segments:
+            self._owner[id(segment)] = index
+
+    def reached(self, segment: Segment) -> int:
+        """Elements of ``segment`` updated so far."""
+        return self._reached.get(id(segment), 0)
+
+    def reach(self, segment: Segment, elements: int) -> None:
+        self._reached[id(segment)] = elements
+        self._started.add(self._owner[id(segment)])
+
+    def finish(self, segment: Segment) -> None:
+        self.reach(segment, segment.length)
+        self._finished.add(id(segment))
+        self._segments_left[self._owner[id(segment)]] -= 1
+
+    def finished(self, segment: Segment) -> bool:
+        return id(segment) in self._finished
+
+    def page_done(self, items: list[WorkItem]) -> bool:
+        return all(id(item[0]) in self._finished for item in items)
+
+    def advance_step_counts(self) -> None:
+        """Advance the step counts of the parameters updated in full (once)."""
+        if self._advanced:
+            return
+        self._advanced = True
+        done = [index for index, left in enumerate(self._segments_left) if left == 0]
+        if done:
+            torch._foreach_copy_([self.step_counts[i] for i in done], [self.new_counts[i] for i in done])
+
+    def describe(self, parameters: int, recoveries: int) -> str:
+        """A note for an error that stops the step: what it updated, and what that means for the state."""
+        done = sum(left == 0 for left in self._segments_left)
+        started = sum(1 for index in self._started if self._segments_left[index])
+        after = f" after {recoveries} recoveries from out-of-memory errors" if recoveries else ""
+        if not done and not started:
+            return f"hf-paged: the optimizer step stopped{after} before updating any parameter; nothing changed"
+        return (
+            f"hf-paged: the optimizer step stopped{after} having updated {done} of {parameters} parameters in full "
+            f"(their step counts advanced) and {started} in part (whole chunks of elements; their step counts did "
+            "not advance). Every chunk is either updated or as it was, but the optimizer is not at a step's end: "
+            "resume from a checkpoint rather than go on training"
+        )
