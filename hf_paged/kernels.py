@@ -3,6 +3,11 @@
 The composition is plain PyTorch, so it runs eagerly on every device. With ``compiled=True`` it is
 handed to :func:`torch.compile`, which fuses decode, update and encode into one kernel per segment
 shape family (segment lengths and the per-step scalars do not cause recompiles).
+
+CPU segments of AdamW's and Lion's 8-bit and 4-bit states take a hand-written C++ kernel instead
+(:class:`HostKernel`, built at first use by :mod:`hf_paged.native`), whether ``compiled`` is set or not: one pass
+over each block, the eager kernel's arithmetic. ``HF_PAGED_NATIVE=0`` turns it off; where it cannot be built, the
+kernels above remain, and the reason is logged once.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .codecs import Codec, EncodedSegment
+from .codecs import Blockwise4bitCodec, Blockwise8bitCodec, Codec, EncodedSegment
+from .native import host_kernels_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +165,97 @@ def prepare_scalars(scalars: dict[str, float], compiled: bool) -> dict[str, floa
     return {name: torch.tensor(value, dtype=torch.float32, device="cpu") for name, value in scalars.items()}
 
 
+class HostKernel:
+    """The C++ host kernel of ``hf_paged/native/host_kernels.cpp`` for a rule's CPU segments of 8-bit or 4-bit
+    state; segments elsewhere (another device, fp64 tensors) go to ``fallback``, a :class:`SegmentKernel`.
+
+    One pass per block of ``block_size`` elements: the codes and scale of each state are read and decoded, the rule
+    runs in fp32 with the eager kernel's formulas, the parameter is written once and the state encoded with the
+    block's new largest magnitude as its scale. Results do not depend on the number of threads or on chunking.
+
+    It writes the parameter and the state in place and allocates nothing: every argument is checked before the
+    first write, so an error leaves the segment as it was.
+    """
+
+    def __init__(self, rule_name: str, codecs: tuple[Codec, ...], fallback: SegmentKernel) -> None:
+        self.rule_name = rule_name
+        self.codecs = codecs
+        self.fallback = fallback
+        self.compiled = fallback.compiled
+        """The fallback's setting, which also sizes the chunks the optimizer hands over."""
+        first = codecs[0]
+        self.bits = 8 if isinstance(first, Blockwise8bitCodec) else 4
+        self.block_size = first.block_size
+        self._scalar_names = _HOST_RULES[rule_name][1]
+        self._operator = getattr(torch.ops.hf_paged, f"{rule_name}_blockwise_")
+
+    def __call__(
+        self, param: torch.Tensor, grad: torch.Tensor, encoded: Sequence[EncodedSegment], scalars: dict
+    ) -> None:
+        """Update one segment (``param`` and ``grad`` shaped ``(blocks, block_size)``); ``scalars`` as from
+        :func:`prepare_scalars`, floats or 0-d fp32 CPU tensors."""
+        if param.device.type != "cpu" or param.dtype not in _HOST_DTYPES or grad.dtype not in _HOST_DTYPES:
+            self.fallback(param, grad, encoded, scalars)
+            return
+        arrays = [array for segment in encoded for array in segment]
+        values = [float(scalars[name]) for name in self._scalar_names]
+        self._operator(param, grad, *arrays, self.bits, self.block_size, *values)
+
+
+_HOST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_HOST_RULES: dict[str, tuple[tuple[bool, ...], tuple[str, ...]]] = {
+    "adamw": (
+        (True, False),
+        ("decay", "avg_weight", "beta2", "sq_weight", "eps", "step_size", "inv_bias_correction2_sqrt"),
+    ),
+    "lion": ((True,), ("lr", "decay", "direction_weight", "avg_weight")),
+}
+"""The rules with a host kernel: the signedness of their states, and their scalars in the operator's order."""
+
+
 @functools.cache
-def segment_kernel(rule: UpdateRule, codecs: tuple[Codec, ...], compiled: bool) -> SegmentKernel:
-    """The :class:`SegmentKernel` of ``rule`` for ``codecs``, made once per process."""
-    return SegmentKernel(rule, codecs, compiled)
+def _host_rule_names() -> dict[UpdateRule, str]:
+    """The update rules that have a host kernel, by function (imported here: the rules live above this layer)."""
+    from .optim.adamw import adamw_update_
+    from .optim.lion import lion_update_
+
+    return {adamw_update_: "adamw", lion_update_: "lion"}
+
+
+def host_rule_name(rule: UpdateRule, codecs: tuple[Codec, ...]) -> str | None:
+    """The host kernel's name for ``rule`` on ``codecs`` (``"adamw"`` or ``"lion"``), or ``None`` where it has
+    none: a rule other than AdamW's and Lion's, or states that are not all 8-bit or all 4-bit of one block size."""
+    name = _host_rule_names().get(rule)
+    if name is None or not codecs:
+        return None
+    kind = type(codecs[0])
+    if kind not in (Blockwise8bitCodec, Blockwise4bitCodec) or any(
+        type(codec) is not kind or codec.block_size != codecs[0].block_size for codec in codecs
+    ):
+        return None
+    if tuple(codec.signed for codec in codecs) != _HOST_RULES[name][0]:
+        return None
+    return name
+
+
+def segment_kernel(rule: UpdateRule, codecs: tuple[Codec, ...], compiled: bool) -> SegmentKernel | HostKernel:
+    """The kernel of ``rule`` for ``codecs``, made once per process.
+
+    For AdamW's and Lion's 8-bit and 4-bit states it is a :class:`HostKernel` while the host kernels are enabled
+    (``HF_PAGED_NATIVE``, read at each call; see :mod:`hf_paged.native`), whatever ``compiled`` says: CPU segments
+    take the C++ kernel, others the :class:`SegmentKernel` that ``compiled`` chooses. Otherwise, or where the host
+    kernels cannot be built, the :class:`SegmentKernel`.
+    """
+    native = host_rule_name(rule, codecs) is not None and host_kernels_enabled()
+    return _segment_kernel(rule, codecs, compiled, native)
+
+
+@functools.cache
+def _segment_kernel(
+    rule: UpdateRule, codecs: tuple[Codec, ...], compiled: bool, native: bool
+) -> SegmentKernel | HostKernel:
+    kernel = SegmentKernel(rule, codecs, compiled)
+    if not native:
+        return kernel
+    return HostKernel(host_rule_name(rule, codecs), codecs, kernel)

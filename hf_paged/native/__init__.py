@@ -1,0 +1,106 @@
+"""The host kernels written in C++ (``host_kernels.cpp``), built at first use and cached by PyTorch.
+
+:func:`host_kernels` builds the extension once per process with :func:`torch.utils.cpp_extension.load` (ninja and a
+C++ compiler; the build lands in PyTorch's extension cache, ``TORCH_EXTENSIONS_DIR`` or
+``~/.cache/torch_extensions``, so later processes load it in well under a second) and registers its operators as
+``torch.ops.hf_paged.adamw_blockwise_`` and ``torch.ops.hf_paged.lion_blockwise_``. Where it cannot be built the
+optimizers keep PyTorch's kernels; the reason is logged once.
+
+``HF_PAGED_NATIVE`` chooses: ``0`` never uses the host kernels, ``1`` requires them (a failed build raises), unset
+uses them where they build.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("host_kernels.cpp")
+
+_OFF = ("0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on")
+
+
+def native_setting() -> bool | None:
+    """``HF_PAGED_NATIVE`` read now: ``False`` (off), ``True`` (required) or ``None`` (where it builds)."""
+    setting = os.environ.get("HF_PAGED_NATIVE", "").strip().lower()
+    if setting in _OFF:
+        return False
+    if setting in _ON:
+        return True
+    if setting:
+        raise ValueError(f"HF_PAGED_NATIVE={setting!r} is not allowed: use 0 or 1")
+    return None
+
+
+def host_kernels_enabled() -> bool:
+    """Whether the optimizers update CPU pages of 8-bit and 4-bit state with the host kernels now.
+
+    Reads ``HF_PAGED_NATIVE`` at each call; builds the kernels at the first call that needs them.
+    """
+    setting = native_setting()
+    if setting is False:
+        return False
+    reason = build_failure()
+    if reason is not None and setting:
+        raise RuntimeError(f"HF_PAGED_NATIVE=1, but hf_paged's host kernels could not be built: {reason}")
+    return reason is None
+
+
+def _compile_flags() -> list[str]:
+    """Optimization flags for this machine's vector unit, as PyTorch detected it.
+
+    The flags are part of the cache key, so machines of different capabilities sharing a cache get their own
+    builds. ``-ffp-contract=off`` keeps every product and sum rounded as PyTorch's eager kernels round them.
+    """
+    flags = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp"]
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        flags += ["-mavx2", "-mfma", "-mf16c"]
+    return flags
+
+
+@functools.cache
+def build_failure() -> str | None:
+    """Build (or load from the cache) the host kernels once per process; why they are unavailable, or ``None``.
+
+    The outcome is logged once: the build time on success, the reason and the fallback otherwise.
+    """
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        reason = f"no C++ compiler ({compiler!r}) on PATH"
+    elif not cpp_extension.is_ninja_available():
+        reason = "ninja is not installed (pip install ninja)"
+    else:
+        reason = None
+    if reason is None:
+        start = time.perf_counter()
+        try:
+            cpp_extension.load(
+                name=f"hf_paged_host_kernels_{torch.backends.cpu.get_cpu_capability().lower()}",
+                sources=[str(SOURCE)],
+                extra_cflags=_compile_flags(),
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
+        except (RuntimeError, OSError, ImportError) as error:  # a failed build or load: the PyTorch kernels remain
+            lines = [line for line in str(error).splitlines() if line.strip()]
+            reason = f"{type(error).__name__}: {lines[0] if lines else ''}"
+            errors = [line for line in lines if "error" in line.lower()][:3]
+            if errors and errors[0] != lines[0]:
+                reason += " (" + " | ".join(line.strip() for line in errors) + ")"
+        else:
+            logger.info("hf_paged: host kernels ready in %.1f s", time.perf_counter() - start)
+            return None
+    logger.warning("hf_paged: host kernels unavailable (%s); CPU pages keep PyTorch's kernels", reason)
+    return reason

@@ -1,0 +1,538 @@
+// One-pass host (CPU) kernels for the blockwise 8-bit and 4-bit AdamW and Lion updates of hf_paged.
+//
+// Each block of `block_size` elements is read once: its state codes are decoded into block-local fp32 buffers
+// (on the stack), the update rule runs in fp32 with the parameter written once while the block's new largest
+// magnitudes are found, and the state is encoded from the buffers back into its codes and scale. Blocks are
+// independent, so results do not depend on the number of threads or on how a segment is chunked.
+//
+// The arithmetic is that of the eager PyTorch kernels (hf_paged/codecs.py, hf_paged/optim/adamw.py and lion.py),
+// operation by operation in fp32 with the same constants and rounding: products and sums are rounded one by one
+// (no contraction into fused multiply-adds), lerp is one fused multiply-add as in ATen's vectorized lerp, square
+// roots and quotients are IEEE (correctly rounded). The kernels are written once over `Vec`, eight lanes of AVX2
+// where the build targets it, else one scalar lane.
+//
+// The kernels write in place and allocate nothing: every argument is checked before the first write.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <utility>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define HF_PAGED_AVX2 1
+#endif
+
+namespace hf_paged {
+namespace {
+
+constexpr int64_t kMaxBlockSize = 4096;
+
+#ifdef HF_PAGED_AVX2
+
+// Eight fp32 lanes (AVX2 and FMA).
+struct Vec {
+  static constexpr int64_t kWidth = 8;
+  using F = __m256;
+
+  static F splat(float x) { return _mm256_set1_ps(x); }
+  static F zero() { return _mm256_setzero_ps(); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  static F abs(F a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+  static F rint(F a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F floor(F a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  // a > b ? a : b and a < b ? a : b, lane by lane (the x86 semantics, also of the scalar lane below).
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F min(F a, F b) { return _mm256_min_ps(a, b); }
+  // 1 where a > 0, else 0.
+  static F positive(F a) { return _mm256_and_ps(_mm256_cmp_ps(a, zero(), _CMP_GT_OQ), splat(1.0f)); }
+  // torch.sign: 1, -1 or 0.
+  static F sign(F a) {
+    return sub(positive(a), _mm256_and_ps(_mm256_cmp_ps(a, zero(), _CMP_LT_OQ), splat(1.0f)));
+  }
+  // Nonzero lanes where a is NaN, accumulated into flags.
+  static F nan_flags(F flags, F a) { return _mm256_or_ps(flags, _mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
+  static bool any(F flags) { return _mm256_movemask_ps(flags) != 0; }
+  static float reduce_max(F a) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, a);
+    float result = lanes[0];
+    for (int k = 1; k < 8; ++k) result = lanes[k] > result ? lanes[k] : result;
+    return result;
+  }
+
+  static F load(const float* x) { return _mm256_loadu_ps(x); }
+  static F load(const c10::BFloat16* x) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  }
+  static F load(const c10::Half* x) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))); }
+  static void store(float* x, F a) { _mm256_storeu_ps(x, a); }
+  // Round to nearest even, NaN to 0x7FC0: c10::BFloat16's conversion.
+  static void store(c10::BFloat16* x, F a) {
+    const __m256i bits = _mm256_castps_si256(a);
+    const __m256i bias =
+        _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7FFF));
+    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+    rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)));
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(x), packed);
+  }
+  static void store(c10::Half* x, F a) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(x), _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
+  }
+
+  static __m256i load_bytes(const uint8_t* x) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x)));
+  }
+  static F load_codes(const int8_t* x) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x))));
+  }
+  static F load_codes(const uint8_t* x) { return _mm256_cvtepi32_ps(load_bytes(x)); }
+  // Integer-valued codes in [-127, 127] and [0, 255].
+  static void store_codes(int8_t* x, F codes) {
+    const __m256i values = _mm256_cvttps_epi32(codes);
+    const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(values), _mm256_extracti128_si256(values, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(x), _mm_packs_epi16(words, words));
+  }
+  static void store_codes(uint8_t* x, F codes) { store_bytes(x, _mm256_cvttps_epi32(codes)); }
+  static void store_bytes(uint8_t* x, __m256i values) {
+    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(values), _mm256_extracti128_si256(values, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(x), _mm_packus_epi16(words, words));
+  }
+  // The low and high 4-bit codes of eight bytes.
+  static void load_nibbles(const uint8_t* x, F& low, F& high) {
+    const __m256i bytes = load_bytes(x);
+    low = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
+    high = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+  }
+  // Integer-valued codes in [0, 15].
+  static void store_nibbles(uint8_t* x, F low, F high) {
+    store_bytes(x, _mm256_or_si256(_mm256_cvttps_epi32(low), _mm256_slli_epi32(_mm256_cvttps_epi32(high), 4)));
+  }
+};
+
+#else
+
+// One scalar lane: the same operations where the build does not target AVX2.
+struct Vec {
+  static constexpr int64_t kWidth = 1;
+  using F = float;
+
+  static F splat(float x) { return x; }
+  static F zero() { return 0.0f; }
+  static F add(F a, F b) { return a + b; }
+  static F sub(F a, F b) { return a - b; }
+  static F mul(F a, F b) { return a * b; }
+  static F div(F a, F b) { return a / b; }
+  static F fma(F a, F b, F c) { return std::fma(a, b, c); }
+  static F sqrt(F a) { return std::sqrt(a); }
+  static F abs(F a) { return std::fabs(a); }
+  static F rint(F a) { return std::nearbyint(a); }
+  static F floor(F a) { return std::floor(a); }
+  static F max(F a, F b) { return a > b ? a : b; }
+  static F min(F a, F b) { return a < b ? a : b; }
+  static F positive(F a) { return a > 0.0f ? 1.0f : 0.0f; }
+  static F sign(F a) { return a > 0.0f ? 1.0f : (a < 0.0f ? -1.0f : 0.0f); }
+  static F nan_flags(F flags, F a) { return std::isnan(a) ? 1.0f : flags; }
+  static bool any(F flags) { return flags != 0.0f; }
+  static float reduce_max(F a) { return a; }
+
+  template <typename T>
+  static F load(const T* x) {
+    return static_cast<float>(*x);
+  }
+  template <typename T>
+  static void store(T* x, F a) {
+    *x = T(a);
+  }
+  static F load_codes(const int8_t* x) { return static_cast<float>(*x); }
+  static F load_codes(const uint8_t* x) { return static_cast<float>(*x); }
+  static void store_codes(int8_t* x, F codes) { *x = static_cast<int8_t>(static_cast<int32_t>(codes)); }
+  static void store_codes(uint8_t* x, F codes) { *x = static_cast<uint8_t>(static_cast<int32_t>(codes)); }
+  static void load_nibbles(const uint8_t* x, F& low, F& high) {
+    low = static_cast<float>(*x & 15);
+    high = static_cast<float>(*x >> 4);
+  }
+  static void store_nibbles(uint8_t* x, F low, F high) {
+    *x = static_cast<uint8_t>(static_cast<int32_t>(low) | (static_cast<int32_t>(high) << 4));
+  }
+};
+
+#endif
+
+using F = Vec::F;
+constexpr int64_t kWidth = Vec::kWidth;
+
+// ATen's vectorized lerp: start + w (end - start) for |w| < 0.5, else end + (w - 1) (end - start), one fused
+// multiply-add.
+struct Lerp {
+  explicit Lerp(float weight)
+      : small(std::fabs(weight) < 0.5f), coefficient(Vec::splat(small ? weight : weight - 1.0f)) {}
+  F operator()(F start, F end) const {
+    return Vec::fma(coefficient, Vec::sub(end, start), small ? start : end);
+  }
+  bool small;
+  F coefficient;
+};
+
+// The running largest magnitude of a block, as torch.amax of its absolute values (a NaN makes it NaN).
+struct AbsMax {
+  F largest = Vec::zero();
+  F nans = Vec::zero();
+  void add(F values) {
+    largest = Vec::max(largest, Vec::abs(values));
+    nans = Vec::nan_flags(nans, values);
+  }
+  float value() const { return Vec::any(nans) ? NAN : Vec::reduce_max(largest); }
+};
+
+// 1 / scale, and 0 for a zero or subnormal scale (codecs.inverse_scales).
+inline float inverse_scale(float scale) { return scale >= FLT_MIN ? 1.0f / scale : 0.0f; }
+
+// 1 / sqrt(scale) for a positive scale, else 0 (codecs.fourth_roots; torch.rsqrt on the CPU is 1 / sqrt).
+inline float inverse_root_scale(float scale) { return scale > 0.0f ? 1.0f / std::sqrt(scale) : 0.0f; }
+
+// One state's storage: codes (one byte per element, or two 4-bit codes per byte) and one fp32 scale per block.
+struct State {
+  uint8_t* codes;
+  float* scales;
+};
+
+// The 8-bit codecs (Blockwise8bitCodec). Signed: x = s n |n| with n = q / 127; non-negative: x = s n^4 with
+// n = q / 255.
+struct Codes8 {
+  static void decode_signed(const State& state, int64_t block, int64_t size, float* out) {
+    const auto* codes = reinterpret_cast<const int8_t*>(state.codes) + block * size;
+    const F scale = Vec::splat(state.scales[block]);
+    const F step = Vec::splat(static_cast<float>(1.0 / 127));
+    for (int64_t i = 0; i < size; i += kWidth) {
+      const F normalized = Vec::mul(Vec::load_codes(codes + i), step);
+      Vec::store(out + i, Vec::mul(Vec::mul(normalized, Vec::abs(normalized)), scale));
+    }
+  }
+
+  static void decode_unsigned(const State& state, int64_t block, int64_t size, float* out) {
+    const uint8_t* codes = state.codes + block * size;
+    const F scale = Vec::splat(state.scales[block]);
+    const F step = Vec::splat(static_cast<float>(1.0 / 255));
+    for (int64_t i = 0; i < size; i += kWidth) {
+      const F normalized = Vec::mul(Vec::load_codes(codes + i), step);
+      const F squared = Vec::mul(normalized, normalized);
+      Vec::store(out + i, Vec::mul(Vec::mul(squared, squared), scale));
+    }
+  }
+
+  // Nearest code in the sqrt(|x| / s) domain.
+  static void encode_signed(const State& state, int64_t block, int64_t size, const float* values, float scale) {
+    auto* codes = reinterpret_cast<int8_t*>(state.codes) + block * size;
+    const F inverse = Vec::splat(inverse_scale(scale));
+    const F top = Vec::splat(127.0f);
+    for (int64_t i = 0; i < size; i += kWidth) {
+      const F normalized = Vec::mul(Vec::load(values + i), inverse);
+      const F magnitude = Vec::rint(Vec::mul(Vec::sqrt(Vec::abs(normalized)), top));
+      Vec::store_codes(codes + i, Vec::mul(magnitude, Vec::sign(normalized)));
+    }
+    state.scales[block] = scale;
+  }
+
+  // Nearest code in the (x / s)^(1/4) domain, from roots = sqrt(x); a positive value never becomes code 0.
+  static void encode_unsigned_roots(const State& state, int64_t block, int64_t size, const float* roots,
+                                    float scale) {
+    uint8_t* codes = state.codes + block * size;
+    const F inverse_root = Vec::splat(inverse_root_scale(scale));
+    const F top = Vec::splat(255.0f);
+    for (int64_t i = 0; i < size; i += kWidth) {
+      const F root = Vec::sqrt(Vec::mul(Vec::load(roots + i), inverse_root));
+      Vec::store_codes(codes + i, Vec::max(Vec::rint(Vec::mul(root, top)), Vec::positive(root)));
+    }
+    state.scales[block] = scale;
+  }
+};
+
+// The 4-bit codecs (Blockwise4bitCodec): byte i of a block holds element i in its low nibble and element
+// i + size / 2 in its high nibble. Signed: x = s q |q| / 49 with q = code - 7; non-negative: x = s ((code + 1) / 16)^4.
+struct Codes4 {
+  static void decode_signed(const State& state, int64_t block, int64_t size, float* out) {
+    const int64_t half = size / 2;
+    const uint8_t* packed = state.codes + block * half;
+    const F scale = Vec::splat(state.scales[block]);
+    const F step = Vec::splat(static_cast<float>(1.0 / 49));
+    const F middle = Vec::splat(7.0f);
+    for (int64_t i = 0; i < half; i += kWidth) {
+      F low, high;
+      Vec::load_nibbles(packed + i, low, high);
+      low = Vec::sub(low, middle);
+      high = Vec::sub(high, middle);
+      Vec::store(out + i, Vec::mul(Vec::mul(Vec::mul(low, Vec::abs(low)), step), scale));
+      Vec::store(out + i + half, Vec::mul(Vec::mul(Vec::mul(high, Vec::abs(high)), step), scale));
+    }
+  }
+
+  static void decode_unsigned(const State& state, int64_t block, int64_t size, float* out) {
+    const int64_t half = size / 2;
+    const uint8_t* packed = state.codes + block * half;
+    const F scale = Vec::splat(state.scales[block]);
+    const F one = Vec::splat(1.0f), step = Vec::splat(0.0625f);
+    for (int64_t i = 0; i < half; i += kWidth) {
+      F low, high;
+      Vec::load_nibbles(packed + i, low, high);
+      low = Vec::mul(Vec::add(low, one), step);
+      high = Vec::mul(Vec::add(high, one), step);
+      low = Vec::mul(low, low);
+      high = Vec::mul(high, high);
+      Vec::store(out + i, Vec::mul(Vec::mul(low, low), scale));
+      Vec::store(out + i + half, Vec::mul(Vec::mul(high, high), scale));
+    }
+  }
+
+  // Nearest level (k / 7)^2: |x| >= the midpoint of levels k - 1 and k iff 196 |x| - 1 >= (2k - 1)^2.
+  static F signed_code(F values, F inverse) {
+    const F normalized = Vec::mul(values, inverse);
+    const F excess = Vec::sub(Vec::mul(Vec::abs(normalized), Vec::splat(196.0f)), Vec::splat(1.0f));
+    const F root = Vec::sqrt(Vec::max(excess, Vec::zero()));
+    const F level = Vec::min(Vec::floor(Vec::mul(Vec::add(root, Vec::splat(1.0f)), Vec::splat(0.5f))), Vec::splat(7.0f));
+    return Vec::add(Vec::mul(level, Vec::sign(normalized)), Vec::splat(7.0f));
+  }
+
+  static void encode_signed(const State& state, int64_t block, int64_t size, const float* values, float scale) {
+    const int64_t half = size / 2;
+    uint8_t* packed = state.codes + block * half;
+    const F inverse = Vec::splat(inverse_scale(scale));
+    for (int64_t i = 0; i < half; i += kWidth) {
+      Vec::store_nibbles(packed + i, signed_code(Vec::load(values + i), inverse),
+                         signed_code(Vec::load(values + i + half), inverse));
+    }
+    state.scales[block] = scale;
+  }
+
+  // Nearest of the 16 codes in the (x / s)^(1/4) domain, from roots = sqrt(x); zero is not a level.
+  static F unsigned_code(F roots, F inverse_root) {
+    const F code = Vec::sub(Vec::rint(Vec::mul(Vec::sqrt(Vec::mul(roots, inverse_root)), Vec::splat(16.0f))),
+                            Vec::splat(1.0f));
+    return Vec::min(Vec::max(code, Vec::zero()), Vec::splat(15.0f));
+  }
+
+  static void encode_unsigned_roots(const State& state, int64_t block, int64_t size, const float* roots,
+                                    float scale) {
+    const int64_t half = size / 2;
+    uint8_t* packed = state.codes + block * half;
+    const F inverse_root = Vec::splat(inverse_root_scale(scale));
+    for (int64_t i = 0; i < half; i += kWidth) {
+      Vec::store_nibbles(packed + i, unsigned_code(Vec::load(roots + i), inverse_root),
+                         unsigned_code(Vec::load(roots + i + half), inverse_root));
+    }
+    state.scales[block] = scale;
+  }
+};
+
+struct AdamWScalars {
+  float decay, avg_weight, beta2, sq_weight, eps, step_size, inv_bias_correction2_sqrt;
+};
+
+struct LionScalars {
+  float lr, decay, direction_weight, avg_weight;
+};
+
+int64_t grain_blocks(int64_t block_size) { return std::max<int64_t>(1, 32768 / block_size); }
+
+// adamw_update_ on every block: m = lerp(m, g, 1 - b1); v = v b2 + g^2 (1 - b2);
+// p = p (1 - lr wd) - m / (sqrt(v) / sqrt(1 - b2^t) + eps) lr / (1 - b1^t).
+template <class Codes, typename P, typename G>
+void adamw_blocks(P* param, const G* grad, State avg, State avg_sq, int64_t blocks, int64_t size,
+                  const AdamWScalars& s) {
+  at::parallel_for(0, blocks, grain_blocks(size), [&](int64_t begin, int64_t end) {
+    alignas(64) float moments[kMaxBlockSize];
+    alignas(64) float seconds[kMaxBlockSize];
+    const Lerp average(s.avg_weight);
+    const F decay = Vec::splat(s.decay), beta2 = Vec::splat(s.beta2), sq_weight = Vec::splat(s.sq_weight),
+            eps = Vec::splat(s.eps), step_size = Vec::splat(s.step_size),
+            inv_bias_correction2_sqrt = Vec::splat(s.inv_bias_correction2_sqrt);
+    for (int64_t block = begin; block < end; ++block) {
+      Codes::decode_signed(avg, block, size, moments);
+      Codes::decode_unsigned(avg_sq, block, size, seconds);
+      P* p = param + block * size;
+      const G* g = grad + block * size;
+      AbsMax moment_max, second_max;
+      for (int64_t i = 0; i < size; i += kWidth) {
+        const F gradient = Vec::load(g + i);
+        const F moment = average(Vec::load(moments + i), gradient);
+        const F second =
+            Vec::add(Vec::mul(Vec::load(seconds + i), beta2), Vec::mul(Vec::mul(gradient, gradient), sq_weight));
+        const F root = Vec::sqrt(second);
+        const F denominator = Vec::add(Vec::mul(root, inv_bias_correction2_sqrt), eps);
+        Vec::store(p + i, Vec::sub(Vec::mul(Vec::load(p + i), decay),
+                                   Vec::mul(Vec::div(moment, denominator), step_size)));
+        Vec::store(moments + i, moment);
+        Vec::store(seconds + i, root);  // the encoding takes sqrt(v)
+        moment_max.add(moment);
+        second_max.add(second);
+      }
+      Codes::encode_signed(avg, block, size, moments, moment_max.value());
+      Codes::encode_unsigned_roots(avg_sq, block, size, seconds, second_max.value());
+    }
+  });
+}
+
+// lion_update_ on every block: p = p (1 - lr wd) - lr sign(lerp(m, g, 1 - b1)); m = lerp(m, g, 1 - b2).
+template <class Codes, typename P, typename G>
+void lion_blocks(P* param, const G* grad, State avg, int64_t blocks, int64_t size, const LionScalars& s) {
+  at::parallel_for(0, blocks, grain_blocks(size), [&](int64_t begin, int64_t end) {
+    alignas(64) float moments[kMaxBlockSize];
+    const Lerp direction_lerp(s.direction_weight), average(s.avg_weight);
+    const F lr = Vec::splat(s.lr), decay = Vec::splat(s.decay);
+    for (int64_t block = begin; block < end; ++block) {
+      Codes::decode_signed(avg, block, size, moments);
+      P* p = param + block * size;
+      const G* g = grad + block * size;
+      AbsMax moment_max;
+      for (int64_t i = 0; i < size; i += kWidth) {
+        const F gradient = Vec::load(g + i);
+        const F previous = Vec::load(moments + i);
+        const F direction = Vec::sign(direction_lerp(previous, gradient));
+        Vec::store(p + i, Vec::sub(Vec::mul(Vec::load(p + i), decay), Vec::mul(direction, lr)));
+        const F moment = average(previous, gradient);
+        Vec::store(moments + i, moment);
+        moment_max.add(moment);
+      }
+      Codes::encode_signed(avg, block, size, moments, moment_max.value());
+    }
+  });
+}
+
+bool is_float_type(c10::ScalarType type) {
+  return type == at::kFloat || type == at::kBFloat16 || type == at::kHalf;
+}
+
+// Checks every argument before anything is written; returns the number of blocks.
+int64_t check_arguments(const char* op, const at::Tensor& param, const at::Tensor& grad,
+                        std::initializer_list<std::pair<const at::Tensor*, const at::Tensor*>> states,
+                        std::initializer_list<bool> signed_states, int64_t bits, int64_t block_size) {
+  TORCH_CHECK(bits == 8 || bits == 4, op, ": bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(block_size >= 16 && block_size <= kMaxBlockSize && (block_size & (block_size - 1)) == 0, op,
+              ": block_size must be a power of two from 16 to ", kMaxBlockSize, ", got ", block_size);
+  const int64_t numel = param.numel();
+  TORCH_CHECK(numel % block_size == 0, op, ": the parameter's ", numel, " elements are not whole blocks of ",
+              block_size);
+  const int64_t blocks = numel / block_size;
+  for (const at::Tensor* tensor : {&param, &grad}) {
+    TORCH_CHECK(tensor->device().is_cpu() && tensor->is_contiguous() && is_float_type(tensor->scalar_type()), op,
+                ": param and grad must be contiguous CPU tensors of fp32, bf16 or fp16, got ",
+                tensor->scalar_type(), " on ", tensor->device(), tensor->is_contiguous() ? "" : " (not contiguous)");
+  }
+  TORCH_CHECK(grad.numel() == numel, op, ": grad has ", grad.numel(), " elements, param ", numel);
+  auto is_signed = signed_states.begin();
+  for (const auto& [codes, scales] : states) {
+    const c10::ScalarType code_type = bits == 8 && *is_signed ? at::kChar : at::kByte;
+    const int64_t code_count = bits == 8 ? numel : numel / 2;
+    TORCH_CHECK(codes->device().is_cpu() && codes->is_contiguous() && codes->scalar_type() == code_type &&
+                    codes->numel() == code_count,
+                op, ": a state's codes must be a contiguous CPU tensor of ", code_count, " ", code_type,
+                " elements, got ", codes->numel(), " ", codes->scalar_type(), " on ", codes->device());
+    TORCH_CHECK(scales->device().is_cpu() && scales->is_contiguous() && scales->scalar_type() == at::kFloat &&
+                    scales->numel() == blocks,
+                op, ": a state's scales must be a contiguous CPU fp32 tensor of ", blocks, " elements, got ",
+                scales->numel(), " ", scales->scalar_type(), " on ", scales->device());
+    ++is_signed;
+  }
+  return blocks;
+}
+
+State state_of(const at::Tensor& codes, const at::Tensor& scales) {
+  return {static_cast<uint8_t*>(codes.data_ptr()), scales.data_ptr<float>()};
+}
+
+// Calls body(value) with a value of the C++ type of an fp32, bf16 or fp16 tensor (checked before).
+template <typename Body>
+void with_type(c10::ScalarType type, const Body& body) {
+  switch (type) {
+    case at::kFloat:
+      body(float{});
+      break;
+    case at::kBFloat16:
+      body(c10::BFloat16{});
+      break;
+    default:
+      body(c10::Half{});
+  }
+}
+
+// Calls body(codes, param pointer, grad pointer) for the tensors' types and the state's bits.
+template <typename Body>
+void dispatch(const at::Tensor& param, const at::Tensor& grad, int64_t bits, const Body& body) {
+  with_type(param.scalar_type(), [&](auto param_value) {
+    using P = decltype(param_value);
+    with_type(grad.scalar_type(), [&](auto grad_value) {
+      using G = decltype(grad_value);
+      auto* p = static_cast<P*>(param.data_ptr());
+      const auto* g = static_cast<const G*>(grad.data_ptr());
+      if (bits == 8) {
+        body(Codes8{}, p, g);
+      } else {
+        body(Codes4{}, p, g);
+      }
+    });
+  });
+}
+
+void adamw_blockwise(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& avg_codes,
+                     const at::Tensor& avg_scales, const at::Tensor& avg_sq_codes, const at::Tensor& avg_sq_scales,
+                     int64_t bits, int64_t block_size, double decay, double avg_weight, double beta2,
+                     double sq_weight, double eps, double step_size, double inv_bias_correction2_sqrt) {
+  const int64_t blocks = check_arguments("adamw_blockwise_", param, grad,
+                                         {{&avg_codes, &avg_scales}, {&avg_sq_codes, &avg_sq_scales}},
+                                         {true, false}, bits, block_size);
+  const AdamWScalars scalars{static_cast<float>(decay),     static_cast<float>(avg_weight),
+                             static_cast<float>(beta2),     static_cast<float>(sq_weight),
+                             static_cast<float>(eps),       static_cast<float>(step_size),
+                             static_cast<float>(inv_bias_correction2_sqrt)};
+  const State avg = state_of(avg_codes, avg_scales), avg_sq = state_of(avg_sq_codes, avg_sq_scales);
+  dispatch(param, grad, bits, [&](auto codes, auto* p, const auto* g) {
+    adamw_blocks<decltype(codes)>(p, g, avg, avg_sq, blocks, block_size, scalars);
+  });
+}
+
+void lion_blockwise(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& avg_codes,
+                    const at::Tensor& avg_scales, int64_t bits, int64_t block_size, double lr, double decay,
+                    double direction_weight, double avg_weight) {
+  const int64_t blocks =
+      check_arguments("lion_blockwise_", param, grad, {{&avg_codes, &avg_scales}}, {true}, bits, block_size);
+  const LionScalars scalars{static_cast<float>(lr), static_cast<float>(decay), static_cast<float>(direction_weight),
+                            static_cast<float>(avg_weight)};
+  const State avg = state_of(avg_codes, avg_scales);
+  dispatch(param, grad, bits, [&](auto codes, auto* p, const auto* g) {
+    lion_blocks<decltype(codes)>(p, g, avg, blocks, block_size, scalars);
+  });
+}
+
+}  // namespace
+}  // namespace hf_paged
+
+TORCH_LIBRARY(hf_paged, m) {
+  m.def(
+      "adamw_blockwise_(Tensor(a!) param, Tensor grad, Tensor(b!) avg_codes, Tensor(c!) avg_scales, "
+      "Tensor(d!) avg_sq_codes, Tensor(e!) avg_sq_scales, int bits, int block_size, float decay, float avg_weight, "
+      "float beta2, float sq_weight, float eps, float step_size, float inv_bias_correction2_sqrt) -> ()");
+  m.def(
+      "lion_blockwise_(Tensor(a!) param, Tensor grad, Tensor(b!) avg_codes, Tensor(c!) avg_scales, int bits, "
+      "int block_size, float lr, float decay, float direction_weight, float avg_weight) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(hf_paged, CPU, m) {
+  m.impl("adamw_blockwise_", &hf_paged::adamw_blockwise);
+  m.impl("lion_blockwise_", &hf_paged::lion_blockwise);
+}

@@ -1,0 +1,261 @@
+"""The C++ host kernels (hf_paged/native/host_kernels.cpp) against the eager PyTorch kernels and torch.optim.AdamW.
+
+The extension is built once per process (the first test that needs it; about 25 s on two cores with a cold cache,
+then loaded from PyTorch's extension cache). Where it cannot be built the comparisons are skipped; the fallback is
+tested without a build.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import decay_groups, deviation, make_mlp, regression_batches, train
+
+import hf_paged
+from hf_paged import native
+from hf_paged.codecs import Blockwise4bitCodec, Blockwise8bitCodec
+from hf_paged.kernels import HostKernel, SegmentKernel, segment_kernel
+from hf_paged.optim.adamw import adamw_scalars, adamw_update_
+from hf_paged.optim.lion import lion_update_
+
+ADAMW_SCALARS = adamw_scalars({"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}, 3)
+LION_SCALARS = {"lr": 1e-4, "decay": 1 - 1e-4 * 0.1, "direction_weight": 0.1, "avg_weight": 0.01}
+FORMATS = [(Blockwise8bitCodec, 256), (Blockwise8bitCodec, 16), (Blockwise4bitCodec, 128), (Blockwise4bitCodec, 16)]
+RULES = {"adamw": (adamw_update_, (True, False), ADAMW_SCALARS), "lion": (lion_update_, (True,), LION_SCALARS)}
+
+
+@pytest.fixture(scope="module")
+def built():
+    """The host kernels, built (or loaded from the cache) once for the process."""
+    reason = native.build_failure()
+    if reason is not None:
+        pytest.skip(f"host kernels unavailable: {reason}")
+
+
+@pytest.fixture
+def use_native(monkeypatch):
+    """``use_native(False)`` sets HF_PAGED_NATIVE=0 (the eager kernels), ``use_native(True)`` HF_PAGED_NATIVE=1."""
+
+    def set_native(enabled: bool) -> None:
+        monkeypatch.setenv("HF_PAGED_NATIVE", "1" if enabled else "0")
+
+    return set_native
+
+
+def random_segment(codecs, blocks: int, generator: torch.Generator) -> list[tuple[torch.Tensor, ...]]:
+    """Encoded states of ``blocks`` blocks spanning eight orders of magnitude, with an all-zero block (index 3)."""
+    encoded = []
+    for codec in codecs:
+        arrays = tuple(torch.empty(n, dtype=dtype) for n, dtype in codec.buffer_specs(blocks * codec.block_size))
+        segment = codec.select(arrays, 0, blocks * codec.block_size)
+        values = torch.randn(blocks, codec.block_size, generator=generator)
+        values = values * torch.logspace(-8, 0, blocks).unsqueeze(1)
+        values = values if codec.signed else values.square()
+        values[3] = 0
+        codec.encode(values, segment)
+        encoded.append(segment)
+    return encoded
+
+
+def run_kernel(kernel, param, grads, encoded, scalars):
+    param, encoded = param.clone(), [tuple(array.clone() for array in segment) for segment in encoded]
+    for grad in grads:
+        kernel(param, grad, encoded, scalars)
+    return param, encoded
+
+
+def assert_close_to_eager(native_result, eager_result) -> None:
+    """Codes equal but for at most 0.1% that differ by one, scales within 1e-6, parameters within 4 ulps of their
+    value or of the learning rate (the eager square root is PyTorch's vectorized one, within one ulp of IEEE's)."""
+    (param, encoded), (expected_param, expected_encoded) = native_result, eager_result
+    for segment, expected_segment in zip(encoded, expected_encoded):
+        codes, scales = segment
+        expected_codes, expected_scales = expected_segment
+        difference = (codes.int() - expected_codes.int()).abs()
+        if codes.dtype == torch.uint8 and expected_codes.numel() * 2 == param.numel():  # packed 4-bit codes
+            difference = torch.stack([(codes & 15) - (expected_codes & 15), (codes >> 4) - (expected_codes >> 4)])
+            difference = difference.to(torch.int8).int().abs()
+        assert difference.max() <= 1 and (difference > 0).float().mean() <= 1e-3
+        torch.testing.assert_close(scales, expected_scales, rtol=1e-6, atol=0)
+    ulp = torch.finfo(param.dtype).eps
+    torch.testing.assert_close(param.float(), expected_param.float(), rtol=4 * ulp, atol=4 * ulp * 1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("codec, block_size", FORMATS)
+@pytest.mark.parametrize("rule_name", sorted(RULES))
+def test_host_kernel_matches_the_eager_kernel(built, rule_name, codec, block_size, dtype):
+    rule, signed, scalars = RULES[rule_name]
+    codecs = tuple(codec(block_size, is_signed) for is_signed in signed)
+    generator = torch.Generator().manual_seed(0)
+    blocks = 40
+    param = torch.randn(blocks, block_size, generator=generator).to(dtype)
+    grads = [torch.randn(blocks, block_size, generator=generator).to(dtype) for _ in range(4)]
+    for grad in grads:
+        grad[3] = 0
+    encoded = random_segment(codecs, blocks, generator)
+    kernel = segment_kernel(rule, codecs, False)
+    assert isinstance(kernel, HostKernel)
+    native_result = run_kernel(kernel, param, grads, encoded, scalars)
+    eager_result = run_kernel(SegmentKernel(rule, codecs, False), param, grads, encoded, scalars)
+    assert_close_to_eager(native_result, eager_result)
+    zero_scales = [segment[1][3] for segment in native_result[1]]
+    assert all(scale == 0 for scale in zero_scales)  # the all-zero block stays all zero, as eagerly
+
+
+def test_host_kernel_takes_compiled_scalars(built):
+    """With ``compiled=True`` the scalars are 0-d fp32 tensors: the same values, the same result."""
+    codecs = (Blockwise8bitCodec(64, True), Blockwise8bitCodec(64, False))
+    generator = torch.Generator().manual_seed(2)
+    param, grads = torch.randn(8, 64, generator=generator), [torch.randn(8, 64, generator=generator)]
+    encoded = random_segment(codecs, 8, generator)
+    tensors = {name: torch.tensor(value, dtype=torch.float32) for name, value in ADAMW_SCALARS.items()}
+    first = run_kernel(segment_kernel(adamw_update_, codecs, True), param, grads, encoded, tensors)
+    second = run_kernel(segment_kernel(adamw_update_, codecs, False), param, grads, encoded, ADAMW_SCALARS)
+    assert torch.equal(first[0], second[0])
+    assert all(torch.equal(a, b) for x, y in zip(first[1], second[1]) for a, b in zip(x, y))
+
+
+@pytest.mark.parametrize("rule_name", sorted(RULES))
+def test_host_kernel_is_independent_of_threads_and_chunks(built, rule_name):
+    rule, signed, scalars = RULES[rule_name]
+    codecs = tuple(Blockwise4bitCodec(64, is_signed) for is_signed in signed)
+    generator = torch.Generator().manual_seed(1)
+    blocks = 1024  # enough blocks for several threads
+    param = torch.randn(blocks, 64, generator=generator, dtype=torch.float32).to(torch.bfloat16)
+    grads = [torch.randn(blocks, 64, generator=generator).to(torch.bfloat16) for _ in range(2)]
+    encoded = random_segment(codecs, blocks, generator)
+    kernel = segment_kernel(rule, codecs, False)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = run_kernel(kernel, param, grads, encoded, scalars)
+    finally:
+        torch.set_num_threads(threads)
+    torch.set_num_threads(max(threads, 2))
+    try:
+        many = run_kernel(kernel, param, grads, encoded, scalars)
+    finally:
+        torch.set_num_threads(threads)
+    chunked_param = param.clone()
+    chunked = [tuple(array.clone() for array in segment) for segment in encoded]
+    for grad in grads:
+        for rows in (slice(0, 100), slice(100, 101), slice(101, blocks)):
+            kernel(chunked_param[rows], grad[rows], [(codes[rows], scales[rows]) for codes, scales in chunked], scalars)
+    for result in (many, (chunked_param, chunked)):
+        assert torch.equal(result[0], one_thread[0])
+        for segment, expected in zip(result[1], one_thread[1]):
+            assert all(torch.equal(a, b) for a, b in zip(segment, expected))
+
+
+def test_host_kernel_allocates_nothing(built):
+    codecs = (Blockwise8bitCodec(256, True), Blockwise8bitCodec(256, False))
+    generator = torch.Generator().manual_seed(3)
+    param, grad = torch.randn(512, 256, generator=generator), torch.randn(512, 256, generator=generator)
+    encoded = random_segment(codecs, 512, generator)
+    kernel = segment_kernel(adamw_update_, codecs, False)
+    kernel(param, grad, encoded, ADAMW_SCALARS)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+        kernel(param, grad, encoded, ADAMW_SCALARS)
+    allocations = [e for e in profile.profiler.kineto_results.events() if e.name() == "[memory]" and e.nbytes() > 0]
+    assert allocations == []
+
+
+def test_bad_arguments_raise_before_any_write(built):
+    codecs = (Blockwise8bitCodec(64, True), Blockwise8bitCodec(64, False))
+    generator = torch.Generator().manual_seed(4)
+    param, grad = torch.randn(4, 64, generator=generator), torch.randn(4, 64, generator=generator)
+    encoded = random_segment(codecs, 4, generator)
+    short_scales = [encoded[0], (encoded[1][0], encoded[1][1][:3])]
+    before = param.clone(), [tuple(array.clone() for array in segment) for segment in encoded]
+    kernel = segment_kernel(adamw_update_, codecs, False)
+    with pytest.raises(RuntimeError, match="scales must be a contiguous CPU fp32 tensor of 4 elements"):
+        kernel(param, grad, short_scales, ADAMW_SCALARS)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernel(param, grad.t().contiguous().t(), encoded, ADAMW_SCALARS)
+    assert torch.equal(param, before[0])
+    assert all(torch.equal(a, b) for x, y in zip(encoded, before[1]) for a, b in zip(x, y))
+
+
+def fit(name: str, dtype: torch.dtype, steps: int = 20) -> tuple[torch.nn.Module, hf_paged.PagedOptimizer]:
+    """The MLP trained on the regression task with blocks of 128: its biases and 3x64 weight end in partial blocks."""
+    model = make_mlp(dtype=dtype)
+    lr = 1e-3 if "Lion" in name else 1e-2
+    size_key = "min_8bit_size" if "8bit" in name else "min_4bit_size"
+    optimizer = getattr(hf_paged, name)(decay_groups(model), lr=lr, block_size=128, page_size=4096, **{size_key: 64})
+    train(model, optimizer, regression_batches(steps, dtype=dtype))
+    return model, optimizer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["PagedAdamW8bit", "PagedAdamW4bit", "PagedLion8bit"])
+def test_optimizer_with_host_kernels_tracks_the_eager_one(built, use_native, name, dtype):
+    """Partial last blocks (through the padded copies of the step), weight decay groups, 20 steps."""
+    use_native(False)
+    reference, reference_optimizer = fit(name, dtype)
+    use_native(True)
+    model, optimizer = fit(name, dtype)
+    codec = Blockwise8bitCodec if "8bit" in name else Blockwise4bitCodec
+    codecs = tuple(codec(128, is_signed) for is_signed in RULES["lion" if "Lion" in name else "adamw"][1])
+    assert isinstance(segment_kernel(optimizer.update_rule(), codecs, False), HostKernel)
+    assert deviation(model, reference) <= (1e-5 if dtype == torch.float32 else 2e-2)
+    saved, expected = optimizer.state_dict()["state"], reference_optimizer.state_dict()["state"]
+    for index in expected:
+        for key, value in expected[index].items():
+            if value.dtype == torch.float32:
+                torch.testing.assert_close(saved[index][key], value, rtol=1e-3, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", ["PagedAdamW8bit", "PagedAdamW4bit"])
+def test_distance_from_adamw_is_that_of_the_eager_kernel(built, use_native, name):
+    """Against fp32 torch.optim.AdamW on the same task: the host kernel deviates no more than the eager kernel
+    (within 1%), so the fidelity figures of tests/test_8bit.py and tests/test_4bit.py carry over."""
+    reference = make_mlp()
+    train(reference, torch.optim.AdamW(decay_groups(reference), lr=1e-2), regression_batches(60))
+    use_native(False)
+    eager_model, _ = fit(name, torch.float32, steps=60)
+    use_native(True)
+    native_model, _ = fit(name, torch.float32, steps=60)
+    assert deviation(native_model, reference) <= 1.01 * deviation(eager_model, reference)
+    assert deviation(native_model, reference) > 0
+
+
+def test_environment_switch(monkeypatch):
+    codecs = (Blockwise8bitCodec(64, True), Blockwise8bitCodec(64, False))
+    monkeypatch.setenv("HF_PAGED_NATIVE", "0")
+    assert type(segment_kernel(adamw_update_, codecs, False)) is SegmentKernel
+    monkeypatch.setenv("HF_PAGED_NATIVE", "maybe")
+    with pytest.raises(ValueError, match="HF_PAGED_NATIVE='maybe' is not allowed"):
+        segment_kernel(adamw_update_, codecs, False)
+    monkeypatch.setenv("HF_PAGED_NATIVE", "1")
+    from hf_paged.codecs import Float32Codec
+
+    assert type(segment_kernel(adamw_update_, (Float32Codec(), Float32Codec()), False)) is SegmentKernel
+
+
+def test_missing_ninja_falls_back_with_one_logged_reason(monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="hf_paged.native"):
+        reason = native.build_failure.__wrapped__()
+    assert "ninja" in reason
+    assert [record.getMessage() for record in caplog.records] == [
+        f"hf_paged: host kernels unavailable ({reason}); CPU pages keep PyTorch's kernels"
+    ]
+
+
+def test_missing_compiler_falls_back(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler-hf-paged")
+    assert "no C++ compiler" in native.build_failure.__wrapped__()
+
+
+def test_required_but_unavailable_raises(monkeypatch):
+    monkeypatch.setenv("HF_PAGED_NATIVE", "1")
+    monkeypatch.setattr(native, "build_failure", lambda: "no C++ compiler ('c++') on PATH")
+    with pytest.raises(RuntimeError, match="HF_PAGED_NATIVE=1, but hf_paged's host kernels could not be built"):
+        native.host_kernels_enabled()
+    monkeypatch.setenv("HF_PAGED_NATIVE", "")
+    assert native.host_kernels_enabled() is False
