@@ -178,3 +178,19 @@ def test_memory_limit_caps_the_allocator_and_is_lifted_after_an_error():
         assert fraction < 1.0
         torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
     assert torch.cuda.get_per_process_memory_fraction() == 1.0
+
+
+def test_step_recovery_table():
+    """Every optimizer's step recovers each injected out-of-memory error, and the table says so."""
+    output = run_benchmark("step_recovery.py", "--params", "1M", "--steps", "1", "--page-size", "64KiB")
+    (rows,) = markdown_tables(output)
+    assert [row["optimizer"] for row in rows] == [
+        "PagedAdamW",
+        "PagedAdamW8bit",
+        "PagedAdamW4bit",
+        "PagedLion",
+        "PagedLion8bit",
+    ]
+    for row in rows:
+        assert row["recoveries"] == "3 of 3", row
+        assert float(row["step (ms)"]) > 0 and float(row["step with one OOM recovered (ms)"]) > 0
