@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches
 
 import hf_paged
-from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches
 
 pytestmark = [
     pytest.mark.gpu,
@@ -367,3 +367,34 @@ def test_blocks_with_a_subnormal_scale_encode_to_zero_codes_on_cuda():
         codec.encode(values, segment)
         decoded = codec.decode(segment)
         assert torch.equal(decoded[0], torch.zeros(64, device=DEVICE)) and decoded[1].abs().max() > 0
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_an_out_of_memory_error_inside_the_step_on_cuda_is_recovered_bitwise(optimizer_name, compiled):
+    """A page allocation of step 3 fails (the caching allocator's error, injected): the pages left are updated under
+    a smaller budget, and the run equals one without the error, with pinned pages and copy streams."""
+    kwargs = {"device_budget": 2 * 4096, "compiled": compiled}
+    expected_model, _ = run(optimizer_name, **kwargs)
+    model = make_mlp().to(DEVICE)
+    optimizer = OPTIMIZERS[optimizer_name](decay_groups(model), **optimizer_kwargs(optimizer_name, **kwargs))
+    batches = regression_batches(6)
+    train_on(model, optimizer, batches[:2])
+    (store,) = optimizer._store.stores.values()
+    allocate, calls = store.backend.empty_device, [0]
+
+    def failing(specs):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return allocate(specs)
+
+    store.backend.empty_device = failing
+    recoveries = []
+    optimizer.on_oom_recovery = recoveries.append
+    train_on(model, optimizer, batches[2:3])
+    store.backend.empty_device = allocate
+    train_on(model, optimizer, batches[3:])
+    assert len(recoveries) == 1
+    for param, expected in zip(model.parameters(), expected_model.parameters()):
+        assert torch.equal(param, expected)
+    assert optimizer.paging_stats()["device_bytes"] <= 2 * 4096
