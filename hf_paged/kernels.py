@@ -174,8 +174,13 @@ class HostKernel:
     block's new largest magnitude as its scale. Results do not depend on the number of threads or on chunking.
 
     It writes the parameter and the state in place and allocates nothing: every argument is checked before the
-    first write, so an error leaves the segment as it was.
+    first write, so an error leaves the segment as it was. Segments it hands to ``fallback`` are copied first and
+    restored if the fallback fails, so that every call updates its segment whole or not at all.
     """
+
+    writes_after_allocating = True
+    """Every allocation of a call comes before its first write (here: none on the CPU), so the optimizer's step
+    needs no copy of the segment to undo a failed call."""
 
     def __init__(self, rule_name: str, codecs: tuple[Codec, ...], fallback: SegmentKernel) -> None:
         self.rule_name = rule_name
@@ -195,11 +200,24 @@ class HostKernel:
         """Update one segment (``param`` and ``grad`` shaped ``(blocks, block_size)``); ``scalars`` as from
         :func:`prepare_scalars`, floats or 0-d fp32 CPU tensors."""
         if param.device.type != "cpu" or param.dtype not in _HOST_DTYPES or grad.dtype not in _HOST_DTYPES:
-            self.fallback(param, grad, encoded, scalars)
+            self._fallback_whole(param, grad, encoded, scalars)
             return
         arrays = [array for segment in encoded for array in segment]
         values = [float(scalars[name]) for name in self._scalar_names]
         self._operator(param, grad, *arrays, self.bits, self.block_size, *values)
+
+    def _fallback_whole(
+        self, param: torch.Tensor, grad: torch.Tensor, encoded: Sequence[EncodedSegment], scalars: dict
+    ) -> None:
+        """The fallback kernel on a copy of what it writes, put back if it fails (the copies come first)."""
+        targets = [param, *(array for segment in encoded for array in segment)]
+        saved = [target.clone() for target in targets]
+        try:
+            self.fallback(param, grad, encoded, scalars)
+        except BaseException:
+            for target, copy_of_target in zip(targets, saved):
+                target.copy_(copy_of_target)
+            raise
 
 
 _HOST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

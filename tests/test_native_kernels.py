@@ -259,3 +259,30 @@ def test_required_but_unavailable_raises(monkeypatch):
         native.host_kernels_enabled()
     monkeypatch.setenv("HF_PAGED_NATIVE", "")
     assert native.host_kernels_enabled() is False
+
+
+def test_segments_the_host_kernel_hands_on_are_updated_whole_or_not_at_all(built):
+    """fp64 segments go to the PyTorch kernel: the same result as it gives, and a failure part way undone."""
+    codecs = (Blockwise8bitCodec(64, True), Blockwise8bitCodec(64, False))
+    generator = torch.Generator().manual_seed(5)
+    param = torch.randn(4, 64, generator=generator, dtype=torch.float64)
+    grad = torch.randn(4, 64, generator=generator, dtype=torch.float64)
+    encoded = random_segment(codecs, 4, generator)
+    kernel = segment_kernel(adamw_update_, codecs, False)
+    assert kernel.writes_after_allocating
+    result = run_kernel(kernel, param, [grad], encoded, ADAMW_SCALARS)
+    expected = run_kernel(SegmentKernel(adamw_update_, codecs, False), param, [grad], encoded, ADAMW_SCALARS)
+    assert torch.equal(result[0], expected[0])
+
+    def fails_after_writing(param, grad, encoded, scalars):
+        param.add_(1.0)
+        encoded[0][0].zero_()
+        raise torch.OutOfMemoryError("injected")
+
+    host = HostKernel("adamw", codecs, SegmentKernel(adamw_update_, codecs, False))
+    host.fallback = fails_after_writing
+    before = param.clone(), [tuple(array.clone() for array in segment) for segment in encoded]
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        host(param, grad, encoded, ADAMW_SCALARS)
+    assert torch.equal(param, before[0])
+    assert all(torch.equal(a, b) for x, y in zip(encoded, before[1]) for a, b in zip(x, y))
