@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -90,6 +91,10 @@ class MemoryPlan:
     """Elements of all parameters, as stored (a packed 4-bit weight counts its bytes)."""
     seconds: float
     """Wall time the plan took."""
+    trainable_shapes: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)
+    """Shape and dtype of each trainable parameter (what optimizer state is kept for)."""
+    paged_state_bytes: int | None = None
+    """Bytes of all pages of a paged optimizer's state (on the device or not), ``None`` for other optimizers."""
     notes: list[str] = field(default_factory=list)
     """What the figures include besides traced tensors (constants added for the device)."""
 
@@ -311,6 +316,14 @@ def _paged_buffers(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
             yield from buffers or ()
 
 
+def _paged_state_bytes(optimizer: torch.optim.Optimizer) -> int | None:
+    from .optim import PagedOptimizer
+
+    if not isinstance(optimizer, PagedOptimizer):
+        return None
+    return sum(page.nbytes for page in optimizer._store.pages)
+
+
 class _Classifier:
     """Names the kind of each storage the ledger follows, from what the model and optimizer hold now."""
 
@@ -404,7 +417,13 @@ def plan(
     added = CUDA_WORKSPACE_BYTES if on_cuda else 0
     classifier = _Classifier(ledger)
     phases: list[PhasePeak] = []
-    with FakeTensorMode(allow_non_fake_inputs=False), _page_backend(ledger, host_is_device=target.type == "cpu"):
+    with (
+        FakeTensorMode(allow_non_fake_inputs=False),
+        _page_backend(ledger, host_is_device=target.type == "cpu"),
+        warnings.catch_warnings(),
+    ):
+        # a pointer comparison of fake tensors (all at 0) decides only whether to copy, never what is allocated
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         with _StorageTracker(ledger):
             with _fake_module_moves():
                 built = model()
@@ -446,6 +465,8 @@ def plan(
         params = list(built.parameters())
         trainable = sum(p.numel() for p in params if p.requires_grad)
         total = sum(p.numel() for p in params)
+        paged_state = _paged_state_bytes(built_optimizer)
+        shapes = [(tuple(p.shape), p.dtype) for p in params if p.requires_grad]
     notes = [f"includes {CUDA_WORKSPACE_BYTES} bytes of cuBLAS workspace"] if on_cuda else []
     return MemoryPlan(
         device=str(target),
@@ -453,5 +474,7 @@ def plan(
         trainable_params=trainable,
         total_params=total,
         seconds=time.perf_counter() - started,
+        trainable_shapes=shapes,
+        paged_state_bytes=paged_state,
         notes=notes,
     )

@@ -206,6 +206,25 @@ def test_cli_verdict_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None
     assert time.perf_counter() - started < 120
 
 
+def test_cli_plans_a_config_file_reading_only_config_json(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers import LlamaConfig
+
+    model_dir = tmp_path / "model"
+    LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
+    ).save_pretrained(model_dir)
+    assert sorted(path.name for path in model_dir.iterdir()) == ["config.json"]
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"model:\n  name: {model_dir}\nlora:\n  quantize: false\ntokenizer:\n  max_length: 64\n"
+        "training:\n  per_device_train_batch_size: 2\n  optim: adamw_torch\n  optim_args: null\n"
+    )
+    assert main(["plan", str(config), "--device", "cpu"]) == 0
+    output = capsys.readouterr().out
+    assert "lora, batch 2 x 64 tokens" in output
+    assert "give --device-memory" in output
+
+
 def test_cli_rejects_bad_device_memory(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--device-memory", "lots"]) == 2
     assert "--device-memory" in capsys.readouterr().err

@@ -354,6 +354,79 @@ def optimizer_state_bytes(plan_result: MemoryPlan) -> int:
     return plan_result.peak("optimizer_step").by_kind["optimizer_state"]
 
 
+COMPARED_OPTIMIZERS = (
+    "adamw_torch",
+    "adamw_bnb_8bit",
+    "hf_paged_adamw_32bit",
+    "hf_paged_adamw_8bit",
+    "hf_paged_adamw_4bit",
+    "hf_paged_lion_32bit",
+    "hf_paged_lion_8bit",
+)
+"""Optimizers whose state the report sets beside the chosen one's."""
+
+COMPARISON_LIMIT = 500_000_000
+"""Trainable parameters above which the comparison is not traced (a paged step traces about 0.1 s per 2**18
+parameters of state)."""
+
+BNB_MIN_8BIT_SIZE = 4096
+"""bitsandbytes' 8-bit optimizers keep 32-bit state for parameters with fewer elements."""
+
+BNB_BLOCK = 256
+"""Elements per absmax of bitsandbytes' blockwise 8-bit state."""
+
+
+class _Trainable(nn.Module):
+    """Stand-in holding parameters of given shapes; its output, their sum, gives each a gradient."""
+
+    def __init__(self, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> None:
+        super().__init__()
+        self.params = nn.ParameterList(nn.Parameter(torch.empty(shape, dtype=dtype)) for shape, dtype in shapes)
+
+    def forward(self) -> torch.Tensor:
+        return torch.stack([param.sum() for param in self.params]).sum()
+
+
+def _bitsandbytes_8bit_state(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
+    """Bytes of bitsandbytes' 8-bit AdamW state (its optimizer reads values, so it cannot be traced): two
+    8-bit codes and two fp32 absmax per 256 elements, or two fp32 moments below 4096 elements, and a 256-entry
+    fp32 code map per state kind."""
+    total = 2 * 2 * 256 * 4
+    for shape, _ in shapes:
+        elements = math.prod(shape)
+        if elements >= BNB_MIN_8BIT_SIZE:
+            total += 2 * elements + 2 * 4 * math.ceil(elements / BNB_BLOCK)
+        else:
+            total += 2 * 4 * elements
+    return total
+
+
+def optimizer_state_comparison(setup: TrainingSetup, result: MemoryPlan) -> dict[str, int] | None:
+    """Bytes of optimizer state of ``result``'s trainable parameters under each of :data:`COMPARED_OPTIMIZERS`
+    (traced; bitsandbytes' from its layout); ``None`` above :data:`COMPARISON_LIMIT` trainable parameters."""
+    if result.trainable_params > COMPARISON_LIMIT:
+        return None
+    from .. import planner
+
+    states = {}
+    for name in COMPARED_OPTIMIZERS:
+        if name == "adamw_bnb_8bit":
+            states[name] = _bitsandbytes_8bit_state(result.trainable_shapes)
+            continue
+        other = setup.with_changes(training={"optim": name, "optim_args": None})
+        traced = planner.plan(
+            lambda: _Trainable(result.trainable_shapes),
+            lambda: None,
+            lambda model, other=other: build_optimizer(other, model),
+            loss=lambda model, _: model(),
+        )
+        if traced.paged_state_bytes is not None:
+            states[name] = traced.paged_state_bytes
+        else:
+            states[name] = traced.peak("optimizer_step").by_kind["optimizer_state"]
+    return states
+
+
 KIND_LABELS = {
     "frozen_weights": "frozen weights",
     "trainable_weights": "trainable weights",
@@ -384,6 +457,8 @@ class PlanReport:
     largest_budget: tuple[int, MemoryPlan] | None = None
     """For a paged optimizer: the largest device budget that fits and its plan."""
     alternatives: list[Alternative] = dataclasses.field(default_factory=list)
+    optimizer_states: dict[str, int] | None = None
+    """Bytes of optimizer state under each of :data:`COMPARED_OPTIMIZERS` (see :func:`optimizer_state_comparison`)."""
     seconds: float = 0.0
     """Wall time of every plan of the report."""
 
@@ -452,9 +527,13 @@ def _alternatives(setup: TrainingSetup) -> list[tuple[str, TrainingSetup]]:
     if setup.sequence_length > 1:
         tokens = setup.sequence_length // 2
         options.append((f"sequences of {tokens} tokens", setup.with_changes(tokens=tokens)))
+    page_size = _page_size(setup) if _paged(setup) else None
+    optim_args = None if page_size is None else f"page_size={page_size}"
     for name in ("hf_paged_adamw_8bit", "hf_paged_adamw_4bit"):
         if setup.optimizer_name != name and not setup.optimizer_name.endswith("4bit"):
-            options.append((f"optimizer {name}", setup.with_changes(training={"optim": name, "optim_args": None})))
+            options.append(
+                (f"optimizer {name}", setup.with_changes(training={"optim": name, "optim_args": optim_args}))
+            )
     if setup.method != "qlora":
         options.append(("QLoRA (4-bit base weights)", setup.with_changes(method="qlora", reentrant=False)))
     return options
@@ -468,6 +547,7 @@ def report(setup: TrainingSetup, device: str = "cuda", capacity: int | None = No
     started = time.perf_counter()
     result = plan_setup(setup, device)
     outcome = PlanReport(setup=setup, device=device, plan=result, capacity=capacity)
+    outcome.optimizer_states = optimizer_state_comparison(setup, result)
     if capacity is not None and _paged(setup) and torch.device(device).type != "cpu":
         outcome.largest_budget = _largest_budget(setup, result, capacity, device)
     if capacity is not None and not result.fits(capacity):
@@ -497,6 +577,11 @@ def format_report(outcome: PlanReport) -> str:
             )
     lines.append(f"  {'peak':<28}{format_size(forward_backward.peak_bytes):>18}{format_size(step.peak_bytes):>18}")
     lines += [f"  ({note})" for note in result.notes]
+    if outcome.optimizer_states is not None:
+        lines.append("  optimizer state of these trainable parameters by optimizer (all pages, with no budget):")
+        for name, nbytes in outcome.optimizer_states.items():
+            chosen = "  <- chosen" if name == outcome.setup.optimizer_name else ""
+            lines.append(f"    {name:<26}{format_size(nbytes):>18}{chosen}")
     lines.append("")
     if outcome.capacity is None:
         lines.append(f"verdict: peak {format_size(result.peak_bytes)}; give --device-memory (e.g. 24GiB) for a verdict")
@@ -516,7 +601,11 @@ def format_report(outcome: PlanReport) -> str:
                 f"(re-planned peak {format_size(budgeted.peak_bytes)}; optim_args device_budget={budget})"
             )
         else:
-            lines.append("largest device budget that fits: none (not even one page of state fits)")
+            without_state = max(item.peak_bytes - item.by_kind["optimizer_state"] for item in result.phases)
+            lines.append(
+                f"largest device budget that fits: none (without any optimizer state the peak is still "
+                f"{format_size(without_state)})"
+            )
     if outcome.alternatives:
         lines.append("alternatives (one change each, re-planned):")
         for alternative in outcome.alternatives:
