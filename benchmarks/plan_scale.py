@@ -7,6 +7,7 @@ memory (MiB) and the planned forward+backward and optimizer-step peaks for a GPU
 
     python benchmarks/plan_scale.py                      # QLoRA with checkpointing, batch 1 x 2048, all sizes
     python benchmarks/plan_scale.py --sizes 8B --method full --optim adamw_torch
+    python benchmarks/plan_scale.py --write-config 8B llama-3-8b   # only the config.json, for hf-paged plan
 """
 
 from __future__ import annotations
@@ -80,8 +81,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--no-checkpointing", action="store_true")
+    parser.add_argument("--write-config", nargs=2, metavar=("SIZE", "DIRECTORY"), help="only write a config.json")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.write_config is not None:
+        size, directory = args.write_config
+        if size not in SHAPES:
+            parser.error(f"--write-config: SIZE must be one of {', '.join(SHAPES)}, got {size!r}")
+        print(write_config(size, Path(directory)) / "config.json")
+        return
     checkpointing = not args.no_checkpointing
     if args.one is not None:
         print(json.dumps(plan_one(args.one, args.method, args.optim, args.batch, args.tokens, checkpointing)))

@@ -170,6 +170,10 @@ class _Ledger:
     def live_serials(self) -> set[int]:
         return set(self._serial_of.values())
 
+    def new_since_mark(self) -> set[int]:
+        """The storages live now that the phase created."""
+        return self.live_serials().difference(self._mark_live)
+
     def mark(self) -> None:
         """Start a phase: its peak starts from the bytes live now."""
         self._mark_live = self.live_serials()
@@ -362,8 +366,7 @@ class _Classifier:
             kinds.update(dict.fromkeys(serials, kind))
         kinds.update(self._extra)
         if after_step:
-            held = self._ledger.live_serials()
-            for serial in held.difference(kinds):
+            for serial in self._ledger.new_since_mark().difference(kinds):
                 self._optimizer_state.add(serial)
                 kinds[serial] = "optimizer_state"
         return kinds
@@ -391,8 +394,8 @@ def plan(
         loss: the loss of one batch, see :func:`default_loss`.
         accumulation: forward and backward passes per step (gradient accumulation: later ones run beside the
             gradients of the first).
-        steps: training steps traced (at least 2: the second forward and backward runs beside the optimizer
-            state the first step created).
+        steps: training steps traced; from the second on, forward and backward run beside the optimizer state
+            the first step created.
         device: the device to predict for. The trace runs on fake CPU tensors; for ``cuda`` every allocation
             is rounded as PyTorch's allocator rounds it, :data:`CUDA_WORKSPACE_BYTES` are added to each peak
             and host buffers of paged optimizers do not count.
@@ -407,8 +410,8 @@ def plan(
         _check_callable(name, value)
     if extra_state is not None:
         _check_callable("extra_state", extra_state)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
-        raise ValueError(f"steps must be an integer >= 2, got {steps!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
         raise ValueError(f"accumulation must be an integer >= 1, got {accumulation!r}")
     target = torch.device(device)

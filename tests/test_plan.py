@@ -184,8 +184,8 @@ def test_bad_arguments_are_named() -> None:
     def build() -> nn.Module:
         return nn.Linear(2, 2)
 
-    with pytest.raises(ValueError, match="steps must be an integer >= 2"):
-        plan(build, lambda: torch.zeros(2), lambda m: torch.optim.SGD(m.parameters()), steps=1)
+    with pytest.raises(ValueError, match="steps must be an integer >= 1"):
+        plan(build, lambda: torch.zeros(2), lambda m: torch.optim.SGD(m.parameters()), steps=0)
     with pytest.raises(TypeError, match="model must be a callable that builds it"):
         plan(build(), lambda: torch.zeros(2), lambda m: torch.optim.SGD(m.parameters()))
     with pytest.raises(ValueError, match="no scalar loss"):

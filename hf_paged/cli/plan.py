@@ -419,6 +419,7 @@ def optimizer_state_comparison(setup: TrainingSetup, result: MemoryPlan) -> dict
             lambda: None,
             lambda model, other=other: build_optimizer(other, model),
             loss=lambda model, _: model(),
+            steps=1,
         )
         if traced.paged_state_bytes is not None:
             states[name] = traced.paged_state_bytes
