@@ -4,7 +4,9 @@ One launch of ``tests/scripts/fsdp2_trainer.py`` as the README launches a traini
 ``configs/accelerate/fsdp2.yaml`` (mixed precision off on the CPU). Through the Trainer the optimizer is built
 on the full parameters; accelerate then shards the model with ``fully_shard`` and puts the sharded DTensor
 parameters into the optimizer's param groups. Each optimizer trains 6 steps with a checkpoint at step 3, and
-a second Trainer resumes from that checkpoint; ``adamw_torch`` is the reference.
+a second Trainer resumes from that checkpoint; ``adamw_torch`` is the reference. Every test runs for two launches:
+parameters sharded on the device, and offloaded to the host with ``--fsdp_offload_params true`` (FSDP2's
+``CPUOffloadPolicy``: the optimizer steps on host shards, as in offloaded training on GPUs).
 """
 
 from __future__ import annotations
@@ -38,13 +40,21 @@ OPTIMS = [REFERENCE, *PAGED]
 RUNS = ("uninterrupted", "resumed")
 
 
+@pytest.fixture(scope="module", params=[False, True], ids=["on-device", "cpu-offload"])
+def offload(request) -> bool:
+    """Whether the launch offloads the sharded parameters, their gradients and the optimizer step to the host
+    (``--fsdp_offload_params true``: FSDP2's ``CPUOffloadPolicy``, issue 21)."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
+def results(tmp_path_factory, offload) -> dict:
     """What ``fsdp2_trainer.py`` found for every optimizer, from one two-process launch."""
     folder = tmp_path_factory.mktemp("fsdp2_trainer")
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIG,
         "--mixed_precision", "no", "--main_process_port", "0",  # port 0: a free one
+        "--fsdp_offload_params", str(offload).lower(),
         "-m", "hf_paged.run", SCRIPT, "--optim", *OPTIMS,
         "--steps", str(STEPS), "--save-at", str(SAVE_AT), "--output-dir", str(folder),
     ]
@@ -86,8 +96,9 @@ def initial_shard(weight: torch.Tensor, rank: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("optim", OPTIMS)
-def test_fsdp2_is_in_effect(results, optim):
-    """accelerate really shards the model with FSDP2 and gives the optimizer the sharded parameters."""
+def test_fsdp2_is_in_effect(results, offload, optim):
+    """accelerate really shards the model with FSDP2 (offloading it to the host when asked) and gives the optimizer
+    the sharded parameters."""
     for kind in RUNS:
         for rank, run in enumerate(runs(results, optim, kind)):
             if kind == "resumed" and "fsdp" not in run:
@@ -100,6 +111,7 @@ def test_fsdp2_is_in_effect(results, optim):
             assert facts["params_are_sharded_dtensors"], facts
             assert facts["optimizer_holds_the_sharded_params"], facts
             assert WORLD * facts["local_elements"] == facts["full_elements"], facts
+            assert facts["params_offloaded_to_cpu"] and set(facts["params_offloaded_to_cpu"]) == {offload}, facts
 
 
 @pytest.mark.parametrize("optim", OPTIMS)

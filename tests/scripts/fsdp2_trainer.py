@@ -14,7 +14,9 @@ parameters into the optimizer's param groups (``fsdp2_switch_optimizer_parameter
 accelerate turns FSDP on only for accelerator devices: on the CPU, ``AcceleratorState`` keeps the distributed
 type ``MULTI_CPU`` and drops the FSDP plugin without a word (the branch of ``AcceleratorState.__init__`` that
 sets ``DistributedType.FSDP`` lists only GPU-like types), so the run would be plain DDP. :func:`enable_fsdp_on_cpu`
-makes that branch apply to ``MULTI_CPU`` too, and nothing else changes.
+makes that branch apply to ``MULTI_CPU`` too, and nothing else changes but one thing: launched with
+``--fsdp_offload_params true`` (FSDP2's ``CPUOffloadPolicy``: sharded parameters, gradients and the optimizer
+step on the host), the policy does not pin host memory, which needs an accelerator.
 
 For each ``--optim`` name: a run of ``--steps`` steps that saves a checkpoint at ``--save-at`` (the
 uninterrupted run), then a fresh model and Trainer that resume from that checkpoint and train to ``--steps``
@@ -38,7 +40,7 @@ import torch
 import torch.distributed as dist
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
@@ -94,6 +96,8 @@ def enable_fsdp_on_cpu() -> None:
         if plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
             if self._mixed_precision != "no":
                 plugin.set_mixed_precision(self._mixed_precision)
+            if isinstance(plugin.cpu_offload, CPUOffloadPolicy):  # pinning host memory needs an accelerator
+                plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
             self.fsdp_plugin = plugin
             self.distributed_type = DistributedType.FSDP
             PartialState._shared_state["distributed_type"] = DistributedType.FSDP
@@ -166,7 +170,14 @@ def fsdp_facts(trainer: Trainer) -> dict:
             for param in params
         ),
         "optimizer_holds_the_sharded_params": {id(param) for param in grouped} == {id(param) for param in params},
-        "local_elements": sum(param.to_local().numel() for param in params),
+        "local_elements": sum((param.to_local() if isinstance(param, DTensor) else param).numel() for param in params),
+        "params_offloaded_to_cpu": [
+            fsdp_param.offload_to_cpu
+            for module in model.modules()
+            if isinstance(module, FSDPModule)
+            for group in module._get_fsdp_state()._fsdp_param_groups
+            for fsdp_param in group.fsdp_params
+        ],
         "full_elements": sum(param.numel() for param in params),
     }
 
