@@ -64,6 +64,10 @@ struct Vec {
   static F sign(F a) {
     return sub(positive(a), _mm256_and_ps(_mm256_cmp_ps(a, zero(), _CMP_LT_OQ), splat(1.0f)));
   }
+  // magnitude * torch.sign(source) for integer-valued magnitudes below 2^31.
+  static F apply_sign(F magnitude, F source) {
+    return _mm256_cvtepi32_ps(_mm256_sign_epi32(_mm256_cvttps_epi32(magnitude), _mm256_castps_si256(source)));
+  }
   // Nonzero lanes where a is NaN, accumulated into flags.
   static F nan_flags(F flags, F a) { return _mm256_or_ps(flags, _mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
   static bool any(F flags) { return _mm256_movemask_ps(flags) != 0; }
@@ -95,6 +99,10 @@ struct Vec {
   static void store(c10::Half* x, F a) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(x), _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
   }
+
+  // rint(sqrt(x) * top) and floor((sqrt(x) + 1) / 2), as the encodings round square roots to codes.
+  static F rint_root_times(F x, F top) { return rint(mul(sqrt(x), top)); }
+  static F floor_half_root_plus_half(F x) { return floor(mul(add(sqrt(x), splat(1.0f)), splat(0.5f))); }
 
   static __m256i load_bytes(const uint8_t* x) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x)));
@@ -148,9 +156,13 @@ struct Vec {
   static F min(F a, F b) { return a < b ? a : b; }
   static F positive(F a) { return a > 0.0f ? 1.0f : 0.0f; }
   static F sign(F a) { return a > 0.0f ? 1.0f : (a < 0.0f ? -1.0f : 0.0f); }
+  static F apply_sign(F magnitude, F source) { return magnitude * sign(source); }
   static F nan_flags(F flags, F a) { return std::isnan(a) ? 1.0f : flags; }
   static bool any(F flags) { return flags != 0.0f; }
   static float reduce_max(F a) { return a; }
+
+  static F rint_root_times(F x, F top) { return std::nearbyint(std::sqrt(x) * top); }
+  static F floor_half_root_plus_half(F x) { return std::floor((std::sqrt(x) + 1.0f) * 0.5f); }
 
   template <typename T>
   static F load(const T* x) {
@@ -244,8 +256,8 @@ struct Codes8 {
     const F top = Vec::splat(127.0f);
     for (int64_t i = 0; i < size; i += kWidth) {
       const F normalized = Vec::mul(Vec::load(values + i), inverse);
-      const F magnitude = Vec::rint(Vec::mul(Vec::sqrt(Vec::abs(normalized)), top));
-      Vec::store_codes(codes + i, Vec::mul(magnitude, Vec::sign(normalized)));
+      const F magnitude = Vec::rint_root_times(Vec::abs(normalized), top);
+      Vec::store_codes(codes + i, Vec::apply_sign(magnitude, normalized));
     }
     state.scales[block] = scale;
   }
@@ -257,8 +269,8 @@ struct Codes8 {
     const F inverse_root = Vec::splat(inverse_root_scale(scale));
     const F top = Vec::splat(255.0f);
     for (int64_t i = 0; i < size; i += kWidth) {
-      const F root = Vec::sqrt(Vec::mul(Vec::load(roots + i), inverse_root));
-      Vec::store_codes(codes + i, Vec::max(Vec::rint(Vec::mul(root, top)), Vec::positive(root)));
+      const F normalized = Vec::mul(Vec::load(roots + i), inverse_root);  // sqrt(x / s), whose sqrt is coded
+      Vec::store_codes(codes + i, Vec::max(Vec::rint_root_times(normalized, top), Vec::positive(normalized)));
     }
     state.scales[block] = scale;
   }
@@ -304,9 +316,8 @@ struct Codes4 {
   static F signed_code(F values, F inverse) {
     const F normalized = Vec::mul(values, inverse);
     const F excess = Vec::sub(Vec::mul(Vec::abs(normalized), Vec::splat(196.0f)), Vec::splat(1.0f));
-    const F root = Vec::sqrt(Vec::max(excess, Vec::zero()));
-    const F level = Vec::min(Vec::floor(Vec::mul(Vec::add(root, Vec::splat(1.0f)), Vec::splat(0.5f))), Vec::splat(7.0f));
-    return Vec::add(Vec::mul(level, Vec::sign(normalized)), Vec::splat(7.0f));
+    const F level = Vec::min(Vec::floor_half_root_plus_half(Vec::max(excess, Vec::zero())), Vec::splat(7.0f));
+    return Vec::add(Vec::apply_sign(level, normalized), Vec::splat(7.0f));
   }
 
   static void encode_signed(const State& state, int64_t block, int64_t size, const float* values, float scale) {
@@ -322,8 +333,7 @@ struct Codes4 {
 
   // Nearest of the 16 codes in the (x / s)^(1/4) domain, from roots = sqrt(x); zero is not a level.
   static F unsigned_code(F roots, F inverse_root) {
-    const F code = Vec::sub(Vec::rint(Vec::mul(Vec::sqrt(Vec::mul(roots, inverse_root)), Vec::splat(16.0f))),
-                            Vec::splat(1.0f));
+    const F code = Vec::sub(Vec::rint_root_times(Vec::mul(roots, inverse_root), Vec::splat(16.0f)), Vec::splat(1.0f));
     return Vec::min(Vec::max(code, Vec::zero()), Vec::splat(15.0f));
   }
 
