@@ -477,7 +477,10 @@ def targets(results: list[Result], page_size: int, dtype_name: str, device: torc
         [
             check("PagedAdamW unlimited", ratio(adamw, reference), adamw_limit, "x fused"),
             check("PagedAdamW8bit unlimited", ratio(adamw8, reference), adamw8_limit, "x fused"),
-            *(check(f"{name} host kernel", ratio(find(name, False), reference), host[name], "x fused") for name in host),
+            *(
+                check(f"{name} host kernel", ratio(find(name, False), reference), host[name], "x fused")
+                for name in host
+            ),
             check("PagedAdamW 25% budget", ratio(adamw_budget, adamw), BUDGET_TARGET, "x unlimited"),
             check("PagedAdamW8bit state", adamw8.state_bytes / adamw8.numel if adamw8 else None, 2.04, " B/param"),
             check("PagedAdamW4bit state", adamw4.state_bytes / adamw4.numel if adamw4 else None, 1.07, " B/param"),
