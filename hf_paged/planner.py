@@ -131,8 +131,10 @@ class _Ledger:
         self.rounding = rounding
         self.live_bytes = 0
         self.peak_bytes = 0
-        self.on_host = False
-        """While set, new storages are host memory: followed, never counted on the device."""
+        self.page_serials: set[int] = set()
+        """Storages a paged optimizer's store allocated (page buffers)."""
+        self._on_host = False
+        self._pages = False
         self._serial_of: dict[int, int] = {}
         self._bytes_of: dict[int, int] = {}
         self._references: dict[int, weakref.ref] = {}
@@ -147,7 +149,9 @@ class _Ledger:
             return
         serial = self._next_serial
         self._next_serial += 1
-        nbytes = 0 if self.on_host else math.ceil(storage.nbytes() / self.rounding) * self.rounding
+        nbytes = 0 if self._on_host else math.ceil(storage.nbytes() / self.rounding) * self.rounding
+        if self._pages:
+            self.page_serials.add(serial)
         self._serial_of[key] = serial
         self._bytes_of[serial] = nbytes
         self._references[key] = weakref.ref(storage, lambda _, key=key: self._drop(key))
@@ -156,6 +160,15 @@ class _Ledger:
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
             self._peak_event = len(self._events)
+
+    @contextlib.contextmanager
+    def allocating_pages(self, on_host: bool) -> Iterator[None]:
+        """New storages are page buffers; ``on_host``: in host memory, followed but not counted on the device."""
+        self._pages, self._on_host = True, on_host
+        try:
+            yield
+        finally:
+            self._pages, self._on_host = False, False
 
     def _drop(self, key: int) -> None:
         serial = self._serial_of.pop(key)
@@ -208,28 +221,28 @@ class _StorageTracker(TorchDispatchMode):
 
 
 class _PlanningBackend(SyncBackend):
-    """The page store backend while planning: host buffers of pages are not device memory."""
+    """The page store backend while planning: its buffers are optimizer state, and host buffers take no device
+    memory unless the device is the host."""
 
-    def __init__(self, device: torch.device, ledger: _Ledger) -> None:
+    def __init__(self, device: torch.device, ledger: _Ledger, host_is_device: bool) -> None:
         super().__init__(device)
         self._ledger = ledger
+        self._host_is_device = host_is_device
 
     def empty_host(self, specs: Any) -> Any:
-        self._ledger.on_host = True
-        try:
+        with self._ledger.allocating_pages(on_host=not self._host_is_device):
             return super().empty_host(specs)
-        finally:
-            self._ledger.on_host = False
+
+    def empty_device(self, specs: Any) -> Any:
+        with self._ledger.allocating_pages(on_host=False):
+            return super().empty_device(specs)
 
 
 @contextlib.contextmanager
 def _page_backend(ledger: _Ledger, host_is_device: bool) -> Iterator[None]:
-    """Paged optimizers built inside get page stores that keep host buffers off the device's count."""
-    if host_is_device:
-        yield
-        return
+    """Paged optimizers built inside get page stores with the :class:`_PlanningBackend`."""
     previous = device_module._backend_factory
-    device_module._backend_factory = lambda device: _PlanningBackend(device, ledger)
+    device_module._backend_factory = lambda device: _PlanningBackend(device, ledger, host_is_device)
     try:
         yield
     finally:
@@ -309,17 +322,6 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield item
 
 
-def _paged_buffers(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    """The page buffers of a paged optimizer, on the device and on the host (none for other optimizers)."""
-    from .optim import PagedOptimizer
-
-    if not isinstance(optimizer, PagedOptimizer):
-        return
-    for page in optimizer._store.pages:
-        for buffers in (page.device, page.host):
-            yield from buffers or ()
-
-
 def _paged_state_bytes(optimizer: torch.optim.Optimizer) -> int | None:
     from .optim import PagedOptimizer
 
@@ -348,7 +350,7 @@ class _Classifier:
         after_step: bool,
     ) -> dict[int, str]:
         """Serial to kind of the storages held now; after a step, what is new and held by nothing else is
-        optimizer state (``torch.optim``'s state, page buffers, scalars the optimizer keeps)."""
+        optimizer state (``torch.optim``'s state, scalars the optimizer keeps); page buffers always are."""
         for kind, tensors in extra.items():
             for serial in self._serials(tensors):
                 self._extra.setdefault(serial, kind)
@@ -358,7 +360,7 @@ class _Classifier:
             "trainable_weights": self._serials(p for p in params if p.requires_grad),
             "gradients": self._serials(p.grad for p in params if p.grad is not None),
         }
-        state = self._serials([*_tensors(list(optimizer.state.values())), *_paged_buffers(optimizer)])
+        state = self._serials(_tensors(list(optimizer.state.values()))) | self._ledger.page_serials
         self._optimizer_state |= state
         kinds: dict[int, str] = {}
         for kind in ("optimizer_state", "gradients", "trainable_weights", "frozen_weights"):

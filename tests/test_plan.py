@@ -180,6 +180,18 @@ def test_cuda_plan_rounds_allocations_and_adds_the_workspace() -> None:
     assert all(item.peak_bytes % 512 == 0 for item in on_cuda.phases)
 
 
+def test_cuda_plan_keeps_paged_state_on_the_device_within_the_budget() -> None:
+    budget = 256 * 2**10
+    unlimited = plan_setup(CASES["full-hf_paged_adamw_8bit"], device="cuda")
+    budgeted = plan_setup(CASES["full-hf_paged_adamw_8bit-budget"], device="cuda")
+    assert budgeted.paged_state_bytes == unlimited.paged_state_bytes > 3 * budget
+    assert unlimited.peak(OPTIMIZER_STEP).by_kind["optimizer_state"] >= unlimited.paged_state_bytes
+    scalars = 16 * 2**10  # step counters and allocator rounding of the state that is not paged
+    for item in budgeted.phases:
+        assert item.by_kind["optimizer_state"] <= budget + scalars
+    assert budgeted.optimizer_step_peak < unlimited.optimizer_step_peak - (unlimited.paged_state_bytes - budget) / 2
+
+
 def test_bad_arguments_are_named() -> None:
     def build() -> nn.Module:
         return nn.Linear(2, 2)
@@ -193,7 +205,7 @@ def test_bad_arguments_are_named() -> None:
 
 
 def test_cli_verdict_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
-    overrides = [*SMALL_LLAMA, "training.optim=adamw_torch"]
+    overrides = [*SMALL_LLAMA, "model.tiny.num_hidden_layers=1", "training.optim=adamw_torch"]
     arguments = ["plan", *(item for override in overrides for item in ("--set", override))]
     started = time.perf_counter()
     assert main([*arguments, "--device-memory", "1GiB", "--device", "cpu"]) == 0

@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
         "plan",
         help="predict the peak memory of each training phase from the model's config.json, and the verdict",
         description=(
-            "Trace one training step of CONFIG.yaml (default: the embedded tiny QLoRA run) under fake tensors, "
+            "Trace two training steps of CONFIG.yaml (default: the embedded tiny QLoRA run) under fake tensors, "
             "without weights, and print memory by kind, the forward+backward and optimizer-step peaks and whether "
             "they fit; exit status 1 when they do not."
         ),
