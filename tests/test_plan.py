@@ -237,6 +237,14 @@ def test_cli_plans_a_config_file_reading_only_config_json(tmp_path, capsys: pyte
     assert "give --device-memory" in output
 
 
+def test_train_prints_the_plan_first(capsys: pytest.CaptureFixture[str]) -> None:
+    overrides = [*SMALL_LLAMA, "model.tiny.num_hidden_layers=1", "training.optim=adamw_torch"]
+    arguments = [item for override in overrides for item in ("--set", override)]
+    assert main(["train", *arguments, "--set", "memory.device_capacity=1GiB", "--plan", "--print-config"]) == 0
+    output = capsys.readouterr().out
+    assert output.index("verdict: fits in 1.0 GiB") < output.index("model:\n  name: tiny")
+
+
 def test_cli_rejects_bad_device_memory(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--device-memory", "lots"]) == 2
     assert "--device-memory" in capsys.readouterr().err

@@ -13,7 +13,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from .config import ConfigError
+from .config import Config, ConfigError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,6 +35,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--output-dir", help="where the adapter, timeline and summary go (training.output_dir)")
     train.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    train.add_argument(
+        "--plan",
+        action="store_true",
+        help="first print the memory plan of the run (as hf-paged plan does, for the device it trains on)",
+    )
     plan = commands.add_parser(
         "plan",
         help="predict the peak memory of each training phase from the model's config.json, and the verdict",
@@ -92,6 +97,12 @@ def _train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     if args.output_dir is not None:
         update(config, {"training": {"output_dir": args.output_dir}}, source="--output-dir")
+    if args.plan:
+        from .plan import format_report, report, setup_from_config
+
+        device = "cuda" if torch_cuda_available() else "cpu"
+        outcome = report(setup_from_config(config), device, _capacity(config, None, device))
+        print(format_report(outcome), flush=True)
     if args.print_config:
         import yaml
 
@@ -117,15 +128,27 @@ def _plan(args: argparse.Namespace) -> int:
             raise ConfigError(str(error)) from None
     quiet.install()
     config = load_config(args.config, args.overrides)
-    if capacity is None and config.memory.device_capacity is not None:
-        capacity = parse_size(config.memory.device_capacity, "memory.device_capacity")
-    if capacity is None and args.device == "cuda" and torch_cuda_available():
-        import torch
-
-        capacity = torch.cuda.get_device_properties(0).total_memory
-    outcome = report(setup_from_config(config, args.method), args.device, capacity)
+    outcome = report(setup_from_config(config, args.method), args.device, _capacity(config, capacity, args.device))
     print(format_report(outcome), flush=True)
     return 1 if outcome.fits is False else 0
+
+
+def _capacity(config: Config, given: int | None, device: str) -> int | None:
+    """Bytes the device offers: ``given``, else ``memory.device_capacity``, else the local GPU's; ``None`` if unknown."""
+    from ..sizes import parse_size
+
+    if given is not None:
+        return given
+    if config.memory.device_capacity is not None:
+        try:
+            return parse_size(config.memory.device_capacity, "memory.device_capacity")
+        except (TypeError, ValueError) as error:
+            raise ConfigError(str(error)) from None
+    if device == "cuda" and torch_cuda_available():
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory
+    return None
 
 
 def torch_cuda_available() -> bool:
