@@ -1,9 +1,10 @@
 // One-pass host (CPU) kernels for the blockwise 8-bit and 4-bit AdamW and Lion updates of hf_paged.
 //
-// Each block of `block_size` elements is read once: its state codes are decoded into block-local fp32 buffers
-// (on the stack), the update rule runs in fp32 with the parameter written once while the block's new largest
-// magnitudes are found, and the state is encoded from the buffers back into its codes and scale. Blocks are
-// independent, so results do not depend on the number of threads or on how a segment is chunked.
+// Each block of `block_size` elements is read once: its state codes are decoded as the update rule reads them, the
+// rule runs in fp32 with the parameter written once, the new state goes to block-local fp32 buffers (on the stack)
+// while the block's new largest magnitudes are found, and is then encoded from the buffers into the block's codes
+// and scale. Blocks are independent, so results do not depend on the number of threads or on how a segment is
+// chunked.
 //
 // The arithmetic is that of the eager PyTorch kernels (hf_paged/codecs.py, hf_paged/optim/adamw.py and lion.py),
 // operation by operation in fp32 with the same constants and rounding: products and sums are rounded one by one
@@ -111,22 +112,22 @@ struct Vec {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x))));
   }
   static F load_codes(const uint8_t* x) { return _mm256_cvtepi32_ps(load_bytes(x)); }
-  // Integer-valued codes in [-127, 127] and [0, 255].
-  static void store_codes(int8_t* x, F codes) {
-    const __m256i values = _mm256_cvttps_epi32(codes);
+  // Integer-valued magnitudes in [0, 127] with the signs of source (torch.sign's: 0 for zero).
+  static void store_signed_codes(int8_t* x, F magnitude, F source) {
+    const __m256i values = _mm256_sign_epi32(_mm256_cvttps_epi32(magnitude), _mm256_castps_si256(source));
     const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(values), _mm256_extracti128_si256(values, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(x), _mm_packs_epi16(words, words));
   }
+  // Integer-valued codes in [0, 255].
   static void store_codes(uint8_t* x, F codes) { store_bytes(x, _mm256_cvttps_epi32(codes)); }
   static void store_bytes(uint8_t* x, __m256i values) {
     const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(values), _mm256_extracti128_si256(values, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(x), _mm_packus_epi16(words, words));
   }
-  // The low and high 4-bit codes of eight bytes.
-  static void load_nibbles(const uint8_t* x, F& low, F& high) {
+  // The low or high 4-bit codes of eight bytes.
+  static F load_nibble(const uint8_t* x, bool high) {
     const __m256i bytes = load_bytes(x);
-    low = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
-    high = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+    return _mm256_cvtepi32_ps(high ? _mm256_srli_epi32(bytes, 4) : _mm256_and_si256(bytes, _mm256_set1_epi32(15)));
   }
   // Integer-valued codes in [0, 15].
   static void store_nibbles(uint8_t* x, F low, F high) {
@@ -174,12 +175,11 @@ struct Vec {
   }
   static F load_codes(const int8_t* x) { return static_cast<float>(*x); }
   static F load_codes(const uint8_t* x) { return static_cast<float>(*x); }
-  static void store_codes(int8_t* x, F codes) { *x = static_cast<int8_t>(static_cast<int32_t>(codes)); }
-  static void store_codes(uint8_t* x, F codes) { *x = static_cast<uint8_t>(static_cast<int32_t>(codes)); }
-  static void load_nibbles(const uint8_t* x, F& low, F& high) {
-    low = static_cast<float>(*x & 15);
-    high = static_cast<float>(*x >> 4);
+  static void store_signed_codes(int8_t* x, F magnitude, F source) {
+    *x = static_cast<int8_t>(static_cast<int32_t>(magnitude * sign(source)));
   }
+  static void store_codes(uint8_t* x, F codes) { *x = static_cast<uint8_t>(static_cast<int32_t>(codes)); }
+  static F load_nibble(const uint8_t* x, bool high) { return static_cast<float>(high ? *x >> 4 : *x & 15); }
   static void store_nibbles(uint8_t* x, F low, F high) {
     *x = static_cast<uint8_t>(static_cast<int32_t>(low) | (static_cast<int32_t>(high) << 4));
   }
@@ -228,26 +228,29 @@ struct State {
 // The 8-bit codecs (Blockwise8bitCodec). Signed: x = s n |n| with n = q / 127; non-negative: x = s n^4 with
 // n = q / 255.
 struct Codes8 {
-  static void decode_signed(const State& state, int64_t block, int64_t size, float* out) {
-    const auto* codes = reinterpret_cast<const int8_t*>(state.codes) + block * size;
-    const F scale = Vec::splat(state.scales[block]);
-    const F step = Vec::splat(static_cast<float>(1.0 / 127));
-    for (int64_t i = 0; i < size; i += kWidth) {
-      const F normalized = Vec::mul(Vec::load_codes(codes + i), step);
-      Vec::store(out + i, Vec::mul(Vec::mul(normalized, Vec::abs(normalized)), scale));
+  // The decoded values of a block, eight (or one) at a time.
+  struct SignedDecoder {
+    SignedDecoder(const State& state, int64_t block, int64_t size)
+        : codes(reinterpret_cast<const int8_t*>(state.codes) + block * size), scale(Vec::splat(state.scales[block])) {}
+    F operator()(int64_t i) const {
+      const F normalized = Vec::mul(Vec::load_codes(codes + i), Vec::splat(static_cast<float>(1.0 / 127)));
+      return Vec::mul(Vec::mul(normalized, Vec::abs(normalized)), scale);
     }
-  }
+    const int8_t* codes;
+    F scale;
+  };
 
-  static void decode_unsigned(const State& state, int64_t block, int64_t size, float* out) {
-    const uint8_t* codes = state.codes + block * size;
-    const F scale = Vec::splat(state.scales[block]);
-    const F step = Vec::splat(static_cast<float>(1.0 / 255));
-    for (int64_t i = 0; i < size; i += kWidth) {
-      const F normalized = Vec::mul(Vec::load_codes(codes + i), step);
+  struct UnsignedDecoder {
+    UnsignedDecoder(const State& state, int64_t block, int64_t size)
+        : codes(state.codes + block * size), scale(Vec::splat(state.scales[block])) {}
+    F operator()(int64_t i) const {
+      const F normalized = Vec::mul(Vec::load_codes(codes + i), Vec::splat(static_cast<float>(1.0 / 255)));
       const F squared = Vec::mul(normalized, normalized);
-      Vec::store(out + i, Vec::mul(Vec::mul(squared, squared), scale));
+      return Vec::mul(Vec::mul(squared, squared), scale);
     }
-  }
+    const uint8_t* codes;
+    F scale;
+  };
 
   // Nearest code in the sqrt(|x| / s) domain.
   static void encode_signed(const State& state, int64_t block, int64_t size, const float* values, float scale) {
@@ -257,7 +260,7 @@ struct Codes8 {
     for (int64_t i = 0; i < size; i += kWidth) {
       const F normalized = Vec::mul(Vec::load(values + i), inverse);
       const F magnitude = Vec::rint_root_times(Vec::abs(normalized), top);
-      Vec::store_codes(codes + i, Vec::apply_sign(magnitude, normalized));
+      Vec::store_signed_codes(codes + i, magnitude, normalized);
     }
     state.scales[block] = scale;
   }
@@ -279,38 +282,36 @@ struct Codes8 {
 // The 4-bit codecs (Blockwise4bitCodec): byte i of a block holds element i in its low nibble and element
 // i + size / 2 in its high nibble. Signed: x = s q |q| / 49 with q = code - 7; non-negative: x = s ((code + 1) / 16)^4.
 struct Codes4 {
-  static void decode_signed(const State& state, int64_t block, int64_t size, float* out) {
-    const int64_t half = size / 2;
-    const uint8_t* packed = state.codes + block * half;
-    const F scale = Vec::splat(state.scales[block]);
-    const F step = Vec::splat(static_cast<float>(1.0 / 49));
-    const F middle = Vec::splat(7.0f);
-    for (int64_t i = 0; i < half; i += kWidth) {
-      F low, high;
-      Vec::load_nibbles(packed + i, low, high);
-      low = Vec::sub(low, middle);
-      high = Vec::sub(high, middle);
-      Vec::store(out + i, Vec::mul(Vec::mul(Vec::mul(low, Vec::abs(low)), step), scale));
-      Vec::store(out + i + half, Vec::mul(Vec::mul(Vec::mul(high, Vec::abs(high)), step), scale));
-    }
+  // The codes of elements i.. of a block: low nibbles in its first half, high nibbles in its second.
+  static F codes_at(const uint8_t* packed, int64_t half, int64_t i) {
+    return i < half ? Vec::load_nibble(packed + i, false) : Vec::load_nibble(packed + i - half, true);
   }
 
-  static void decode_unsigned(const State& state, int64_t block, int64_t size, float* out) {
-    const int64_t half = size / 2;
-    const uint8_t* packed = state.codes + block * half;
-    const F scale = Vec::splat(state.scales[block]);
-    const F one = Vec::splat(1.0f), step = Vec::splat(0.0625f);
-    for (int64_t i = 0; i < half; i += kWidth) {
-      F low, high;
-      Vec::load_nibbles(packed + i, low, high);
-      low = Vec::mul(Vec::add(low, one), step);
-      high = Vec::mul(Vec::add(high, one), step);
-      low = Vec::mul(low, low);
-      high = Vec::mul(high, high);
-      Vec::store(out + i, Vec::mul(Vec::mul(low, low), scale));
-      Vec::store(out + i + half, Vec::mul(Vec::mul(high, high), scale));
+  // The decoded values of a block, eight (or one) at a time.
+  struct SignedDecoder {
+    SignedDecoder(const State& state, int64_t block, int64_t size)
+        : packed(state.codes + block * (size / 2)), half(size / 2), scale(Vec::splat(state.scales[block])) {}
+    F operator()(int64_t i) const {
+      const F level = Vec::sub(codes_at(packed, half, i), Vec::splat(7.0f));
+      return Vec::mul(Vec::mul(Vec::mul(level, Vec::abs(level)), Vec::splat(static_cast<float>(1.0 / 49))), scale);
     }
-  }
+    const uint8_t* packed;
+    int64_t half;
+    F scale;
+  };
+
+  struct UnsignedDecoder {
+    UnsignedDecoder(const State& state, int64_t block, int64_t size)
+        : packed(state.codes + block * (size / 2)), half(size / 2), scale(Vec::splat(state.scales[block])) {}
+    F operator()(int64_t i) const {
+      const F root = Vec::mul(Vec::add(codes_at(packed, half, i), Vec::splat(1.0f)), Vec::splat(0.0625f));
+      const F squared = Vec::mul(root, root);
+      return Vec::mul(Vec::mul(squared, squared), scale);
+    }
+    const uint8_t* packed;
+    int64_t half;
+    F scale;
+  };
 
   // Nearest level (k / 7)^2: |x| >= the midpoint of levels k - 1 and k iff 196 |x| - 1 >= (2k - 1)^2.
   static F signed_code(F values, F inverse) {
@@ -367,33 +368,32 @@ void adamw_blocks(P* param, const G* grad, State avg, State avg_sq, int64_t bloc
                   const AdamWScalars& s) {
   at::parallel_for(0, blocks, grain_blocks(size), [&](int64_t begin, int64_t end) {
     alignas(64) float moments[kMaxBlockSize];
-    alignas(64) float seconds[kMaxBlockSize];
+    alignas(64) float roots[kMaxBlockSize];
     const Lerp average(s.avg_weight);
     const F decay = Vec::splat(s.decay), beta2 = Vec::splat(s.beta2), sq_weight = Vec::splat(s.sq_weight),
             eps = Vec::splat(s.eps), step_size = Vec::splat(s.step_size),
             inv_bias_correction2_sqrt = Vec::splat(s.inv_bias_correction2_sqrt);
     for (int64_t block = begin; block < end; ++block) {
-      Codes::decode_signed(avg, block, size, moments);
-      Codes::decode_unsigned(avg_sq, block, size, seconds);
+      const typename Codes::SignedDecoder old_moments(avg, block, size);
+      const typename Codes::UnsignedDecoder old_seconds(avg_sq, block, size);
       P* p = param + block * size;
       const G* g = grad + block * size;
       AbsMax moment_max, second_max;
       for (int64_t i = 0; i < size; i += kWidth) {
         const F gradient = Vec::load(g + i);
-        const F moment = average(Vec::load(moments + i), gradient);
-        const F second =
-            Vec::add(Vec::mul(Vec::load(seconds + i), beta2), Vec::mul(Vec::mul(gradient, gradient), sq_weight));
+        const F moment = average(old_moments(i), gradient);
+        const F second = Vec::add(Vec::mul(old_seconds(i), beta2), Vec::mul(Vec::mul(gradient, gradient), sq_weight));
         const F root = Vec::sqrt(second);
         const F denominator = Vec::add(Vec::mul(root, inv_bias_correction2_sqrt), eps);
         Vec::store(p + i, Vec::sub(Vec::mul(Vec::load(p + i), decay),
                                    Vec::mul(Vec::div(moment, denominator), step_size)));
         Vec::store(moments + i, moment);
-        Vec::store(seconds + i, root);  // the encoding takes sqrt(v)
+        Vec::store(roots + i, root);  // the encoding takes sqrt(v)
         moment_max.add(moment);
         second_max.add(second);
       }
       Codes::encode_signed(avg, block, size, moments, moment_max.value());
-      Codes::encode_unsigned_roots(avg_sq, block, size, seconds, second_max.value());
+      Codes::encode_unsigned_roots(avg_sq, block, size, roots, second_max.value());
     }
   });
 }
@@ -406,13 +406,13 @@ void lion_blocks(P* param, const G* grad, State avg, int64_t blocks, int64_t siz
     const Lerp direction_lerp(s.direction_weight), average(s.avg_weight);
     const F lr = Vec::splat(s.lr), decay = Vec::splat(s.decay);
     for (int64_t block = begin; block < end; ++block) {
-      Codes::decode_signed(avg, block, size, moments);
+      const typename Codes::SignedDecoder old_moments(avg, block, size);
       P* p = param + block * size;
       const G* g = grad + block * size;
       AbsMax moment_max;
       for (int64_t i = 0; i < size; i += kWidth) {
         const F gradient = Vec::load(g + i);
-        const F previous = Vec::load(moments + i);
+        const F previous = old_moments(i);
         const F direction = Vec::sign(direction_lerp(previous, gradient));
         Vec::store(p + i, Vec::sub(Vec::mul(Vec::load(p + i), decay), Vec::mul(direction, lr)));
         const F moment = average(previous, gradient);
