@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import device as device_module
 from .device import SyncBackend
+from .sizes import format_size
 
 FORWARD_BACKWARD = "forward_backward"
 OPTIMIZER_STEP = "optimizer_step"
@@ -472,7 +473,7 @@ def plan(
         total = sum(p.numel() for p in params)
         paged_state = _paged_state_bytes(built_optimizer)
         shapes = [(tuple(p.shape), p.dtype) for p in params if p.requires_grad]
-    notes = [f"includes {CUDA_WORKSPACE_BYTES} bytes of cuBLAS workspace"] if on_cuda else []
+    notes = [f"includes {format_size(CUDA_WORKSPACE_BYTES)} of cuBLAS workspace"] if on_cuda else []
     return MemoryPlan(
         device=str(target),
         phases=phases,

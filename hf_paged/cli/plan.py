@@ -14,7 +14,7 @@ import contextlib
 import copy
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -401,7 +401,7 @@ def _bitsandbytes_8bit_state(shapes: list[tuple[tuple[int, ...], torch.dtype]]) 
     return total
 
 
-def optimizer_state_comparison(setup: TrainingSetup, result: MemoryPlan) -> dict[str, int] | None:
+def optimizer_state_comparison(setup: TrainingSetup, result: MemoryPlan, device: str = "cpu") -> dict[str, int] | None:
     """Bytes of optimizer state of ``result``'s trainable parameters under each of :data:`COMPARED_OPTIMIZERS`
     (traced; bitsandbytes' from its layout); ``None`` above :data:`COMPARISON_LIMIT` trainable parameters."""
     if result.trainable_params > COMPARISON_LIMIT:
@@ -417,9 +417,10 @@ def optimizer_state_comparison(setup: TrainingSetup, result: MemoryPlan) -> dict
         traced = planner.plan(
             lambda: _Trainable(result.trainable_shapes),
             lambda: None,
-            lambda model, other=other: build_optimizer(other, model),
+            lambda model, other=other: build_optimizer(other, model, device),
             loss=lambda model, _: model(),
             steps=1,
+            device=device,
         )
         if traced.paged_state_bytes is not None:
             states[name] = traced.paged_state_bytes
@@ -509,35 +510,69 @@ def _largest_budget(setup: TrainingSetup, result: MemoryPlan, capacity: int, dev
     return 0, result
 
 
-def _alternatives(setup: TrainingSetup) -> list[tuple[str, TrainingSetup]]:
+Change = Callable[[TrainingSetup], TrainingSetup]
+
+
+def _checkpointing(setup: TrainingSetup) -> TrainingSetup:
+    return setup.with_changes(gradient_checkpointing=True)
+
+
+def _half_batch(setup: TrainingSetup) -> TrainingSetup:
+    batch = setup.batch_size // 2
+    accumulation = setup.accumulation * setup.batch_size // batch
+    return setup.with_changes(
+        training={"per_device_train_batch_size": batch, "gradient_accumulation_steps": accumulation}
+    )
+
+
+def _half_sequences(setup: TrainingSetup) -> TrainingSetup:
+    return setup.with_changes(tokens=setup.sequence_length // 2)
+
+
+def _optimizer(name: str) -> Change:
+    def change(setup: TrainingSetup) -> TrainingSetup:
+        optim_args = f"page_size={_page_size(setup)}" if _paged(setup) else None
+        return setup.with_changes(training={"optim": name, "optim_args": optim_args})
+
+    return change
+
+
+def _qlora(setup: TrainingSetup) -> TrainingSetup:
+    return setup.with_changes(method="qlora", reentrant=False)
+
+
+def _alternatives(setup: TrainingSetup) -> list[tuple[str, Change]]:
     """The nearest settings that use less memory, one change each."""
-    options = []
+    options: list[tuple[str, Change]] = []
     if not setup.gradient_checkpointing:
-        options.append(("gradient checkpointing on", setup.with_changes(gradient_checkpointing=True)))
+        options.append(("gradient checkpointing on", _checkpointing))
     if setup.batch_size > 1:
         batch = setup.batch_size // 2
         accumulation = setup.accumulation * setup.batch_size // batch
-        options.append(
-            (
-                f"batch {batch} with {accumulation} accumulation steps",
-                setup.with_changes(
-                    training={"per_device_train_batch_size": batch, "gradient_accumulation_steps": accumulation}
-                ),
-            )
-        )
+        options.append((f"batch {batch} with {accumulation} accumulation steps", _half_batch))
     if setup.sequence_length > 1:
-        tokens = setup.sequence_length // 2
-        options.append((f"sequences of {tokens} tokens", setup.with_changes(tokens=tokens)))
-    page_size = _page_size(setup) if _paged(setup) else None
-    optim_args = None if page_size is None else f"page_size={page_size}"
+        options.append((f"sequences of {setup.sequence_length // 2} tokens", _half_sequences))
     for name in ("hf_paged_adamw_8bit", "hf_paged_adamw_4bit"):
         if setup.optimizer_name != name and not setup.optimizer_name.endswith("4bit"):
-            options.append(
-                (f"optimizer {name}", setup.with_changes(training={"optim": name, "optim_args": optim_args}))
-            )
+            options.append((f"optimizer {name}", _optimizer(name)))
     if setup.method != "qlora":
-        options.append(("QLoRA (4-bit base weights)", setup.with_changes(method="qlora", reentrant=False)))
+        options.append(("QLoRA (4-bit base weights)", _qlora))
     return options
+
+
+def _replan_alternatives(setup: TrainingSetup, device: str, capacity: int) -> list[Alternative]:
+    """Each alternative re-planned; when none fits, all of them at once (with 4-bit state) too."""
+    options = _alternatives(setup)
+    alternatives = [Alternative(label, plan_setup(change(setup), device)) for label, change in options]
+    if len(options) > 1 and not any(alternative.plan.fits(capacity) for alternative in alternatives):
+        combined = setup
+        for label, change in options:
+            if label != "optimizer hf_paged_adamw_8bit":
+                combined = change(combined)
+        labels = [label for label, _ in options]
+        state = " (4-bit state)" if "optimizer hf_paged_adamw_4bit" in labels else ""
+        alternatives.append(Alternative(f"all of these together{state}", plan_setup(combined, device)))
+    return alternatives
 
 
 def report(setup: TrainingSetup, device: str = "cuda", capacity: int | None = None) -> PlanReport:
@@ -548,13 +583,11 @@ def report(setup: TrainingSetup, device: str = "cuda", capacity: int | None = No
     started = time.perf_counter()
     result = plan_setup(setup, device)
     outcome = PlanReport(setup=setup, device=device, plan=result, capacity=capacity)
-    outcome.optimizer_states = optimizer_state_comparison(setup, result)
+    outcome.optimizer_states = optimizer_state_comparison(setup, result, device)
     if capacity is not None and _paged(setup) and torch.device(device).type != "cpu":
         outcome.largest_budget = _largest_budget(setup, result, capacity, device)
     if capacity is not None and not result.fits(capacity):
-        outcome.alternatives = [
-            Alternative(change, plan_setup(other, device)) for change, other in _alternatives(setup)
-        ]
+        outcome.alternatives = _replan_alternatives(setup, device, capacity)
     outcome.seconds = time.perf_counter() - started
     return outcome
 
