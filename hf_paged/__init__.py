@@ -12,14 +12,14 @@ from .sizes import parse_size
 __version__ = "0.1.0"
 
 __all__ = [
+    "MemoryPlan",
+    "MemorySpikeCallback",
+    "OOMRecovery",
     "PagedAdamW",
     "PagedAdamW4bit",
     "PagedAdamW8bit",
     "PagedLion",
     "PagedLion8bit",
-    "MemoryPlan",
-    "MemorySpikeCallback",
-    "OOMRecovery",
     "PagedOptimizer",
     "parse_size",
     "plan",
