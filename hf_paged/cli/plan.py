@@ -177,6 +177,8 @@ def build_model(setup: TrainingSetup, device: str = "cpu", shapes_only: bool = F
         model = AutoModelForCausalLM.from_config(
             architecture(config), dtype=dtype, trust_remote_code=config.model.trust_remote_code
         )
+    if setup.gradient_checkpointing:
+        model.config.use_cache = False  # as the Trainer's forward would find it; else transformers says it turns it off
     if setup.method == "qlora":
         with _shell_quantization() if shapes_only else contextlib.nullcontext():
             return prepare_qlora(
