@@ -11,7 +11,10 @@ so other processes on the device and the context count; ``reserved`` what this p
   automatic budgets on the device (1 for one optimizer), so their budgets together leave room for the peak.
   A peak the probe only sampled (a device whose high-water mark is not reset, in a phase below an earlier
   high) misses the phase's activations and never enters the prediction; until a step has an exact peak,
-  ``budget = 0``;
+  ``budget = 0``. A planned peak (:meth:`AutoBudget.expect`, e.g. from :func:`hf_paged.plan`) counts as one
+  exact peak observed before the first step: from step 1 the budget leaves room for it; a higher measured peak
+  takes over at once, a lower one once the plan has left the window (``window`` steps later); it stays the last
+  exact peak until a step has one;
 * during a step: ``budget = U − (A − S) − W``, where ``A`` is allocated now, ``S`` the optimizer state on the
   device and ``W`` the step's workspace (the temporaries of one chunk of a page, see
   ``PagedOptimizer.step_workspace``); at least the largest page, so a step always runs.
@@ -23,11 +26,15 @@ import math
 import weakref
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from .memory import MemoryProbe, probe_for
 from .sizes import parse_size
+
+if TYPE_CHECKING:
+    from .planner import MemoryPlan
 
 StateBytes = Callable[[], tuple[int, int]]
 """An optimizer's state on one device: ``(bytes on the device now, bytes of all its pages)``."""
@@ -45,7 +52,11 @@ class AutoBudget:
         capacity: bytes (or a string such as ``"24GiB"``) the device offers; ``None`` takes the probe's
             (``HF_PAGED_DEVICE_CAPACITY``, else the device's total memory).
         probe: the probe to measure with; ``None`` uses the shared probe of the parameters' device.
+        planned_peak: the forward/backward peak to expect before any is measured, see :meth:`expect`.
     """
+
+    _planned: int | None = None
+    _planned_steps: int = 0
 
     def __init__(
         self,
@@ -53,6 +64,7 @@ class AutoBudget:
         window: int = 20,
         capacity: int | str | None = None,
         probe: MemoryProbe | None = None,
+        planned_peak: int | str | MemoryPlan | None = None,
     ) -> None:
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise ValueError(f"window must be an integer >= 1, got {window!r}")
@@ -62,6 +74,8 @@ class AutoBudget:
         self._last_exact: int | None = None
         self._state: StateBytes | None = None
         self.probe = probe
+        if planned_peak is not None:
+            self.expect(planned_peak)
 
     def __getstate__(self) -> dict:
         """Copies and pickles keep the settings and measured peaks, not the probe nor the optimizer's state:
@@ -136,6 +150,44 @@ class AutoBudget:
             available = min(available, self.probe.free() + self.probe.reserved())
         return int(available * (1 - self.safety_margin))
 
+    def expect(self, planned_peak: int | str | MemoryPlan) -> None:
+        """Start from a planned forward/backward peak without optimizer state instead of learning it.
+
+        Args:
+            planned_peak: bytes (or a string such as ``"12GiB"``), or a :class:`~hf_paged.planner.MemoryPlan`
+                of this training, whose highest forward/backward peak less the optimizer state it held is taken
+                (the plan of the device this budget measures: a CUDA plan's peaks are allocated bytes).
+
+        The planned peak counts as one exact peak observed now: in :attr:`predicted_peak` for the next ``window``
+        observed steps (a higher measured peak takes over at once, a lower one when the plan leaves the window),
+        and as the last exact peak until a step has one. A later call replaces it.
+        """
+        from .planner import FORWARD_BACKWARD, MemoryPlan
+
+        if isinstance(planned_peak, MemoryPlan):
+            planned_for = torch.device(planned_peak.device).type
+            if self.probe is not None and planned_for != self.probe.device.type:
+                raise ValueError(
+                    f"planned_peak: the plan is for {planned_for}, this budget measures {self.probe.device}: plan for "
+                    "the device that trains"
+                )
+            peak = planned_peak.peak_without_state(FORWARD_BACKWARD)
+        elif isinstance(planned_peak, (int, str)) and not isinstance(planned_peak, bool):
+            peak = parse_size(planned_peak, "planned_peak")
+        else:
+            raise TypeError(
+                f"planned_peak must be bytes, a size string such as '12GiB' or a MemoryPlan, got "
+                f"{type(planned_peak).__name__}"
+            )
+        self._planned = peak
+        self._planned_steps = self._peaks.maxlen
+
+    @property
+    def planned_peak(self) -> int | None:
+        """The planned forward/backward peak without optimizer state (bytes) given to :meth:`expect`, ``None``
+        without a plan."""
+        return self._planned
+
     def observe(self, peak_without_state: int | None) -> None:
         """Record one step's forward/backward peak without optimizer state, in bytes.
 
@@ -143,12 +195,14 @@ class AutoBudget:
         """
         peak = None if peak_without_state is None else max(0, int(peak_without_state))
         self._peaks.append(peak)
+        self._planned_steps = max(0, self._planned_steps - 1)
         if peak is not None:
             self._last_exact = peak
 
     @property
     def predicted_peak(self) -> int | None:
-        """The forward/backward peak without optimizer state expected next, ``None`` before any exact measurement.
+        """The forward/backward peak without optimizer state expected next, ``None`` before any exact measurement
+        or plan.
 
         Of each optimizer measuring the device, the highest exact peak of its last ``window`` steps, else its
         last exact peak, which never expires; the highest of these. (Several optimizers share one phase mark:
@@ -158,11 +212,15 @@ class AutoBudget:
         return max((peak for peak in predictions if peak is not None), default=None)
 
     def _own_prediction(self) -> int | None:
-        return max((peak for peak in self._peaks if peak is not None), default=self._last_exact)
+        peaks = [peak for peak in self._peaks if peak is not None]
+        if self._planned_steps:
+            peaks.append(self._planned)
+        last = self._last_exact if self._last_exact is not None else self._planned
+        return max(peaks, default=last)
 
     def resting_budget(self) -> int | None:
-        """The budget for the coming forward/backward, ``None`` (leave it) before any step was observed: this
-        optimizer's :meth:`share` of what the predicted peak leaves of the usable memory.
+        """The budget for the coming forward/backward, ``None`` (leave it) before any step was observed or planned:
+        this optimizer's :meth:`share` of what the predicted peak leaves of the usable memory.
 
         0 while the observed steps had no exact peak: nothing is known to fit beside the activations.
         """

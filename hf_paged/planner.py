@@ -105,6 +105,12 @@ class MemoryPlan:
             raise ValueError(f"phase must be one of {', '.join(map(repr, PHASES))}, got {phase!r}")
         return max((item for item in self.phases if item.phase == phase), key=lambda item: item.peak_bytes)
 
+    def peak_without_state(self, phase: str) -> int:
+        """The highest bytes of ``phase`` besides optimizer state, over the traced steps: what a device budget
+        leaves for the rest (the figure :meth:`hf_paged.budget.AutoBudget.expect` takes for forward and backward)."""
+        self.peak(phase)  # checks the phase
+        return max(item.peak_bytes - item.by_kind["optimizer_state"] for item in self.phases if item.phase == phase)
+
     @property
     def forward_backward_peak(self) -> int:
         """Highest bytes live during forward and backward (optimizer state of earlier steps included)."""

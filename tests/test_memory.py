@@ -281,3 +281,62 @@ def test_a_copy_keeps_the_measured_peaks_and_leaves_the_original_measuring(monke
     assert duplicate.auto_budget.predicted_peak == optimizer.auto_budget.predicted_peak
     optimizer.step()  # measured from the end of its own last step, whatever the copy marked since
     assert optimizer.auto_budget.predicted_peak >= 700 * MIB - 100 * MIB
+
+
+def test_a_planned_peak_budgets_step_one_and_measured_peaks_take_over():
+    memory = ScriptedMemory(total=10 * GIB, level=3 * GIB)
+    budget = AutoBudget(safety_margin=0.1, window=2, probe=MemoryProbe("cpu", memory=memory), planned_peak="6GiB")
+    assert budget.planned_peak == 6 * GIB
+    assert budget.resting_budget() == 3 * GIB  # before any step: 9 GiB usable less the plan
+    budget.observe(None)  # a step without an exact peak: the plan still stands
+    assert budget.resting_budget() == 3 * GIB
+    budget.observe(7 * GIB)  # a higher measured peak takes over at once; the plan has left the window
+    assert budget.predicted_peak == 7 * GIB
+    lower = AutoBudget(window=2, probe=MemoryProbe("cpu", memory=memory))
+    lower.expect(6 * GIB)
+    lower.observe(4 * GIB)
+    assert lower.predicted_peak == 6 * GIB  # a lower one once the plan leaves the window
+    lower.observe(4 * GIB)
+    assert lower.predicted_peak == 4 * GIB
+
+
+@pytest.mark.parametrize(
+    "planned, error, message",
+    [
+        (-1, ValueError, "planned_peak"),
+        ("lots", ValueError, "planned_peak"),
+        (True, TypeError, "planned_peak must be bytes"),
+    ],
+)
+def test_a_planned_peak_is_validated(planned, error, message):
+    with pytest.raises(error, match=message):
+        AutoBudget(planned_peak=planned)
+
+
+def test_a_plan_budgets_the_forward_after_step_one():
+    """The resting budget after step 1 leaves room for the planned peak where step 1 measured less (its batch, a
+    warm-up), and the plan a budget takes is its forward/backward peak less the optimizer state it held."""
+
+    def build(model: torch.nn.Module) -> hf_paged.PagedAdamW:
+        return hf_paged.PagedAdamW(model.parameters(), page_size="16KiB", compiled=False)
+
+    planned = hf_paged.plan(_model, lambda: torch.randn(4, 128), build, loss=lambda model, batch: model(batch).sum())
+    from_plan = AutoBudget(probe=MemoryProbe("cpu", memory=ScriptedMemory()), planned_peak=planned)
+    second_forward = planned.phases[2]  # step 2's forward and backward, beside the state of step 1
+    assert second_forward.by_kind["optimizer_state"] > 0
+    assert from_plan.planned_peak == second_forward.peak_bytes - second_forward.by_kind["optimizer_state"]
+    with pytest.raises(ValueError, match="planned_peak: the plan is for cpu, this budget measures cuda"):
+        AutoBudget(probe=MemoryProbe("cuda:0", memory=ScriptedMemory()), planned_peak=planned)
+    budgets = []
+    for plan_given in (False, True):
+        memory = ScriptedMemory(total=1 * GIB, level=100 * MIB)
+        auto = AutoBudget(safety_margin=0.0, probe=MemoryProbe("cpu", memory=memory))
+        if plan_given:
+            auto.expect("600MiB")
+        model = _model()
+        optimizer = hf_paged.PagedAdamW(model.parameters(), page_size="16KiB", device_budget=auto)
+        model(torch.randn(4, 128)).sum().backward()
+        memory.spike(400 * MIB, after=150 * MIB)  # step 1's forward/backward, lower than planned
+        optimizer.step()
+        budgets.append(optimizer.device_budget)
+    assert budgets == [1 * GIB - 400 * MIB, 1 * GIB - 600 * MIB]
