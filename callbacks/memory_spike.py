@@ -11,23 +11,30 @@ state on the device during forward and after the step, the budget and what moved
 logged under ``memory/`` through the Trainer (so they reach ``log_history`` and the ``report_to``
 integrations) and written as ``memory_timeline.jsonl`` and ``memory_timeline.png`` in the output
 directory at each save and at the end of training.
+
+Given a plan (:func:`hf_paged.plan`, ``hf-paged train --plan``), the callback hands it to an automatic budget
+(which then starts from the planned peak, see :meth:`hf_paged.budget.AutoBudget.expect`) and compares the measured
+peaks of the first steps with it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from hf_paged.device import HostMemory
 from hf_paged.integrations._transformers_internals import calling_callback_handler, calling_trainer
 from hf_paged.integrations.oom import disable_oom_recovery, enable_oom_recovery
 from hf_paged.integrations.trainer import keep_trainer_memory_metrics
 from hf_paged.memory import MemoryProbe, probe_for
+from hf_paged.planner import FORWARD_BACKWARD, OPTIMIZER_STEP, PHASES, MemoryPlan
 from hf_paged.recovery import Recovery
-from hf_paged.sizes import parse_size
+from hf_paged.sizes import format_size, parse_size
 
 from .spikes import SpikeDetector
 from .timeline import GIB, plot_rows, read_rows, write_rows
@@ -39,6 +46,14 @@ PLOT_NAME = "memory_timeline.png"
 
 _FORWARD_BACKWARD = "hf_paged.callback.forward_backward"
 _OPTIMIZER_STEP = "hf_paged.callback.optimizer_step"
+
+PLAN_TOLERANCE = 0.1
+"""Relative difference between a measured and a planned peak above which the callback warns."""
+
+PLANNED_STEPS = 2
+"""Steps a plan given as bytes per phase covers (what :func:`hf_paged.plan` traces by default)."""
+
+_PHASE_LABELS = {FORWARD_BACKWARD: "forward+backward", OPTIMIZER_STEP: "optimizer step"}
 
 _MOVED = ("bytes_to_device", "bytes_to_host", "page_ins", "page_outs", "stall_seconds")
 
@@ -69,6 +84,18 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
             :func:`hf_paged.integrations.oom.enable_oom_recovery`; a single process only), and, as many times,
             from one in the optimizer's step (the pages left are updated under a smaller budget, in any number
             of processes); 0 turns recovery off. Only with an hf-paged optimizer.
+        plan: the planned peaks of this training: a :class:`~hf_paged.planner.MemoryPlan` (for the device that
+            trains), or bytes per phase (``{"forward_backward": ..., "optimizer_step": ...}``, the highest of the
+            first :data:`PLANNED_STEPS` steps). A MemoryPlan is handed to an hf-paged optimizer's automatic budget
+            (:meth:`~hf_paged.budget.AutoBudget.expect`). Each phase's highest measured peak over the planned steps
+            is compared with the plan's, and a difference above :data:`PLAN_TOLERANCE` is warned of once, by how
+            much per phase. An automatic budget is planned as no limit: when it moved optimizer state to the host
+            in those steps, the run is not what was planned and the comparison is skipped (logged). On the CPU
+            it is skipped too (logged once): the probe there reads the process's resident memory (allocator
+            caches, libraries, the interpreter: 646 MiB of it against a 158 MiB tensor peak in issue 20), not the
+            live tensor bytes the plan predicts, and measuring those would take the profiler's allocator events or
+            a dispatch mode over every operator of the steps compared, slowing them; a CUDA or XPU probe reads
+            the allocator's peaks, the plan's like.
     """
 
     def __init__(
@@ -82,6 +109,7 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
         warn_fraction: float = 0.9,
         plot: bool = True,
         oom_retries: int = 2,
+        plan: MemoryPlan | Mapping[str, int | str] | None = None,
     ) -> None:
         if not isinstance(oom_retries, int) or isinstance(oom_retries, bool) or oom_retries < 0:
             raise ValueError(f"oom_retries must be an integer >= 0, got {oom_retries!r}")
@@ -94,6 +122,13 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
         self.plot = plot
         self.oom_retries = oom_retries
         self.oom_recoveries = 0
+        self.plan = plan if isinstance(plan, MemoryPlan) else None
+        self.planned_peaks, self.planned_steps = _planned_peaks(plan)
+        self.plan_differences: dict[str, float] | None = None
+        """Per phase, the measured peak over the planned one less 1 (``None`` until compared)."""
+        self._compare_plan = False
+        self._automatic_budget = False
+        self._state_left_device = False
         self.rows: list[dict[str, Any]] = []
         self.warned = False
         self.timeline_path: str | None = None
@@ -150,6 +185,17 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
                 auto_budget.capacity = self.device_capacity
             if self.safety_margin is not None:
                 auto_budget.safety_margin = self.safety_margin
+            if self.plan is not None:
+                auto_budget.expect(self.plan)
+        self._automatic_budget, self._state_left_device = auto_budget is not None, False
+        self._compare_plan = self.planned_peaks is not None and state.global_step < self.planned_steps
+        if self._compare_plan and isinstance(getattr(self._probe, "_memory", None), HostMemory):
+            self._compare_plan = False
+            logger.info(
+                "hf-paged: the plan is not compared with the measured peaks on %s: its probe reads the process's "
+                "resident memory, not the live tensor bytes the plan predicts",
+                self._probe.device,
+            )
         self._enable_recovery()
         if state.global_step > 0:
             resumed = read_rows(os.path.join(args.output_dir, TIMELINE_NAME))
@@ -191,6 +237,8 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
         self._row["page_ins_during_step"] = (
             after["page_ins"] - self._stats_before_step["page_ins"] if after is not None else None
         )
+        if after is not None and (after["host_bytes"] or self._row["bytes_to_host"]):
+            self._state_left_device = True
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
         row = self._row
@@ -217,6 +265,8 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
         self._warn_near_capacity(row)
         self.rows.append(row)
         self._row = {}
+        if self._compare_plan and row["step"] >= self.planned_steps:
+            self._check_plan()
 
     def on_log(self, args, state, control, logs=None, **kwargs) -> None:
         new_rows = self.rows[self._logged_rows :]
@@ -232,6 +282,8 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
         self._write(args, state)
 
     def on_train_end(self, args, state, control, **kwargs) -> None:
+        if self._compare_plan:
+            self._check_plan()
         if self._trainer is not None:
             disable_oom_recovery(self._trainer)
             self._trainer = None
@@ -343,6 +395,40 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
             row["step"],
         )
 
+    def _check_plan(self) -> None:
+        """Compare each phase's highest measured peak of the planned steps with the plan's; warn once above the
+        tolerance (called once, after the last planned step or at the end of a shorter run)."""
+        self._compare_plan = False
+        rows = [row for row in self.rows if row["step"] <= self.planned_steps]
+        if not rows:
+            return
+        if self._automatic_budget and self._state_left_device:
+            logger.info(
+                "hf-paged: the plan is not compared with the measured peaks: the automatic budget kept optimizer "
+                "state on the host in the first %d steps, and the plan was made with all of it on the device",
+                self.planned_steps,
+            )
+            return
+        measured = {phase: max(row[f"{phase}_peak"] for row in rows) for phase in PHASES}
+        self.plan_differences = {
+            phase: measured[phase] / self.planned_peaks[phase] - 1 for phase in PHASES if self.planned_peaks[phase]
+        }
+        if all(abs(difference) <= PLAN_TOLERANCE for difference in self.plan_differences.values()):
+            return
+        details = "; ".join(
+            f"{_PHASE_LABELS[phase]} {format_size(measured[phase])} measured, {format_size(self.planned_peaks[phase])} "
+            f"planned ({100 * difference:+.1f}%)"
+            for phase, difference in self.plan_differences.items()
+        )
+        logger.warning(
+            "hf-paged: the measured peaks of the first %d steps differ from the plan by more than %d%%: %s. The plan "
+            "may be of another configuration or device, or miss memory it does not model (see README, Planning "
+            "memory).",
+            len(rows),
+            round(100 * PLAN_TOLERANCE),
+            details,
+        )
+
     def _write(self, args, state) -> None:
         """Write the timeline (and its plot) into the output directory, on the main process only."""
         if not state.is_world_process_zero or not self.rows:
@@ -359,3 +445,16 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
             logger.warning("hf-paged: %s not written: %s", PLOT_NAME, error)
             return
         self.plot_path = os.path.join(args.output_dir, PLOT_NAME)
+
+
+def _planned_peaks(plan: MemoryPlan | Mapping[str, int | str] | None) -> tuple[dict[str, int] | None, int]:
+    """The planned peak of each phase (bytes) and the steps it covers, from the callback's ``plan`` argument."""
+    if plan is None:
+        return None, 0
+    if isinstance(plan, MemoryPlan):
+        return {phase: plan.peak(phase).peak_bytes for phase in PHASES}, max(item.step for item in plan.phases)
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"plan must be a MemoryPlan or a mapping of phase to bytes, got {type(plan).__name__}")
+    if set(plan) != set(PHASES):
+        raise ValueError(f"plan must give bytes for exactly the phases {', '.join(map(repr, PHASES))}, got {plan!r}")
+    return {phase: parse_size(plan[phase], f"plan[{phase!r}]") for phase in PHASES}, PLANNED_STEPS

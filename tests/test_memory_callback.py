@@ -180,3 +180,104 @@ def test_callback_state_survives_resume(tmp_path):
     assert len(restored.detector.peaks) == 4
     with open(tmp_path / "memory_timeline.jsonl") as file:
         assert [json.loads(line)["step"] for line in file] == [1, 2, 3, 4]
+
+
+def _scripted_steps(tmp_path, monkeypatch, callback, peaks, optimizer_factory=None):
+    """Run ``callback`` over steps whose forward/backward and optimizer-step peaks the probe reports as scripted."""
+    memory = ScriptedMemory(total=64 * GIB, level=1 * GIB)
+    monkeypatch.setitem(hf_paged.memory._probes, "cpu", MemoryProbe("cpu", memory=memory))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    optimizer = (optimizer_factory or torch.optim.AdamW)(model.parameters())
+    args, state, control = _Args(tmp_path), TrainerState(), TrainerControl()
+    callback.on_train_begin(args, state, control, optimizer=optimizer)
+    for forward_backward, step in peaks:
+        callback.on_step_begin(args, state, control, optimizer=optimizer)
+        model(torch.randn(2, 64)).sum().backward()
+        memory.spike(forward_backward, after=1 * GIB)
+        callback.on_pre_optimizer_step(args, state, control, optimizer=optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        memory.spike(step, after=1 * GIB)
+        callback.on_optimizer_step(args, state, control, optimizer=optimizer)
+        state.global_step += 1
+        callback.on_step_end(args, state, control, optimizer=optimizer)
+    callback.on_train_end(args, state, control, optimizer=optimizer)
+    return optimizer
+
+
+def _plan_warnings(caplog):
+    return [record.message for record in caplog.records if "differ from the plan" in record.message]
+
+
+def test_measured_peaks_within_ten_percent_of_the_plan_are_not_warned_of(tmp_path, monkeypatch, caplog):
+    callback = MemorySpikeCallback(plot=False, plan={"forward_backward": "2GiB", "optimizer_step": "1.5GiB"})
+    peaks = [(int(2.1 * GIB), int(1.45 * GIB)), (int(1.95 * GIB), int(1.4 * GIB)), (3 * GIB, 3 * GIB)]
+    with caplog.at_level(logging.INFO):
+        _scripted_steps(tmp_path, monkeypatch, callback, peaks)
+    assert not _plan_warnings(caplog)
+    # the first two steps, as planned: step 3's higher peaks come after them
+    assert callback.plan_differences == pytest.approx({"forward_backward": 0.05, "optimizer_step": -1 / 30})
+
+
+def test_measured_peaks_off_the_plan_by_more_than_ten_percent_warn_once(tmp_path, monkeypatch, caplog):
+    callback = MemorySpikeCallback(plot=False, plan={"forward_backward": 2 * GIB, "optimizer_step": 1.5 * GIB})
+    peaks = [(int(2.5 * GIB), int(1.45 * GIB))] * 4
+    with caplog.at_level(logging.WARNING):
+        _scripted_steps(tmp_path, monkeypatch, callback, peaks)
+    (warning,) = _plan_warnings(caplog)
+    assert "first 2 steps" in warning
+    assert "forward+backward 2.5 GiB measured, 2.0 GiB planned (+25.0%)" in warning
+    assert "optimizer step 1.4 GiB measured, 1.5 GiB planned (-3.3%)" in warning
+
+
+def test_a_plan_is_handed_to_the_automatic_budget_and_not_compared_with_resident_memory(tmp_path, caplog):
+    def build(model: torch.nn.Module) -> hf_paged.PagedAdamW:
+        return hf_paged.PagedAdamW(model.parameters(), page_size="16KiB", compiled=False)
+
+    def model() -> torch.nn.Module:
+        return torch.nn.Linear(64, 64)
+
+    planned = hf_paged.plan(model, lambda: torch.randn(2, 64), build, loss=lambda net, batch: net(batch).sum())
+    optimizer = hf_paged.PagedAdamW(model().parameters(), page_size="16KiB", device_budget="auto")
+    callback = MemorySpikeCallback(plot=False, plan=planned)
+    args, state, control = _Args(tmp_path), TrainerState(), TrainerControl()
+    with caplog.at_level(logging.INFO):
+        callback.on_train_begin(args, state, control, optimizer=optimizer)  # the real CPU probe: resident memory
+    assert optimizer.auto_budget.planned_peak == planned.peak_without_state("forward_backward") > 0
+    assert callback.planned_peaks == {
+        "forward_backward": planned.forward_backward_peak,
+        "optimizer_step": planned.optimizer_step_peak,
+    }
+    assert (
+        sum("plan is not compared with the measured peaks on cpu" in record.message for record in caplog.records) == 1
+    )
+    callback.on_train_end(args, state, control, optimizer=optimizer)
+    assert callback.plan_differences is None
+
+
+@pytest.mark.parametrize(
+    "plan, error, message",
+    [
+        ({"forward_backward": 1}, ValueError, "plan must give bytes for exactly the phases"),
+        ({"forward_backward": 1, "optimizer_step": "big"}, ValueError, r"plan\['optimizer_step'\]"),
+        ([1, 2], TypeError, "plan must be a MemoryPlan or a mapping"),
+    ],
+)
+def test_callback_rejects_a_bad_plan(plan, error, message):
+    with pytest.raises(error, match=message):
+        MemorySpikeCallback(plan=plan)
+
+
+def test_a_run_whose_automatic_budget_moved_state_to_the_host_is_not_compared(tmp_path, monkeypatch, caplog):
+    callback = MemorySpikeCallback(plot=False, plan={"forward_backward": 1 * GIB, "optimizer_step": 1 * GIB})
+    peaks = [(2 * GIB, 2 * GIB)] * 2  # no room for optimizer state in 1 GiB: the budget keeps it on the host
+
+    def paged(params):
+        return hf_paged.PagedAdamW(params, page_size="16KiB", device_budget=AutoBudget(capacity="1GiB"))
+
+    with caplog.at_level(logging.INFO):
+        optimizer = _scripted_steps(tmp_path, monkeypatch, callback, peaks, optimizer_factory=paged)
+    assert optimizer.paging_stats()["host_bytes"] > 0
+    assert not _plan_warnings(caplog) and callback.plan_differences is None
+    assert any("automatic budget kept optimizer state on the host" in record.message for record in caplog.records)
