@@ -156,6 +156,7 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
                 "warn_fraction": self.warn_fraction,
                 "plot": self.plot,
                 "oom_retries": self.oom_retries,
+                "plan": self.planned_peaks,  # a MemoryPlan's peaks per phase (restored without the budget's hand-over)
             },
             "attributes": {
                 "detector_state": self.detector.state(),

@@ -281,3 +281,9 @@ def test_a_run_whose_automatic_budget_moved_state_to_the_host_is_not_compared(tm
     assert optimizer.paging_stats()["host_bytes"] > 0
     assert not _plan_warnings(caplog) and callback.plan_differences is None
     assert any("automatic budget kept optimizer state on the host" in record.message for record in caplog.records)
+
+
+def test_the_planned_peaks_survive_a_restore_of_the_callback():
+    callback = MemorySpikeCallback(plan={"forward_backward": "2GiB", "optimizer_step": 3 * GIB})
+    restored = MemorySpikeCallback(**json.loads(json.dumps(callback.state()))["args"])  # as the Trainer restores it
+    assert restored.planned_peaks == callback.planned_peaks == {"forward_backward": 2 * GIB, "optimizer_step": 3 * GIB}

@@ -26,7 +26,7 @@ from hf_paged.cli.plan import (
     plan_setup,
     setup_from_config,
 )
-from hf_paged.planner import FORWARD_BACKWARD, KINDS, OPTIMIZER_STEP, default_loss, plan
+from hf_paged.planner import FORWARD_BACKWARD, KINDS, OPTIMIZER_STEP, MemoryPlan, default_loss, plan
 
 TOLERANCE = 0.02
 """Largest relative difference allowed between a planned and a measured peak."""
@@ -279,3 +279,40 @@ def test_plan_matches_cuda_max_memory_allocated() -> None:
             item = next(p for p in planned.phases if p.phase == phase and p.step == step)
             assert abs(item.peak_bytes / truth - 1) <= 0.03, (phase, step, item.peak_bytes, truth)
             assert abs(item.peak_bytes / torch.cuda.max_memory_reserved() - 1) <= 0.10
+
+
+def test_train_hands_the_plan_to_the_automatic_budget_and_the_callback(tmp_path, monkeypatch) -> None:
+    from hf_paged.budget import AutoBudget
+    from hf_paged.callbacks import MemorySpikeCallback
+
+    expected: list[tuple[AutoBudget, MemoryPlan]] = []
+    callbacks: list[MemorySpikeCallback] = []
+    expect, begin = AutoBudget.expect, MemorySpikeCallback.on_train_begin
+
+    def recording_expect(self: AutoBudget, planned_peak: MemoryPlan) -> None:
+        expected.append((self, planned_peak))
+        expect(self, planned_peak)
+
+    def recording_begin(self: MemorySpikeCallback, *args, **kwargs) -> None:
+        callbacks.append(self)
+        begin(self, *args, **kwargs)
+
+    monkeypatch.setattr(AutoBudget, "expect", recording_expect)
+    monkeypatch.setattr(MemorySpikeCallback, "on_train_begin", recording_begin)
+    overrides = [
+        *SMALL_LLAMA,
+        "model.tiny.num_hidden_layers=1",
+        "training.optim=hf_paged_adamw_8bit",
+        "training.optim_args=device_budget=auto,page_size=64KiB",
+        "training.max_steps=2",
+        "memory.device_capacity=1GiB",
+        "memory.plot=false",
+    ]
+    arguments = [item for override in overrides for item in ("--set", override)]
+    assert main(["train", *arguments, "--plan", "--output-dir", str(tmp_path)]) == 0
+    (callback,) = callbacks
+    (budget, planned), *_ = expected
+    assert isinstance(planned, MemoryPlan) and planned.device == "cpu" and callback.plan is planned
+    assert budget.planned_peak == planned.peak_without_state("forward_backward") > 0
+    assert callback.planned_peaks["optimizer_step"] == planned.optimizer_step_peak
+    assert callback.plan_differences is None  # on the CPU the probe reads resident memory: not compared

@@ -97,12 +97,14 @@ def _train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     if args.output_dir is not None:
         update(config, {"training": {"output_dir": args.output_dir}}, source="--output-dir")
+    planned = None
     if args.plan:
         from .plan import format_report, report, setup_from_config
 
         device = "cuda" if torch_cuda_available() else "cpu"
         outcome = report(setup_from_config(config), device, _capacity(config, None, device))
         print(format_report(outcome), flush=True)
+        planned = outcome.plan
     if args.print_config:
         import yaml
 
@@ -110,7 +112,7 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     from .train import format_summary, run
 
-    print(format_summary(run(config)), flush=True)
+    print(format_summary(run(config, plan=planned)), flush=True)
     return 0
 
 

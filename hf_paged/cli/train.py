@@ -11,7 +11,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import yaml
@@ -21,6 +21,9 @@ from ..sizes import format_size
 from . import quiet
 from .config import Config, ConfigError, DataConfig, default_config, to_dict
 from .tokenizer import byte_tokenizer
+
+if TYPE_CHECKING:
+    from ..planner import MemoryPlan
 
 logger = logging.getLogger(__name__)
 
@@ -232,8 +235,9 @@ def _accelerator_available() -> bool:
     return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
 
 
-def memory_callback(config: Config) -> Any | None:
-    """The :class:`~hf_paged.callbacks.MemorySpikeCallback` of ``config.memory``, ``None`` if disabled."""
+def memory_callback(config: Config, plan: MemoryPlan | None = None) -> Any | None:
+    """The :class:`~hf_paged.callbacks.MemorySpikeCallback` of ``config.memory``, ``None`` if disabled; with the
+    ``plan`` of the run, which it compares with the measured peaks and hands to an automatic budget."""
     if not config.memory.enabled:
         return None
     from hf_paged.callbacks import MemorySpikeCallback
@@ -241,7 +245,7 @@ def memory_callback(config: Config) -> Any | None:
     arguments = {
         key: value for key, value in vars(config.memory).items() if key not in ("enabled", "simulate_spike_at")
     }
-    return MemorySpikeCallback(**arguments)
+    return MemorySpikeCallback(**arguments, plan=plan)
 
 
 def _paging(trainer: Any) -> dict[str, Any]:
@@ -264,8 +268,12 @@ def _parameter_counts(model: Any) -> tuple[int, int]:
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
 
-def run(config: Config | None = None) -> dict[str, Any]:
+def run(config: Config | None = None, plan: MemoryPlan | None = None) -> dict[str, Any]:
     """Fine-tune as ``config`` says (``None``: the embedded default) and return the summary.
+
+    ``plan`` (``hf-paged train --plan``), the memory plan of this run for its device, goes to the memory callback,
+    which compares the first steps' peaks with it and hands it to an automatic device budget (``device_budget=auto``:
+    the budget then starts from the planned forward/backward peak); without the callback it is not used.
 
     The summary holds the first and final logged loss, the steps, the training and total wall time
     (seconds), the memory callback's peaks per phase and optimizer device bytes (bytes) and spike count,
@@ -290,7 +298,7 @@ def run(config: Config | None = None) -> dict[str, Any]:
     for note in quiet.notes():
         _progress(note)
     _progress(f"{len(dataset)} examples, {trainable:,} trainable of {total:,} parameters; training")
-    callback = memory_callback(config)
+    callback = memory_callback(config, plan)
     callbacks = [callback] if callback is not None else []
     if config.memory.simulate_spike_at is not None:
         from hf_paged.callbacks import SimulatedSpikeCallback
