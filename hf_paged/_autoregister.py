@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
+
 def _register_names() -> None:
     from .integrations.trainer import register_names
 

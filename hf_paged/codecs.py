@@ -251,7 +251,7 @@ class Blockwise4bitCodec(_BlockScaled):
 
 Codec = Float32Codec | Blockwise8bitCodec | Blockwise4bitCodec
 
-QUANTIZED_CODECS: dict[int, type[Blockwise8bitCodec] | type[Blockwise4bitCodec]] = {
+QUANTIZED_CODECS: dict[int, type[Blockwise8bitCodec | Blockwise4bitCodec]] = {
     8: Blockwise8bitCodec,
     4: Blockwise4bitCodec,
 }

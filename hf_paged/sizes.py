@@ -20,7 +20,7 @@ _UNITS = {
 _SIZE_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(value: int | float | str, name: str) -> int:
+def parse_size(value: float | str, name: str) -> int:
     """Return ``value`` as a whole number of bytes.
 
     Accepts a non-negative integer, or a string made of a number and an optional unit

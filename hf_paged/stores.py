@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -23,7 +23,7 @@ from .device import Buffers
 from .sizes import parse_size
 from .store import Page, PageStore, PagingStats
 
-Budget = Union[int, None, str, AutoBudget]
+Budget = int | None | str | AutoBudget
 """One device's parsed budget: bytes, ``None`` (no limit), ``"auto"`` (a new AutoBudget) or an AutoBudget."""
 
 
