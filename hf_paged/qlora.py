@@ -236,7 +236,9 @@ def qlora_report(model: nn.Module) -> dict[str, int]:
     return {
         "trainable_params": sum(_param_count(p, bnb) for p in params if p.requires_grad),
         "total_params": sum(_param_count(p, bnb) for p in params),
-        "quantized_bytes": sum(_quantized_bytes(layer.weight) for layer in layers if layer.weight.quant_state is not None),
+        "quantized_bytes": sum(
+            _quantized_bytes(layer.weight) for layer in layers if layer.weight.quant_state is not None
+        ),
         "quantized_modules": len(layers),
     }
 
@@ -317,4 +319,3 @@ def prepare_qlora(
     logger.info(_describe(report))
     peft_model.hf_paged_qlora_report = report
     return peft_model
-

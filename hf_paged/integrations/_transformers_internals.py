@@ -40,7 +40,9 @@ def _fail(
 
 def _optimizer_names() -> type:
     names = getattr(importlib.import_module("transformers.training_args"), "OptimizerNames", None)
-    if names is None or not all(hasattr(names, table) for table in ("_member_map_", "_member_names_", "_value2member_map_")):
+    if names is None or not all(
+        hasattr(names, table) for table in ("_member_map_", "_member_names_", "_value2member_map_")
+    ):
         raise _fail("the OptimizerNames enum in transformers.training_args")
     return names
 
