@@ -141,6 +141,11 @@ class SegmentKernel:
     ) -> None:
         update_segment(self.rule, self.codecs, param, grad, encoded, scalars)
 
+    def allocates_nothing(self, param: torch.Tensor, grad: torch.Tensor) -> bool:
+        """Whether a call on ``param`` and ``grad`` allocates nothing, so that a segment of any length can be
+        updated in one call: never, since the PyTorch kernels decode the state into temporaries."""
+        return False
+
     def __call__(
         self, param: torch.Tensor, grad: torch.Tensor, encoded: Sequence[EncodedSegment], scalars: dict
     ) -> None:
@@ -205,6 +210,11 @@ class HostKernel:
         arrays = [array for segment in encoded for array in segment]
         values = [float(scalars[name]) for name in self._scalar_names]
         self._operator(param, grad, *arrays, self.bits, self.block_size, *values)
+
+    def allocates_nothing(self, param: torch.Tensor, grad: torch.Tensor) -> bool:
+        """Whether a call on ``param`` and ``grad`` allocates nothing, so that a segment of any length can be
+        updated in one call: on the CPU in a dtype the C++ kernel takes (elsewhere the fallback decodes)."""
+        return param.device.type == "cpu" and param.dtype in _HOST_DTYPES and grad.dtype in _HOST_DTYPES
 
     def _fallback_whole(
         self, param: torch.Tensor, grad: torch.Tensor, encoded: Sequence[EncodedSegment], scalars: dict

@@ -254,7 +254,7 @@ def test_a_kernel_that_fails_after_writing_leaves_its_chunk_as_it_was(compiled, 
                 if calls[0] == fail_at:
                     raise torch.OutOfMemoryError("injected after the kernel's writes")
 
-            call.compiled = kernel.compiled
+            call.compiled, call.allocates_nothing = kernel.compiled, kernel.allocates_nothing
             return call
 
         monkeypatch.setattr(hf_paged.optim.base, "segment_kernel", failing)

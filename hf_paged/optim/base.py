@@ -641,11 +641,15 @@ class PagedOptimizer(Optimizer):
         progress: _StepProgress,
     ) -> None:
         """Run ``kernel`` on the elements of a segment that ``progress`` has not reached: its whole blocks in place,
-        chunk by chunk, each chunk whole or not at all; a partial last block through padded copies."""
+        chunk by chunk (in one call where the kernel allocates nothing), each chunk whole or not at all; a partial
+        last block through padded copies."""
         codecs = page.format.codecs
         alignment = page.format.alignment
-        chunk = self._chunk_elements(page.format, kernel.compiled)
         body = segment.length - segment.length % alignment
+        if kernel.allocates_nothing(param, grad):
+            chunk = max(alignment, body)
+        else:
+            chunk = self._chunk_elements(page.format, kernel.compiled)
         for start in range(progress.reached(segment), body, chunk):
             end = min(start + chunk, body)
             encoded = [codec.select(array, segment.offset + start, end - start) for codec, array in zip(codecs, arrays)]
