@@ -163,6 +163,33 @@ def test_host_kernel_allocates_nothing(built):
     assert allocations == []
 
 
+def test_a_cpu_segment_takes_one_host_kernel_call_however_long(built, monkeypatch):
+    """The host kernels allocate nothing, so the step hands them each segment's whole blocks at once; the chunks
+    that bound the PyTorch kernels' temporaries would only add calls."""
+    calls: list[int] = []
+    update = HostKernel.__call__
+
+    def counted(self, param, grad, encoded, scalars):
+        calls.append(param.numel())
+        update(self, param, grad, encoded, scalars)
+
+    monkeypatch.setattr(HostKernel, "__call__", counted)
+    param = torch.nn.Parameter(torch.randn(256, 1024))
+    param.grad = torch.randn(256, 1024)
+    optimizer = hf_paged.PagedAdamW8bit([param], page_size=2**20, block_size=256, compiled=False)
+    optimizer.step()
+    assert calls == [param.numel()]
+    ((page, _),) = optimizer._layout[param].segments
+    page_format = page.format
+    assert optimizer._chunk_elements(page_format, False) < param.numel()  # the eager kernels would take chunks
+    assert (
+        HostKernel(  # elsewhere, or in a dtype the C++ kernel does not take, the fallback decodes into temporaries
+            "adamw", page_format.codecs, SegmentKernel(adamw_update_, page_format.codecs, False)
+        ).allocates_nothing(param.double(), param.grad.double())
+        is False
+    )
+
+
 def test_bad_arguments_raise_before_any_write(built):
     codecs = (Blockwise8bitCodec(64, True), Blockwise8bitCodec(64, False))
     generator = torch.Generator().manual_seed(4)
