@@ -15,10 +15,20 @@ host memory, the bytes moved are counted but the efficiency column stays empty, 
 row is listed as skipped.
 
     PYTHONPATH=. python benchmarks/optimizer_step.py [--params 16M] [--dtype fp32|bf16|both] [--steps 10]
-        [--warmup 3] [--page-size 1MiB 4MiB 16MiB] [--device cpu|cuda] [--quick]
+        [--warmup 3] [--page-size 1MiB 4MiB 16MiB] [--device cpu|cuda] [--interleaved] [--quick]
+
+``--interleaved`` builds and warms up every optimizer first and then times rounds of one step of each, so that the
+load of a shared machine falls on all of them alike (``--steps`` rounds); use it for ratios on a busy machine.
+
+On the CPU the fp32 run also times each step with its update kernels skipped (torch's fused AdamW and hf_paged's
+host kernels replaced by no-ops): what a step costs besides its arithmetic, against fused AdamW's. The table's
+offload column is what an offloaded step (FSDP2's ``CPUOffloadPolicy``, ZeRO-Offload) keeps in host memory per
+parameter: the parameter, its gradient and the optimizer state. DeepSpeed's ``DeepSpeedCPUAdam`` (the
+``deepspeed`` extra) is the ZeRO-Offload reference there; it is skipped where DeepSpeed is absent.
 
 ``--quick`` is a small, short run that checks everything works (``tests/test_benchmarks.py`` runs it): 64 KiB
-pages, so that the 25% budget pages, and no torchao, whose compiled steps take tens of seconds to compile.
+pages, so that the 25% budget pages, no torchao, whose compiled steps take tens of seconds to compile, and no
+DeepSpeed, whose C++ op takes minutes to build the first time.
 
 Set ``HF_PAGED_COMPILE=0`` to run hf_paged's kernels eagerly.
 """
@@ -26,9 +36,11 @@ Set ``HF_PAGED_COMPILE=0`` to run hf_paged's kernels eagerly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import functools
 import gc
+import importlib
 import math
 import os
 import platform
@@ -36,7 +48,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +56,7 @@ import torch
 
 import hf_paged
 from hf_paged.kernels import COMPILE_MIN_ELEMENTS, resolve_compiled
-from hf_paged.native import build_failure, native_setting
+from hf_paged.native import build_failure, host_kernels_enabled, native_setting
 from hf_paged.optim.base import DEFAULT_PAGE_SIZE
 from hf_paged.sizes import format_size, parse_size
 
@@ -71,6 +83,8 @@ class Result:
     page_size: int | None
     budgeted: bool
     numel: int
+    param_bytes: int
+    """Bytes of the parameters and their gradients."""
     median_ms: float
     state_bytes: int
     device_bytes: int
@@ -206,7 +220,21 @@ def tensor_bytes(value: Any, seen: set[tuple[int, int]]) -> int:
     return 0
 
 
-def measure(
+@dataclass
+class Run:
+    """An optimizer built and warmed up, whose steps are being timed."""
+
+    name: str
+    budget: str
+    page_size: int | None
+    budgeted: bool
+    optimizer: torch.optim.Optimizer
+    params: list[torch.Tensor]
+    moved_before: tuple[int, int]
+    seconds: list[float]
+
+
+def prepare(
     name: str,
     budget: str,
     build: Builder,
@@ -214,49 +242,85 @@ def measure(
     args: argparse.Namespace,
     page_size: int | None = None,
     budgeted: bool = False,
-) -> Result | str:
-    """Warm up, time and measure one optimizer; the error text instead if it fails."""
+) -> Run | str:
+    """Build and warm up one optimizer on fresh parameters; the error text instead if it fails."""
     label = f"{name} [{budget}]"
     print(f"{time.strftime('%H:%M:%S')} running {label} ...", file=sys.stderr, flush=True)
     params = fresh_params(master)
-    numel = sum(param.numel() for param in params)
     try:
         optimizer = build(params)
         for _ in range(args.warmup):
             optimizer.step()
-        paged = isinstance(optimizer, hf_paged.PagedOptimizer)
-        moved_before = moved_bytes(optimizer) if paged else (0, 0)
-        seconds = [timed_step(optimizer, args.device) for _ in range(args.steps)]
-        moved_after = moved_bytes(optimizer) if paged else (0, 0)
-        peak = extra_peak_mib(optimizer, args.device)
-    except Exception as error:  # a benchmark reports failures and goes on
-        traceback.print_exc(file=sys.stderr)
-        first_paragraph = str(error).strip().split("\n\n")[0]
-        return f"{type(error).__name__}: {' '.join(first_paragraph.split())}"
-    if paged:
-        stats = optimizer.paging_stats()
+    except Exception as error:  # noqa: BLE001 (a benchmark reports failures and goes on)
+        return failure(error)
+    return Run(name, budget, page_size, budgeted, optimizer, params, moved_bytes(optimizer), [])
+
+
+def failure(error: Exception) -> str:
+    """The traceback on standard error; the error's first paragraph on one line."""
+    traceback.print_exc(file=sys.stderr)
+    first_paragraph = str(error).strip().split("\n\n")[0]
+    return f"{type(error).__name__}: {' '.join(first_paragraph.split())}"
+
+
+def finish(run: Run, args: argparse.Namespace) -> Result | str:
+    """The measurements of a run whose steps are timed: bytes moved, state, the extra peak of one more step."""
+    try:
+        moved_after = moved_bytes(run.optimizer)
+        peak = extra_peak_mib(run.optimizer, args.device)
+    except Exception as error:  # noqa: BLE001 (reported as the run's skip)
+        return failure(error)
+    if isinstance(run.optimizer, hf_paged.PagedOptimizer):
+        stats = run.optimizer.paging_stats()
         state_bytes, device_bytes = stats["device_bytes"] + stats["host_bytes"], stats["device_bytes"]
     else:
-        state_bytes = device_bytes = tensor_bytes(dict(optimizer.state), set())
-    median = statistics.median(seconds)
-    print(f"  {label}: {1e3 * median:.2f} ms", file=sys.stderr, flush=True)
+        state_bytes = device_bytes = tensor_bytes(dict(run.optimizer.state), set())
+    median = statistics.median(run.seconds)
+    print(f"  {run.name} [{run.budget}]: {1e3 * median:.2f} ms", file=sys.stderr, flush=True)
+    steps = len(run.seconds)
     return Result(
-        name=name,
-        budget=budget,
-        page_size=page_size,
-        budgeted=budgeted,
+        name=run.name,
+        budget=run.budget,
+        page_size=run.page_size,
+        budgeted=run.budgeted,
         median_ms=1e3 * median,
-        numel=numel,
+        numel=sum(param.numel() for param in run.params),
+        param_bytes=sum(param.nbytes + param.grad.nbytes for param in run.params),
         state_bytes=state_bytes,
         device_bytes=device_bytes,
         extra_peak_mib=peak,
-        bytes_to_device=(moved_after[0] - moved_before[0]) / args.steps if budgeted else None,
-        bytes_to_host=(moved_after[1] - moved_before[1]) / args.steps if budgeted else None,
+        bytes_to_device=(moved_after[0] - run.moved_before[0]) / steps if run.budgeted else None,
+        bytes_to_host=(moved_after[1] - run.moved_before[1]) / steps if run.budgeted else None,
     )
 
 
-def moved_bytes(optimizer: hf_paged.PagedOptimizer) -> tuple[int, int]:
-    """Bytes paged to the device and to the host since the optimizer was built."""
+def time_steps(run: Run, steps: int, device: torch.device) -> str | None:
+    """Time ``steps`` more steps of ``run``; the error text if one fails."""
+    try:
+        run.seconds.extend(timed_step(run.optimizer, device) for _ in range(steps))
+    except Exception as error:  # noqa: BLE001 (reported as the run's skip)
+        return failure(error)
+    return None
+
+
+def measure(
+    name: str,
+    budget: str,
+    build: Builder,
+    master: list[tuple[torch.Tensor, torch.Tensor]],
+    args: argparse.Namespace,
+) -> Result | str:
+    """Build, warm up, time and measure one optimizer on its own; the error text instead if it fails."""
+    run = prepare(name, budget, build, master, args)
+    if isinstance(run, str):
+        return run
+    return time_steps(run, args.steps, args.device) or finish(run, args)
+
+
+def moved_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """Bytes paged to the device and to the host since the optimizer was built (none for other optimizers)."""
+    if not isinstance(optimizer, hf_paged.PagedOptimizer):
+        return 0, 0
     stats = optimizer.paging_stats()
     return stats["bytes_to_device"], stats["bytes_to_host"]
 
@@ -282,98 +346,160 @@ def baseline_builders() -> dict[str, Builder]:
 
         return AdamW4bit(params, **HYPERPARAMETERS)
 
+    def deepspeed_cpu_adam(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's logger writes to the stream it finds at import
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, adamw_mode=True, **HYPERPARAMETERS)
+
     return {
         REFERENCE: lambda params: torch.optim.AdamW(params, fused=True, **HYPERPARAMETERS),
         "torch AdamW foreach": lambda params: torch.optim.AdamW(params, foreach=True, **HYPERPARAMETERS),
         "bitsandbytes AdamW8bit": bitsandbytes_adamw8bit,
         "torchao AdamW8bit": torchao_adamw8bit,
         "torchao AdamW4bit": torchao_adamw4bit,
+        DEEPSPEED: deepspeed_cpu_adam,
     }
+
+
+DEEPSPEED = "DeepSpeed CPUAdam"
+"""ZeRO-Offload's host step (the ``deepspeed`` extra; built by DeepSpeed at its first use)."""
+HOST_ONLY = "runs on the host only (ZeRO-Offload's step)"
+QUICK_SKIPS = {
+    "torchao AdamW8bit": "not in --quick: its step is compiled, which takes tens of seconds",
+    "torchao AdamW4bit": "not in --quick: its step is compiled, which takes tens of seconds",
+    DEEPSPEED: "not in --quick: DeepSpeed builds its C++ op at first use, which takes minutes",
+}
+"""Baselines ``--quick`` leaves out, and why."""
 
 
 def run_dtype(
     master: list[tuple[torch.Tensor, torch.Tensor]], args: argparse.Namespace
 ) -> tuple[list[Result], list[tuple[str, str]]]:
-    """All optimizers on one set of parameters: the results and the (optimizer, reason) skips."""
+    """All optimizers on one set of parameters: the results and the (optimizer, reason) skips.
+
+    One after another, each optimizer is built, warmed up and timed (``torch.compile``'s caches reset between
+    them); with ``--interleaved``, all are built and warmed up first, then each round times one step of every
+    optimizer, so that the load of a shared machine falls on all of them alike.
+    """
     results: list[Result] = []
     skipped: list[tuple[str, str]] = []
+    runs: list[Run] = []
 
-    def record(outcome: Result | str, name: str) -> Result | None:
-        gc.collect()
-        torch._dynamo.reset()  # each optimizer compiles from scratch, as in a process of its own
+    def skip(name: str, reason: str) -> None:
+        print(f"  skipped {name}: {reason}", file=sys.stderr, flush=True)
+        skipped.append((name, reason))
+
+    def complete(run: Run) -> None:
+        outcome = time_steps(run, args.steps, args.device) if not args.interleaved else None
+        outcome = outcome or finish(run, args)
         if isinstance(outcome, str):
-            print(f"  skipped {name}: {outcome}", file=sys.stderr, flush=True)
-            skipped.append((name, outcome))
-            return None
-        results.append(outcome)
-        return outcome
+            skip(run.name, outcome)
+        else:
+            results.append(outcome)
+
+    def start(name: str, budget: str, build: Builder, page_size: int | None = None, budgeted: bool = False) -> int:
+        """Prepare one optimizer (and time it unless interleaved); its state bytes, 0 if it failed."""
+        run = prepare(name, budget, build, master, args, page_size, budgeted)
+        if isinstance(run, str):
+            skip(name, run)
+            return 0
+        state_bytes = paged_state_bytes(run.optimizer)
+        if args.interleaved:
+            runs.append(run)
+        else:
+            complete(run)
+            del run
+            gc.collect()
+            torch._dynamo.reset()  # each optimizer compiles from scratch, as in a process of its own
+        return state_bytes
 
     for name, build in baseline_builders().items():
-        if args.quick and name.startswith("torchao"):
-            skipped.append((name, "not in --quick: its step is compiled, which takes tens of seconds"))
+        reason = QUICK_SKIPS.get(name) if args.quick else None
+        reason = reason or (None if args.device.type == "cpu" or not name.startswith("DeepSpeed") else HOST_ONLY)
+        if reason is not None:
+            skipped.append((name, reason))
             continue
-        record(measure(name, "-", build, master, args), name)
+        start(name, "-", build)
     budgets: dict[tuple[str, int], int] = {}
     for page_size in args.page_size:
         pages = f"{format_size(page_size)} pages"
         for cls in (hf_paged.PagedAdamW, hf_paged.PagedAdamW8bit, hf_paged.PagedAdamW4bit):
             name = cls.__name__
-            unlimited = record(
-                measure(
-                    name,
-                    f"unlimited, {pages}",
-                    functools.partial(cls, **HYPERPARAMETERS, page_size=page_size),
-                    master,
-                    args,
-                    page_size,
-                ),
-                name,
+            state_bytes = start(
+                name, f"unlimited, {pages}", functools.partial(cls, **HYPERPARAMETERS, page_size=page_size), page_size
             )
-            if unlimited is None:
+            if not state_bytes:
                 skipped.append((f"{name} (budget)", "its unlimited run failed"))
                 continue
-            state_bytes = unlimited.device_bytes
             budget = max(page_size, int(BUDGET_FRACTION * state_bytes) // page_size * page_size)
             budgets[name, page_size] = budget
-            budgeted = record(
-                measure(
-                    name,
-                    f"{format_size(budget)} ({budget / state_bytes:.0%}), {pages}",
-                    functools.partial(cls, **HYPERPARAMETERS, page_size=page_size, device_budget=budget),
-                    master,
-                    args,
-                    page_size,
-                    budgeted=True,
-                ),
+            start(
                 name,
-            )
-            if budgeted is not None and args.bandwidth is not None:
-                budgeted.efficiency = streaming_efficiency(
-                    budgeted.median_ms / 1e3,
-                    unlimited.median_ms / 1e3,
-                    budgeted.bytes_to_device,
-                    budgeted.bytes_to_host,
-                    args.bandwidth,
-                )
-        record(
-            measure(
-                "PagedLion8bit",
-                f"unlimited, {pages}",
-                functools.partial(hf_paged.PagedLion8bit, page_size=page_size),
-                master,
-                args,
+                f"{format_size(budget)} ({budget / state_bytes:.0%}), {pages}",
+                functools.partial(cls, **HYPERPARAMETERS, page_size=page_size, device_budget=budget),
                 page_size,
-            ),
+                budgeted=True,
+            )
+        start(
             "PagedLion8bit",
+            f"unlimited, {pages}",
+            functools.partial(hf_paged.PagedLion8bit, page_size=page_size),
+            page_size,
         )
+    if runs:
+        interleave(runs, args)
+        for run in runs:
+            complete(run)
+        runs.clear()
     matching_budget = budgets.get(("PagedAdamW8bit", args.page_size[0]))
     if args.device.type != "cuda":
         skipped.append((PAGED_BASELINE, "needs CUDA (its paged state is CUDA managed memory)"))
     elif matching_budget is None:
         skipped.append((PAGED_BASELINE, "PagedAdamW8bit's unlimited run, which sets the matching limit, failed"))
     else:
-        record(bitsandbytes_paged(master, args, matching_budget), PAGED_BASELINE)
+        outcome = bitsandbytes_paged(master, args, matching_budget)
+        if isinstance(outcome, str):
+            skip(PAGED_BASELINE, outcome)
+        else:
+            results.append(outcome)
+    if args.bandwidth is not None:
+        add_streaming_efficiency(results, args.bandwidth)
     return results, skipped
+
+
+def interleave(runs: list[Run], args: argparse.Namespace) -> None:
+    """Time ``args.steps`` rounds of one step of every run; a run that fails drops out with its error."""
+    print(f"{time.strftime('%H:%M:%S')} timing {len(runs)} optimizers interleaved ...", file=sys.stderr, flush=True)
+    for _ in range(args.steps):
+        for run in list(runs):
+            error = time_steps(run, 1, args.device)
+            if error is not None:
+                print(f"  skipped {run.name}: {error}", file=sys.stderr, flush=True)
+                runs.remove(run)
+
+
+def paged_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of a paged optimizer's state, on the device and on the host (0 for other optimizers)."""
+    if not isinstance(optimizer, hf_paged.PagedOptimizer):
+        return 0
+    stats = optimizer.paging_stats()
+    return stats["device_bytes"] + stats["host_bytes"]
+
+
+def add_streaming_efficiency(results: list[Result], bandwidth: Bandwidth) -> None:
+    """Give each budgeted result its streaming efficiency against the unlimited run of its optimizer."""
+    unlimited = {(r.name, r.page_size): r for r in results if r.page_size is not None and not r.budgeted}
+    for result in results:
+        reference = unlimited.get((result.name, result.page_size))
+        if result.budgeted and reference is not None:
+            result.efficiency = streaming_efficiency(
+                result.median_ms / 1e3,
+                reference.median_ms / 1e3,
+                result.bytes_to_device,
+                result.bytes_to_host,
+                bandwidth,
+            )
 
 
 def bitsandbytes_paged(
@@ -415,6 +541,7 @@ def format_table(results: list[Result]) -> str:
         "ratio to torch fused",
         "state bytes/param",
         "device bytes/param",
+        "offload host bytes/param",
         "extra peak MiB",
         "MB to device/step",
         "MB to host/step",
@@ -429,6 +556,7 @@ def format_table(results: list[Result]) -> str:
             f"{result.median_ms / reference:.2f}x" if reference else "",
             f"{result.state_bytes / result.numel:.3f}",
             f"{result.device_bytes / result.numel:.3f}",
+            f"{(result.param_bytes + result.state_bytes) / result.numel:.3f}",
             "" if result.extra_peak_mib is None else f"{result.extra_peak_mib:.1f}",
             "" if result.bytes_to_device is None else f"{result.bytes_to_device / 1e6:.2f}",
             "" if result.bytes_to_host is None else f"{result.bytes_to_host / 1e6:.2f}",
@@ -553,6 +681,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--device", type=torch.device, default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda"
     )
+    parser.add_argument(
+        "--interleaved",
+        action="store_true",
+        help="build and warm up every optimizer first, then time rounds of one step of each (for shared machines)",
+    )
     parser.add_argument("--quick", action="store_true", help="a small, short run to check that everything works")
     args = parser.parse_args(argv)
     if args.page_size is None:
@@ -561,6 +694,62 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.steps = args.steps or (3 if args.quick else 10)
     args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
     return args
+
+
+OVERHEAD_TARGET = 2.0
+"""Most time a hf_paged step spends besides its kernels per fused torch AdamW's, on the host (issue 21)."""
+OVERHEAD_OPTIMIZERS = ("PagedAdamW", "PagedAdamW8bit", "PagedAdamW4bit", "PagedLion8bit")
+
+
+@contextlib.contextmanager
+def kernels_skipped() -> Iterator[None]:
+    """The host's update kernels replaced by no-ops: torch's fused AdamW (which PagedAdamW's resident fp32 pages
+    also call) and hf_paged's C++ kernels, so that a step costs only what it does around them."""
+
+    def skip(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    replaced = [
+        (torch, "_fused_adamw_"),
+        (torch.ops.hf_paged, "adamw_blockwise_"),
+        (torch.ops.hf_paged, "lion_blockwise_"),
+    ]
+    importlib.import_module("torch._inductor.compile_fx")  # its first import reads the operators: not while replaced
+
+    originals = [getattr(owner, name) for owner, name in replaced]
+    for owner, name in replaced:
+        setattr(owner, name, skip)
+    hf_paged.kernels._segment_kernel.cache_clear()  # host kernels bind their operator when made, once per process
+    try:
+        yield
+    finally:
+        for (owner, name), original in zip(replaced, originals):
+            setattr(owner, name, original)
+        hf_paged.kernels._segment_kernel.cache_clear()
+
+
+def step_overheads(master: list[tuple[torch.Tensor, torch.Tensor]], args: argparse.Namespace) -> str:
+    """The time of a step besides its kernels, fused torch AdamW's against each hf_paged optimizer's without a
+    budget, timed interleaved; the target line, ``n/a`` where the kernels are not the host's."""
+    label = f"step overhead (kernels skipped, {format_size(args.page_size[0])} pages)"
+    if args.device.type != "cpu" or not host_kernels_enabled():
+        return f"{label}: n/a (measured on the CPU with the host kernels)"
+    builders = {REFERENCE: baseline_builders()[REFERENCE]}
+    for name in OVERHEAD_OPTIMIZERS:
+        builders[name] = functools.partial(getattr(hf_paged, name), page_size=args.page_size[0])
+    with kernels_skipped():
+        runs = [prepare(name, "kernels skipped", build, master, args) for name, build in builders.items()]
+        failed = [run for run in runs if isinstance(run, str)]
+        if failed:
+            return f"{label}: n/a ({failed[0]})"
+        interleave(runs, args)
+    microseconds = {run.name: 1e6 * statistics.median(run.seconds) for run in runs}
+    reference = microseconds[REFERENCE]
+    checks = [
+        check(f"{name} {microseconds[name]:.0f} us", microseconds[name] / reference, OVERHEAD_TARGET, "x fused")
+        for name in OVERHEAD_OPTIMIZERS
+    ]
+    return f"{label}: fused torch AdamW {reference:.0f} us; " + "; ".join(checks)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -580,6 +769,8 @@ def main(argv: list[str] | None = None) -> None:
     for dtype_name in ("fp32", "bf16") if args.dtype == "both" else (args.dtype,):
         master = make_master(shapes, DTYPES[dtype_name], args.device)
         results, skipped = run_dtype(master, args)
+        if dtype_name == "fp32":
+            overhead = f"- fp32, {step_overheads(master, args)}"
         del master
         gc.collect()
         print(f"## {dtype_name} parameters\n\n{format_table(results)}\n")
@@ -591,6 +782,8 @@ def main(argv: list[str] | None = None) -> None:
             verdicts.append(
                 f"- {dtype_name}, {format_size(page_size)} pages: {targets(results, page_size, dtype_name, args.device)}"
             )
+        if dtype_name == "fp32":
+            verdicts.append(overhead)
     print("Targets:\n" + "\n".join(verdicts))
     print(f"\nAt the end: {load_average()}")
 

@@ -20,11 +20,14 @@ OPTIMIZER_STEP_COLUMNS = [
     "ratio to torch fused",
     "state bytes/param",
     "device bytes/param",
+    "offload host bytes/param",
     "extra peak MiB",
     "MB to device/step",
     "MB to host/step",
     "streaming efficiency",
 ]
+ITEMSIZE = {"fp32": 4, "bf16": 2}
+"""Bytes per element of the benchmarks' parameter dtypes."""
 HOST_TARGETS = [("PagedAdamW8bit", "1.3"), ("PagedAdamW4bit", "1.5"), ("PagedLion8bit", "1.1")]
 """Issue 21's targets for the host kernels: the most step time per fused torch AdamW's."""
 
@@ -79,6 +82,9 @@ def test_optimizer_step_quick_tables(optimizer_step_output):
         rows = {(row["optimizer"], row["budget"].startswith("unlimited")): row for row in table}
         reference = next(row for row in table if row["optimizer"] == "torch AdamW fused")
         assert float(reference["median step ms"]) > 0 and reference["ratio to torch fused"] == "1.00x"
+        for row in table:  # an offloaded step keeps the parameter and its gradient in host memory with the state
+            offload, state = float(row["offload host bytes/param"]), float(row["state bytes/param"])
+            assert offload == pytest.approx(state + 2 * ITEMSIZE[dtype], abs=0.002), row
         for name in ("PagedAdamW", "PagedAdamW8bit"):
             unlimited, budgeted = rows[name, True], rows[name, False]
             for row in (unlimited, budgeted):
@@ -116,6 +122,26 @@ def test_optimizer_step_quick_lists_skips_and_targets(optimizer_step_output):
         rest = verdicts[2 + len(host) :]
         assert re.fullmatch(r"PagedAdamW 25% budget [\d.]+x unlimited \(<= 2.1x unlimited\) (PASS|MISS)", rest[0])
         assert [verdict.split(" ")[0] for verdict in rest[1:]] == ["PagedAdamW8bit", "PagedAdamW4bit"]
+
+
+def test_optimizer_step_interleaved_times_the_same_optimizers_and_the_step_overhead(optimizer_step_output):
+    output = run_benchmark(
+        "optimizer_step.py", "--quick", "--interleaved", "--dtype", "fp32", "--params", "16K", "--steps", "2"
+    )
+    (table,) = markdown_tables(output)
+    sequential = markdown_tables(optimizer_step_output)[0]
+    assert [row["optimizer"] for row in table] == [row["optimizer"] for row in sequential]
+    assert all(float(row["median step ms"]) > 0 for row in table)
+    overhead = re.search(r"^- fp32, step overhead \(kernels skipped, 64.0 KiB pages\): (.+)$", output, re.MULTILINE)
+    if "8-bit and 4-bit pages: C++ (hf_paged/native)" not in output:
+        assert overhead.group(1).startswith("n/a")
+        return
+    reference, *checks = overhead.group(1).split("; ")
+    assert re.fullmatch(r"fused torch AdamW \d+ us", reference)
+    names = [check.split(" ")[0] for check in checks]
+    assert names == ["PagedAdamW", "PagedAdamW8bit", "PagedAdamW4bit", "PagedLion8bit"]
+    for check in checks:
+        assert re.fullmatch(r"\w+ \d+ us [\d.]+x fused \(<= 2x fused\) (PASS|MISS)", check), check
 
 
 def test_streaming_efficiency_by_hand():
