@@ -23,7 +23,7 @@ from torch import nn
 
 from ..planner import MemoryPlan, plan
 from .config import Config, ConfigError
-from .train import IGNORE_INDEX
+from .train import IGNORE_INDEX, add_lora_adapters
 
 METHODS = ("full", "lora", "qlora")
 """Full fine-tune (every weight trained), LoRA adapters on full-precision weights, QLoRA (4-bit weights)."""
@@ -160,9 +160,7 @@ def _enable_checkpointing(model: Any, reentrant: bool) -> None:
 def build_model(setup: TrainingSetup, device: str = "cpu", shapes_only: bool = False) -> nn.Module:
     """The model ``hf-paged train`` would train, with random weights, on the CPU; ``shapes_only``: 4-bit layers
     are shells of the right size (for fake tensors, which bitsandbytes cannot quantize)."""
-    from peft import LoraConfig, get_peft_model
-
-    from ..qlora import prepare_qlora, quiet_peft_checkpointing_check
+    from ..qlora import prepare_qlora
 
     config, lora = setup.config, setup.config.lora
     dtype = weight_dtype(setup)
@@ -196,15 +194,7 @@ def build_model(setup: TrainingSetup, device: str = "cpu", shapes_only: bool = F
         _enable_checkpointing(model, setup.reentrant)
     if setup.method == "full":
         return model
-    adapters = LoraConfig(
-        r=lora.r,
-        lora_alpha=lora.lora_alpha,
-        lora_dropout=lora.lora_dropout,
-        target_modules=lora.target_modules,
-        task_type="CAUSAL_LM",
-    )
-    with quiet_peft_checkpointing_check():
-        return get_peft_model(model, adapters)
+    return add_lora_adapters(model, lora)
 
 
 def _linear4bit_shell(module: nn.Module, config: Any, bnb: Any) -> nn.Module:

@@ -20,6 +20,7 @@ from .. import register
 from ..sizes import format_size
 from . import quiet
 from .config import Config, ConfigError, DataConfig, default_config, to_dict
+from .config import LoraConfig as LoraSettings
 from .tokenizer import byte_tokenizer
 
 if TYPE_CHECKING:
@@ -137,9 +138,7 @@ def tokenize(records: Any, config: Config, tokenizer: Any) -> Any:
 
 def build_model(config: Config, tokenizer: Any, device: torch.device) -> Any:
     """The base model with LoRA adapters (4-bit base weights when ``lora.quantize``), on ``device``."""
-    from peft import LoraConfig, get_peft_model
-
-    from ..qlora import enable_activation_checkpointing, prepare_qlora, quiet_peft_checkpointing_check
+    from ..qlora import enable_activation_checkpointing, prepare_qlora
 
     model_config, lora = config.model, config.lora
     dtype = _DTYPES.get(model_config.dtype, "auto")
@@ -176,6 +175,15 @@ def build_model(config: Config, tokenizer: Any, device: torch.device) -> Any:
     if lora.gradient_checkpointing:
         enable_activation_checkpointing(model)
         model.enable_input_require_grads()
+    return add_lora_adapters(model, lora)
+
+
+def add_lora_adapters(model: Any, lora: LoraSettings) -> Any:
+    """``model`` wrapped by peft with the LoRA adapters ``lora`` (``config.lora``) describes, for causal LM."""
+    from peft import LoraConfig, get_peft_model
+
+    from ..qlora import quiet_peft_checkpointing_check
+
     adapters = LoraConfig(
         r=lora.r,
         lora_alpha=lora.lora_alpha,
