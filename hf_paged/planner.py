@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import device as device_module
 from .device import SyncBackend
+from .native import host_kernels_disabled
 from .sizes import format_size
 
 FORWARD_BACKWARD = "forward_backward"
@@ -406,8 +407,9 @@ def plan(
         steps: training steps traced; from the second on, forward and backward run beside the optimizer state
             the first step created.
         device: the device to predict for. The trace runs on fake CPU tensors; for ``cuda`` every allocation
-            is rounded as PyTorch's allocator rounds it, :data:`CUDA_WORKSPACE_BYTES` are added to each peak
-            and host buffers of paged optimizers do not count.
+            is rounded as PyTorch's allocator rounds it, :data:`CUDA_WORKSPACE_BYTES` are added to each peak,
+            host buffers of paged optimizers do not count and their pages take the PyTorch kernels (with their
+            temporaries), not the host kernels.
         extra_state: names tensors of the model that are neither parameters nor buffers (for example the
             quantization state of 4-bit weights), by kind of :data:`KINDS`.
 
@@ -432,6 +434,8 @@ def plan(
     with (
         FakeTensorMode(allow_non_fake_inputs=False),
         _page_backend(ledger, host_is_device=target.type == "cpu"),
+        # the C++ kernels update only CPU pages: elsewhere the PyTorch kernels run, with their chunks' temporaries
+        contextlib.nullcontext() if target.type == "cpu" else host_kernels_disabled(),
         warnings.catch_warnings(),
     ):
         # a pointer comparison of fake tensors (all at 0) decides only whether to copy, never what is allocated

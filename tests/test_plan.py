@@ -15,6 +15,8 @@ from torch import nn
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 
+import hf_paged
+from hf_paged import native as native_module
 from hf_paged.cli import main
 from hf_paged.cli.config import load_config
 from hf_paged.cli.plan import (
@@ -194,6 +196,28 @@ def test_cuda_plan_keeps_paged_state_on_the_device_within_the_budget() -> None:
     for item in budgeted.phases:
         assert item.by_kind["optimizer_state"] <= budget + scalars
     assert budgeted.optimizer_step_peak < unlimited.optimizer_step_peak - (unlimited.paged_state_bytes - budget) / 2
+
+
+def test_cuda_plan_traces_the_kernels_that_run_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host kernels update CPU pages only: a CUDA plan traces the PyTorch kernels, with their temporaries."""
+
+    def build() -> nn.Module:
+        return _SquaredMean(nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024)))
+
+    def batch() -> torch.Tensor:
+        return torch.randn(8, 1024)
+
+    def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+        return hf_paged.PagedAdamW8bit(model.parameters(), compiled=False)
+
+    planned = {native: {} for native in ("", "0")}
+    for native, plans in planned.items():
+        monkeypatch.setenv("HF_PAGED_NATIVE", native)
+        for device in ("cpu", "cuda"):
+            plans[device] = plan(build, batch, optimizer, steps=1, device=device).optimizer_step_peak
+    assert planned[""]["cuda"] == planned["0"]["cuda"]
+    if native_module.build_failure() is None:  # on the CPU the host kernels run, without the chunks' temporaries
+        assert planned[""]["cpu"] < planned["0"]["cpu"]
 
 
 def test_bad_arguments_are_named() -> None:

@@ -7,16 +7,19 @@ C++ compiler; the build lands in PyTorch's extension cache, ``TORCH_EXTENSIONS_D
 optimizers keep PyTorch's kernels; the reason is logged once.
 
 ``HF_PAGED_NATIVE`` chooses: ``0`` never uses the host kernels, ``1`` requires them (a failed build raises), unset
-uses them where they build.
+uses them where they build. Within :func:`host_kernels_disabled` they are not used, whatever it says.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -41,13 +44,28 @@ def native_setting() -> bool | None:
     return None
 
 
+_DISABLED = contextvars.ContextVar("hf_paged_host_kernels_disabled", default=False)
+
+
+@contextlib.contextmanager
+def host_kernels_disabled() -> Iterator[None]:
+    """CPU pages take the PyTorch kernels within the block, whatever ``HF_PAGED_NATIVE`` says: for tracing on the
+    CPU a step that will run on another device, whose pages take the PyTorch kernels (:func:`hf_paged.plan`)."""
+    token = _DISABLED.set(True)
+    try:
+        yield
+    finally:
+        _DISABLED.reset(token)
+
+
 def host_kernels_enabled() -> bool:
     """Whether the optimizers update CPU pages of 8-bit and 4-bit state with the host kernels now.
 
-    Reads ``HF_PAGED_NATIVE`` at each call; builds the kernels at the first call that needs them.
+    Reads ``HF_PAGED_NATIVE`` at each call (and whether :func:`host_kernels_disabled` is in effect); builds the
+    kernels at the first call that needs them.
     """
     setting = native_setting()
-    if setting is False:
+    if setting is False or _DISABLED.get():
         return False
     reason = build_failure()
     if reason is not None and setting:
