@@ -267,15 +267,18 @@ def host_rule_name(rule: UpdateRule, codecs: tuple[Codec, ...]) -> str | None:
     return name
 
 
-def segment_kernel(rule: UpdateRule, codecs: tuple[Codec, ...], compiled: bool) -> SegmentKernel | HostKernel:
-    """The kernel of ``rule`` for ``codecs``, made once per process.
+def segment_kernel(
+    rule: UpdateRule, codecs: tuple[Codec, ...], compiled: bool, device: torch.device
+) -> SegmentKernel | HostKernel:
+    """The kernel of ``rule`` for ``codecs`` on pages of ``device``, made once per process.
 
-    For AdamW's and Lion's 8-bit and 4-bit states it is a :class:`HostKernel` while the host kernels are enabled
-    (``HF_PAGED_NATIVE``, read at each call; see :mod:`hf_paged.native`), whatever ``compiled`` says: CPU segments
-    take the C++ kernel, others the :class:`SegmentKernel` that ``compiled`` chooses. Otherwise, or where the host
-    kernels cannot be built, the :class:`SegmentKernel`.
+    For CPU pages of AdamW's and Lion's 8-bit and 4-bit states it is a :class:`HostKernel` while the host kernels
+    are enabled (``HF_PAGED_NATIVE``, read at each call; see :mod:`hf_paged.native`), whatever ``compiled`` says:
+    CPU segments take the C++ kernel, others the :class:`SegmentKernel` that ``compiled`` chooses. Otherwise (pages
+    on another device, which never build the host kernels, or where they cannot be built) the
+    :class:`SegmentKernel`.
     """
-    native = host_rule_name(rule, codecs) is not None and host_kernels_enabled()
+    native = device.type == "cpu" and host_rule_name(rule, codecs) is not None and host_kernels_enabled()
     return _segment_kernel(rule, codecs, compiled, native)
 
 

@@ -20,6 +20,7 @@ from hf_paged.kernels import HostKernel, SegmentKernel, segment_kernel
 from hf_paged.optim.adamw import adamw_scalars, adamw_update_
 from hf_paged.optim.lion import lion_update_
 
+CPU = torch.device("cpu")
 ADAMW_SCALARS = adamw_scalars({"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}, 3)
 LION_SCALARS = {"lr": 1e-4, "decay": 1 - 1e-4 * 0.1, "direction_weight": 0.1, "avg_weight": 0.01}
 FORMATS = [(Blockwise8bitCodec, 256), (Blockwise8bitCodec, 16), (Blockwise4bitCodec, 128), (Blockwise4bitCodec, 16)]
@@ -96,7 +97,7 @@ def test_host_kernel_matches_the_eager_kernel(built, rule_name, codec, block_siz
     for grad in grads:
         grad[3] = 0
     encoded = random_segment(codecs, blocks, generator)
-    kernel = segment_kernel(rule, codecs, False)
+    kernel = segment_kernel(rule, codecs, False, CPU)
     assert isinstance(kernel, HostKernel)
     native_result = run_kernel(kernel, param, grads, encoded, scalars)
     eager_result = run_kernel(SegmentKernel(rule, codecs, False), param, grads, encoded, scalars)
@@ -112,8 +113,8 @@ def test_host_kernel_takes_compiled_scalars(built):
     param, grads = torch.randn(8, 64, generator=generator), [torch.randn(8, 64, generator=generator)]
     encoded = random_segment(codecs, 8, generator)
     tensors = {name: torch.tensor(value, dtype=torch.float32) for name, value in ADAMW_SCALARS.items()}
-    first = run_kernel(segment_kernel(adamw_update_, codecs, True), param, grads, encoded, tensors)
-    second = run_kernel(segment_kernel(adamw_update_, codecs, False), param, grads, encoded, ADAMW_SCALARS)
+    first = run_kernel(segment_kernel(adamw_update_, codecs, True, CPU), param, grads, encoded, tensors)
+    second = run_kernel(segment_kernel(adamw_update_, codecs, False, CPU), param, grads, encoded, ADAMW_SCALARS)
     assert torch.equal(first[0], second[0])
     assert all(torch.equal(a, b) for x, y in zip(first[1], second[1]) for a, b in zip(x, y))
 
@@ -127,7 +128,7 @@ def test_host_kernel_is_independent_of_threads_and_chunks(built, rule_name):
     param = torch.randn(blocks, 64, generator=generator, dtype=torch.float32).to(torch.bfloat16)
     grads = [torch.randn(blocks, 64, generator=generator).to(torch.bfloat16) for _ in range(2)]
     encoded = random_segment(codecs, blocks, generator)
-    kernel = segment_kernel(rule, codecs, False)
+    kernel = segment_kernel(rule, codecs, False, CPU)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -155,7 +156,7 @@ def test_host_kernel_allocates_nothing(built):
     generator = torch.Generator().manual_seed(3)
     param, grad = torch.randn(512, 256, generator=generator), torch.randn(512, 256, generator=generator)
     encoded = random_segment(codecs, 512, generator)
-    kernel = segment_kernel(adamw_update_, codecs, False)
+    kernel = segment_kernel(adamw_update_, codecs, False, CPU)
     kernel(param, grad, encoded, ADAMW_SCALARS)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
         kernel(param, grad, encoded, ADAMW_SCALARS)
@@ -197,7 +198,7 @@ def test_bad_arguments_raise_before_any_write(built):
     encoded = random_segment(codecs, 4, generator)
     short_scales = [encoded[0], (encoded[1][0], encoded[1][1][:3])]
     before = param.clone(), [tuple(array.clone() for array in segment) for segment in encoded]
-    kernel = segment_kernel(adamw_update_, codecs, False)
+    kernel = segment_kernel(adamw_update_, codecs, False, CPU)
     with pytest.raises(RuntimeError, match="scales must be a contiguous CPU fp32 tensor of 4 elements"):
         kernel(param, grad, short_scales, ADAMW_SCALARS)
     with pytest.raises(RuntimeError, match="contiguous"):
@@ -226,7 +227,7 @@ def test_optimizer_with_host_kernels_tracks_the_eager_one(built, use_native, nam
     model, optimizer = fit(name, dtype)
     codec = Blockwise8bitCodec if "8bit" in name else Blockwise4bitCodec
     codecs = tuple(codec(128, is_signed) for is_signed in RULES["lion" if "Lion" in name else "adamw"][1])
-    assert isinstance(segment_kernel(optimizer.update_rule(), codecs, False), HostKernel)
+    assert isinstance(segment_kernel(optimizer.update_rule(), codecs, False, CPU), HostKernel)
     assert deviation(model, reference) <= (1e-5 if dtype == torch.float32 else 2e-2)
     saved, expected = optimizer.state_dict()["state"], reference_optimizer.state_dict()["state"]
     for index in expected:
@@ -252,14 +253,28 @@ def test_distance_from_adamw_is_that_of_the_eager_kernel(built, use_native, name
 def test_environment_switch(monkeypatch):
     codecs = (Blockwise8bitCodec(64, True), Blockwise8bitCodec(64, False))
     monkeypatch.setenv("HF_PAGED_NATIVE", "0")
-    assert type(segment_kernel(adamw_update_, codecs, False)) is SegmentKernel
+    assert type(segment_kernel(adamw_update_, codecs, False, CPU)) is SegmentKernel
     monkeypatch.setenv("HF_PAGED_NATIVE", "maybe")
     with pytest.raises(ValueError, match="HF_PAGED_NATIVE='maybe' is not allowed"):
-        segment_kernel(adamw_update_, codecs, False)
+        segment_kernel(adamw_update_, codecs, False, CPU)
     monkeypatch.setenv("HF_PAGED_NATIVE", "1")
     from hf_paged.codecs import Float32Codec
 
-    assert type(segment_kernel(adamw_update_, (Float32Codec(), Float32Codec()), False)) is SegmentKernel
+    assert type(segment_kernel(adamw_update_, (Float32Codec(), Float32Codec()), False, CPU)) is SegmentKernel
+
+
+def test_pages_on_another_device_never_build_or_ask_for_the_host_kernels(monkeypatch):
+    """A GPU run takes the PyTorch kernels for its pages without building the C++ extension, even where
+    HF_PAGED_NATIVE=1 would make a failed build an error."""
+
+    def no_build() -> str:
+        raise AssertionError("the host kernels were asked for")
+
+    monkeypatch.setattr(native, "build_failure", no_build)
+    monkeypatch.setenv("HF_PAGED_NATIVE", "1")
+    codecs = (Blockwise8bitCodec(64, True), Blockwise8bitCodec(64, False))
+    for device in ("cuda", "xpu", "meta"):
+        assert type(segment_kernel(adamw_update_, codecs, False, torch.device(device))) is SegmentKernel
 
 
 def test_missing_ninja_falls_back_with_one_logged_reason(monkeypatch, caplog):
@@ -295,7 +310,7 @@ def test_segments_the_host_kernel_hands_on_are_updated_whole_or_not_at_all(built
     param = torch.randn(4, 64, generator=generator, dtype=torch.float64)
     grad = torch.randn(4, 64, generator=generator, dtype=torch.float64)
     encoded = random_segment(codecs, 4, generator)
-    kernel = segment_kernel(adamw_update_, codecs, False)
+    kernel = segment_kernel(adamw_update_, codecs, False, CPU)
     assert kernel.writes_after_allocating
     result = run_kernel(kernel, param, [grad], encoded, ADAMW_SCALARS)
     expected = run_kernel(SegmentKernel(adamw_update_, codecs, False), param, [grad], encoded, ADAMW_SCALARS)

@@ -245,8 +245,8 @@ def test_a_kernel_that_fails_after_writing_leaves_its_chunk_as_it_was(compiled, 
         calls = [0]
         real = hf_paged.optim.base.segment_kernel
 
-        def failing(rule, codecs, compiled_kernel):
-            kernel = real(rule, codecs, compiled_kernel)
+        def failing(rule, codecs, compiled_kernel, device):
+            kernel = real(rule, codecs, compiled_kernel, device)
 
             def call(*args):
                 kernel(*args)

@@ -468,7 +468,7 @@ class PagedOptimizer(Optimizer):
                         strided.scatter(item[1])
                     progress.finish(item[0])
         for page, _ in left:
-            kernel = segment_kernel(self.update_rule(), page.format.codecs, compiled)
+            kernel = segment_kernel(self.update_rule(), page.format.codecs, compiled, page.device[0].device)
             arrays = page.format.arrays(page.device)
             for (segment, param_slice, grad_slice, step, group), strided in gathered[page.index]:
                 key = (id(group), step)
