@@ -451,7 +451,8 @@ def run_dtype(
             page_size,
         )
     if runs:
-        interleave(runs, args)
+        for name, error in interleave(runs, args):
+            skip(name, error)
         for run in runs:
             complete(run)
         runs.clear()
@@ -471,16 +472,18 @@ def run_dtype(
     return results, skipped
 
 
-def interleave(runs: list[Run], args: argparse.Namespace, rounds: int | None = None) -> None:
-    """Time ``rounds`` (default ``args.steps``) rounds of one step of every run; a run that fails drops out with
-    its error."""
+def interleave(runs: list[Run], args: argparse.Namespace, rounds: int | None = None) -> list[tuple[str, str]]:
+    """Time ``rounds`` (default ``args.steps``) rounds of one step of every run; a run that fails drops out of
+    ``runs``. Returns the (optimizer, error) of each that failed."""
     print(f"{time.strftime('%H:%M:%S')} timing {len(runs)} optimizers interleaved ...", file=sys.stderr, flush=True)
+    failed = []
     for _ in range(rounds or args.steps):
         for run in list(runs):
             error = time_steps(run, 1, args.device)
             if error is not None:
-                print(f"  skipped {run.name}: {error}", file=sys.stderr, flush=True)
+                failed.append((run.name, error))
                 runs.remove(run)
+    return failed
 
 
 def paged_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -716,7 +719,8 @@ OVERHEAD_OPTIMIZERS = ("PagedAdamW", "PagedAdamW8bit", "PagedAdamW4bit", "PagedL
 @contextlib.contextmanager
 def kernels_skipped() -> Iterator[None]:
     """The host's update kernels replaced by no-ops: torch's fused AdamW (which PagedAdamW's resident fp32 pages
-    also call) and hf_paged's C++ kernels, so that a step costs only what it does around them."""
+    also call), hf_paged's C++ kernels and its PyTorch segment kernels (Lion's fp32 pages, fp32 state of small
+    tensors), so that a step costs only what it does around them."""
 
     def skip(*args: Any, **kwargs: Any) -> None:
         return None
@@ -725,9 +729,9 @@ def kernels_skipped() -> Iterator[None]:
         (torch, "_fused_adamw_"),
         (torch.ops.hf_paged, "adamw_blockwise_"),
         (torch.ops.hf_paged, "lion_blockwise_"),
+        (hf_paged.kernels.SegmentKernel, "__call__"),
     ]
     importlib.import_module("torch._inductor.compile_fx")  # its first import reads the operators: not while replaced
-
     originals = [getattr(owner, name) for owner, name in replaced]
     for owner, name in replaced:
         setattr(owner, name, skip)
@@ -753,10 +757,9 @@ def step_overheads(master: list[tuple[torch.Tensor, torch.Tensor]], args: argpar
         builders[name] = functools.partial(getattr(hf_paged, name), page_size=args.page_size[0])
     with kernels_skipped():
         runs = [prepare(name, "kernels skipped", build, master, args) for name, build in builders.items()]
-        failed = [run for run in runs if isinstance(run, str)]
+        failed = [run for run in runs if isinstance(run, str)] + [error for _, error in interleave(runs, args, rounds)]
         if failed:
             return f"{label}: n/a ({failed[0]})"
-        interleave(runs, args, rounds)
     microseconds = {run.name: 1e6 * min(run.seconds) for run in runs}
     reference = microseconds[REFERENCE]
     checks = [
