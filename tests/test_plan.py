@@ -265,6 +265,18 @@ def test_cli_plans_a_config_file_reading_only_config_json(tmp_path, capsys: pyte
     assert "give --device-memory" in output
 
 
+def test_train_plans_for_the_device_the_trainer_trains_on(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With training.use_cpu on a machine with a GPU, the run trains on the CPU, and so is planned."""
+    monkeypatch.setattr(hf_paged.cli, "torch_cuda_available", lambda: True)
+    overrides = [*SMALL_LLAMA, "model.tiny.num_hidden_layers=1", "training.optim=adamw_torch", "training.use_cpu=true"]
+    arguments = [item for override in overrides for item in ("--set", override)]
+    assert main(["train", *arguments, "--set", "memory.device_capacity=1GiB", "--plan", "--print-config"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.startswith("hf-paged plan: ") and header.endswith(" on cpu"), header
+
+
 def test_train_prints_the_plan_first(capsys: pytest.CaptureFixture[str]) -> None:
     overrides = [*SMALL_LLAMA, "model.tiny.num_hidden_layers=1", "training.optim=adamw_torch"]
     arguments = [item for override in overrides for item in ("--set", override)]

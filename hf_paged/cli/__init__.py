@@ -100,11 +100,15 @@ def _train(args: argparse.Namespace) -> int:
     planned = None
     if args.plan:
         from .plan import format_report, report, setup_from_config
+        from .train import training_arguments
 
-        device = "cuda" if torch_cuda_available() else "cpu"
-        outcome = report(setup_from_config(config), device, _capacity(config, None, device))
-        print(format_report(outcome), flush=True)
-        planned = outcome.plan
+        device = training_arguments(config).device.type  # where the Trainer will train (use_cpu, the accelerator)
+        if device in ("cpu", "cuda"):
+            outcome = report(setup_from_config(config), device, _capacity(config, None, device))
+            print(format_report(outcome), flush=True)
+            planned = outcome.plan
+        else:
+            print(f"hf-paged train --plan: plans are for cpu and cuda, not {device}; training without one", flush=True)
     if args.print_config:
         import yaml
 
