@@ -21,7 +21,7 @@ row is listed as skipped.
 load of a shared machine falls on all of them alike (``--steps`` rounds); use it for ratios on a busy machine.
 
 On the CPU the fp32 run also times each step with its update kernels skipped (torch's fused AdamW and hf_paged's
-host kernels replaced by no-ops): what a step costs besides its arithmetic, against fused AdamW's. The table's
+host and segment kernels replaced by no-ops): what a step costs besides its arithmetic, against fused AdamW's. The table's
 offload column is what an offloaded step (FSDP2's ``CPUOffloadPolicy``, ZeRO-Offload) keeps in host memory per
 parameter: the parameter, its gradient and the optimizer state. DeepSpeed's ``DeepSpeedCPUAdam`` (the
 ``deepspeed`` extra) is the ZeRO-Offload reference there; it is skipped where DeepSpeed is absent.
@@ -419,7 +419,8 @@ def run_dtype(
 
     for name, build in baseline_builders().items():
         reason = QUICK_SKIPS.get(name) if args.quick else None
-        reason = reason or (None if args.device.type == "cpu" or not name.startswith("DeepSpeed") else HOST_ONLY)
+        if reason is None and name == DEEPSPEED and args.device.type != "cpu":
+            reason = HOST_ONLY
         if reason is not None:
             skipped.append((name, reason))
             continue
@@ -540,8 +541,7 @@ def bitsandbytes_paged(
 
 def format_table(results: list[Result]) -> str:
     """The results as a markdown table, times relative to the reference optimizer."""
-    reference = next((result.median_ms for result in results if result.name == REFERENCE), None)
-    fastest = next((result.fastest_ms for result in results if result.name == REFERENCE), None)
+    reference = next((result for result in results if result.name == REFERENCE), None)
     header = [
         "optimizer",
         "budget",
@@ -562,8 +562,8 @@ def format_table(results: list[Result]) -> str:
             result.name,
             result.budget,
             f"{result.median_ms:.2f}",
-            f"{result.median_ms / reference:.2f}x" if reference else "",
-            f"{result.fastest_ms / fastest:.2f}x" if fastest else "",
+            f"{result.median_ms / reference.median_ms:.2f}x" if reference else "",
+            f"{result.fastest_ms / reference.fastest_ms:.2f}x" if reference else "",
             f"{result.state_bytes / result.numel:.3f}",
             f"{result.device_bytes / result.numel:.3f}",
             f"{(result.param_bytes + result.state_bytes) / result.numel:.3f}",
@@ -757,7 +757,8 @@ def step_overheads(master: list[tuple[torch.Tensor, torch.Tensor]], args: argpar
         builders[name] = functools.partial(getattr(hf_paged, name), page_size=args.page_size[0])
     with kernels_skipped():
         runs = [prepare(name, "kernels skipped", build, master, args) for name, build in builders.items()]
-        failed = [run for run in runs if isinstance(run, str)] + [error for _, error in interleave(runs, args, rounds)]
+        failed = [run for run in runs if isinstance(run, str)]
+        failed = failed or [error for _, error in interleave(runs, args, rounds)]
         if failed:
             return f"{label}: n/a ({failed[0]})"
     microseconds = {run.name: 1e6 * min(run.seconds) for run in runs}

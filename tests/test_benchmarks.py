@@ -149,6 +149,28 @@ def test_optimizer_step_interleaved_times_the_same_optimizers_and_the_step_overh
         assert re.fullmatch(r"\w+ \d+ us [\d.]+x fused \(<= 2x fused\) (PASS|MISS)", check), check
 
 
+def test_step_overhead_reports_an_optimizer_that_fails_to_build(monkeypatch):
+    """The overhead line says n/a with the error instead of ending the benchmark."""
+    from hf_paged import native
+
+    if native.build_failure() is not None:
+        pytest.skip("the overhead is measured with the host kernels")
+    load_streaming()
+    spec = importlib.util.spec_from_file_location("optimizer_step", ROOT / "benchmarks" / "optimizer_step.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "optimizer_step", benchmark)  # its dataclasses look their module up there
+    spec.loader.exec_module(benchmark)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot build")
+
+    monkeypatch.setattr(benchmark.hf_paged, "PagedLion8bit", broken)
+    args = benchmark.parse_args(["--quick", "--params", "16K", "--steps", "1", "--device", "cpu"])
+    master = benchmark.make_master(benchmark.layer_shapes(args.params), torch.float32, args.device)
+    line = benchmark.step_overheads(master, args)
+    assert line.endswith(": n/a (RuntimeError: cannot build)"), line
+
+
 def test_streaming_efficiency_by_hand():
     streaming = load_streaming()
     bandwidth = streaming.Bandwidth(to_device=10e9, to_host=5e9)
