@@ -4,7 +4,8 @@ The dataclasses' defaults are the embedded default run (``configs/default.yaml``
 file or an override changes only the keys it names: ``--set lora.r=8`` or ``--set training.max_steps=20``
 (the value is read as YAML, so ``8`` is an integer, ``null`` is ``None`` and ``[q_proj, v_proj]`` a list).
 ``training`` holds ``transformers.TrainingArguments`` keys and is checked against its fields. An unknown key
-at any depth, or a value of the wrong type, raises :class:`ConfigError` naming the key and where it came from.
+at any depth, a value of the wrong type or out of its range, a size that is not one, or a number that is not finite
+(``.inf``, ``.nan``) anywhere raises :class:`ConfigError` naming the key and where it came from.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 import difflib
 import enum
 import functools
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -21,6 +23,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from ..sizes import parse_size
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 """Dtype names a config accepts; ``auto`` lets the checkpoint or the hardware decide."""
@@ -33,6 +37,11 @@ class ConfigError(ValueError):
 def _bounded(default: Any, low: float, high: float | None = None, *, closed: bool = False) -> Any:
     """A field whose number must lie in ``[low, high)`` (``[low, high]`` if ``closed``; ``high=None``: no bound)."""
     return field(default=default, metadata={"bounds": (low, high, closed)})
+
+
+def _size(default: int | str | None) -> Any:
+    """A field holding a size of at least one byte: an integer of bytes or a string such as ``"24GiB"``."""
+    return field(default=default, metadata={"size": True})
 
 
 @dataclass
@@ -121,7 +130,7 @@ class MemoryConfig:
     """Steps measured before spikes are judged."""
     spike_margin: float = _bounded(0.1, 0)
     """Fraction above the baseline a peak must rise to count as a spike."""
-    device_capacity: int | str | None = None
+    device_capacity: int | str | None = _size(None)
     """Memory the device offers, in bytes or as ``"24GiB"``; ``None``: the device's total memory."""
     safety_margin: float | None = _bounded(None, 0, 1)
     """Fraction of the capacity an automatic device budget keeps free; ``None``: the optimizer's (0.1)."""
@@ -240,6 +249,7 @@ def _update_dataclass(instance: Any, mapping: Mapping[str, Any], prefix: str, so
         else:
             value = _convert(value, hints[key], name, source)
             _check_bounds(value, fields[key], name, source)
+            _check_size(value, fields[key], name, source)
             if name == "prompt.template":
                 _check_template(value, source)
             setattr(instance, key, value)
@@ -254,6 +264,7 @@ def _update_training(training: dict[str, Any], mapping: Any, source: str) -> Non
         if key not in known:
             raise ConfigError(_unknown(name, key, list(known), "training.", source, "transformers.TrainingArguments"))
         if isinstance(value, Mapping) and isinstance(training.get(key), dict):
+            _check_finite(value, name, source)
             training[key] = {**training[key], **value}
         else:
             training[key] = _convert(value, known[key], name, source)
@@ -297,10 +308,34 @@ def _check_bounds(value: Any, item: dataclasses.Field, name: str, source: str) -
         raise ConfigError(f"{name} in {source} must be {allowed}, got {value!r}")
 
 
+def _check_size(value: Any, item: dataclasses.Field, name: str, source: str) -> None:
+    if not item.metadata.get("size") or value is None:
+        return
+    try:
+        size = parse_size(value, name)
+    except (TypeError, ValueError):
+        size = 0
+    if size < 1:
+        raise ConfigError(
+            f"{name} in {source} must be a size of at least 1 byte: a number of bytes or a number with one of the "
+            f"units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (for example '24GiB'), got {value!r}"
+        )
+
+
+def _check_finite(value: Any, name: str, source: str) -> None:
+    """Raise ConfigError if ``value`` is, or holds at any depth, a float that is infinite or NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{name} in {source} must be a finite number, got {value!r}")
+    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else ()
+    for item in items:
+        _check_finite(item, name, source)
+
+
 def _convert(value: Any, annotation: Any, name: str, source: str) -> Any:
     accepted, converted = _accept(value, annotation)
     if not accepted:
         raise ConfigError(f"{name} in {source} must be {_describe(annotation)}, got {value!r} ({type(value).__name__})")
+    _check_finite(converted, name, source)
     return converted
 
 
