@@ -257,39 +257,52 @@ def _page_backend(ledger: _Ledger, host_is_device: bool) -> Iterator[None]:
         device_module._backend_factory = previous
 
 
-def _move_module(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-    """``module.to(...)`` for fake tensors: a parameter that changes becomes a new ``nn.Parameter`` (``Module.to``
-    swaps tensors in place, which fake tensors refuse); parameter subclasses (4-bit weights) are left as they are."""
-    device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
-
-    def convert(tensor: torch.Tensor) -> torch.Tensor:
-        if dtype is not None and (tensor.is_floating_point() or tensor.is_complex()):
-            return tensor.to(device, dtype, non_blocking)
-        return tensor.to(device, non_blocking=non_blocking)
-
-    for submodule in module.modules():
-        for key, param in submodule._parameters.items():
-            if type(param) is not nn.Parameter:
-                continue
-            with torch.no_grad():
-                moved = convert(param)
-            if moved is not param:
-                submodule._parameters[key] = nn.Parameter(moved, requires_grad=param.requires_grad)
-        for key, buffer in submodule._buffers.items():
-            if buffer is not None:
-                submodule._buffers[key] = convert(buffer)
+def _apply_to_fake_tensors(
+    module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+) -> nn.Module:
+    """``nn.Module._apply`` for fake tensors (what ``to``, ``half``, ``bfloat16``, ``float``... call): a parameter
+    that ``fn`` changes takes the new tensor through ``param.data`` and stays the same object, so weights tied
+    between modules stay one tensor and references to it stay valid. Torch swaps fake parameters instead, which
+    fails (``Couldn't swap Linear.weight``) because the fake mode holds weak references to them."""
+    if recurse:
+        for child in module.children():
+            child._apply(fn)
+    for param in module._parameters.values():
+        if param is None:
+            continue
+        with torch.no_grad():
+            converted = fn(param)
+            if converted is not param:
+                param.data = converted
+            if param.grad is not None:
+                grad = fn(param.grad)
+                if grad is not param.grad:
+                    param.grad.data = grad
+    for key, buffer in module._buffers.items():
+        if buffer is not None:
+            module._buffers[key] = fn(buffer)
     return module
 
 
 @contextlib.contextmanager
-def _fake_module_moves() -> Iterator[None]:
-    """``nn.Module.to`` works on fake parameters while the model is built (see :func:`_move_module`)."""
-    original = nn.Module.to
-    nn.Module.to = _move_module
+def _fake_module_conversions() -> Iterator[None]:
+    """``nn.Module.to``, ``half``, ``bfloat16``, ``float``... work on fake parameters while the model is built (see
+    :func:`_apply_to_fake_tensors`)."""
+    original = nn.Module._apply
+    nn.Module._apply = _apply_to_fake_tensors
     try:
         yield
     finally:
-        nn.Module.to = original
+        nn.Module._apply = original
+
+
+def _fake_mode() -> FakeTensorMode:
+    """The mode of a plan. Every fake tensor keeps its mode in its ``__dict__``, which ``copy.deepcopy`` of a module
+    (peft's ``modules_to_save``) would copy too, giving the copies a mode of their own that the plan's refuses
+    (``Mixing fake modes NYI``): a deep copy keeps this one."""
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    mode.__deepcopy__ = lambda memo: mode
+    return mode
 
 
 def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -432,7 +445,7 @@ def plan(
     classifier = _Classifier(ledger)
     phases: list[PhasePeak] = []
     with (
-        FakeTensorMode(allow_non_fake_inputs=False),
+        _fake_mode(),
         _page_backend(ledger, host_is_device=target.type == "cpu"),
         # the C++ kernels update only CPU pages: elsewhere the PyTorch kernels run, with their chunks' temporaries
         contextlib.nullcontext() if target.type == "cpu" else host_kernels_disabled(),
@@ -441,7 +454,7 @@ def plan(
         # a pointer comparison of fake tensors (all at 0) decides only whether to copy, never what is allocated
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         with _StorageTracker(ledger):
-            with _fake_module_moves():
+            with _fake_module_conversions():
                 built = model()
             if not isinstance(built, nn.Module):
                 raise TypeError(f"model must build an nn.Module, got {type(built).__name__}")

@@ -12,8 +12,6 @@ import time
 import pytest
 import torch
 from torch import nn
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile, record_function
 
 import hf_paged
 from hf_paged import native as native_module
@@ -30,8 +28,7 @@ from hf_paged.cli.plan import (
 )
 from hf_paged.planner import FORWARD_BACKWARD, KINDS, OPTIMIZER_STEP, MemoryPlan, default_loss, plan
 
-TOLERANCE = 0.02
-"""Largest relative difference allowed between a planned and a measured peak."""
+from plan_utils import check_plan, measured_peaks
 
 SMALL_LLAMA = [
     "model.tiny.hidden_size=128",
@@ -44,56 +41,6 @@ SMALL_LLAMA = [
     "lora.r=8",
 ]
 """A small Llama and batch: peaks of a few MiB, dominated by activations as in real fine-tunes."""
-
-
-def _measured_peaks(build, batch, optimizer, steps: int = 2) -> list[tuple[str, int, int]]:
-    """(phase, step, peak bytes of live tensors) of a real run of ``steps`` training steps on the CPU, from the
-    allocation events of ``torch.profiler``; everything is allocated inside the profile, so live bytes start at 0."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-        model = build()
-        built_optimizer = optimizer(model)
-        for step in range(1, steps + 1):
-            with record_function(f"plan-test:{FORWARD_BACKWARD}:{step}"):
-                inputs = batch()
-                loss = default_loss(model, inputs)
-                loss.backward()
-                del loss, inputs
-            with record_function(f"plan-test:{OPTIMIZER_STEP}:{step}"):
-                built_optimizer.step()
-                built_optimizer.zero_grad(set_to_none=True)
-    allocations, windows = [], []
-    pending = list(profiler.profiler.kineto_results.experimental_event_tree())
-    while pending:
-        event = pending.pop()
-        if event.typed[0] == _EventType.Allocation:
-            allocations.append((event.start_time_ns, event.typed[1].alloc_size))
-        elif event.name.startswith("plan-test:"):
-            _, phase, step = event.name.split(":")
-            windows.append((event.start_time_ns, event.end_time_ns, phase, int(step)))
-        pending.extend(event.children)
-    allocations.sort()
-    peaks = []
-    for start, end, phase, step in sorted(windows):
-        live = sum(size for when, size in allocations if when < start)
-        peak = live
-        for when, size in allocations:
-            if start <= when <= end:
-                live += size
-                peak = max(peak, live)
-        peaks.append((phase, step, peak))
-    return peaks
-
-
-def _check(planned, measured) -> list[str]:
-    """The phases whose planned peak is off by more than the tolerance (with the figures), for the assertion."""
-    assert [(item.phase, item.step) for item in planned.phases] == [(phase, step) for phase, step, _ in measured]
-    failures = []
-    for item, (_, _, truth) in zip(planned.phases, measured):
-        ratio = item.peak_bytes / truth
-        print(f"{item.phase} step {item.step}: planned {item.peak_bytes}, measured {truth}, ratio {ratio:.4f}")
-        if abs(ratio - 1) > TOLERANCE:
-            failures.append(f"{item.phase} step {item.step}: planned {item.peak_bytes} measured {truth}")
-    return failures
 
 
 def _setup(method: str, *overrides: str, reentrant: bool = False, checkpointing: bool | None = None) -> TrainingSetup:
@@ -110,6 +57,12 @@ CASES = {
     "lora-checkpointing-reentrant": _setup("lora", "training.optim=adamw_torch", checkpointing=True, reentrant=True),
     "qlora": _setup("qlora", "training.optim=adamw_torch", checkpointing=False),
     "qlora-checkpointing": _setup("qlora", "training.optim=adamw_torch", checkpointing=True),
+    # the built-in model is converted with Module.to(dtype) in its builder
+    "full-bfloat16": _setup("full", "training.optim=adamw_torch", "model.dtype=bfloat16", checkpointing=False),
+    "lora-bfloat16": _setup("lora", "training.optim=adamw_torch", "model.dtype=bfloat16", checkpointing=True),
+    "qlora-bfloat16": _setup(
+        "qlora", "training.optim=adamw_torch", "model.dtype=bfloat16", "lora.compute_dtype=bfloat16", checkpointing=True
+    ),
 }
 for _name in ("adamw_32bit", "adamw_8bit", "adamw_4bit", "lion_32bit", "lion_8bit"):
     _args = "page_size=256KiB,min_8bit_size=1024" if "8bit" in _name else "page_size=256KiB"
@@ -131,12 +84,12 @@ def test_plan_matches_the_measured_peak_of_live_tensors(case: str) -> None:
     vocab_size = architecture(setup.config).vocab_size
     planned = plan_setup(setup)
     torch.manual_seed(0)
-    measured = _measured_peaks(
+    measured = measured_peaks(
         lambda: build_model(setup),
         lambda: make_batch(setup, vocab_size),
         lambda model: build_optimizer(setup, model),
     )
-    assert not _check(planned, measured)
+    assert not check_plan(planned, measured)
     for item in planned.phases:
         assert sum(item.by_kind.values()) == item.peak_bytes
 
@@ -152,7 +105,7 @@ def test_plan_of_a_plain_module_without_transformers() -> None:
         return torch.optim.AdamW(model.parameters(), foreach=False)
 
     planned = plan(build, batch, optimizer)
-    assert not _check(planned, _measured_peaks(build, batch, optimizer))
+    assert not check_plan(planned, measured_peaks(build, batch, optimizer))
     weights = (2 * 256 * 1024 + 1024 + 256) * 4
     step = planned.peak(OPTIMIZER_STEP).by_kind
     assert step["trainable_weights"] == step["gradients"] == weights
