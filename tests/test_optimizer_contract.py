@@ -322,6 +322,71 @@ def test_state_keys_that_are_not_parameters_pass_through_as_in_torch(name):
     assert results[name] == results[None] == ({"count": 3}, {"count": 3}, True)
 
 
+def with_state_no_step_wrote(name: str | None):
+    """A model and its trained optimizer (``None``: ``torch.optim.AdamW``) whose ``state`` of parameter 1 was only
+    read before it ever stepped (``state`` is a defaultdict: an empty entry), and whose state of parameters 0 and 2
+    has keys that a user or a library added after a step."""
+    model = make_mlp()
+    groups = decay_groups(model)
+    optimizer = reference(groups) if name is None else paged(name, groups, device_budget=8192)
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    params[1].requires_grad_(False)
+    assert optimizer.state[params[1]] == {}
+    train(model, optimizer, regression_batches(2))
+    params[1].requires_grad_(True)
+    optimizer.state[params[0]]["scale"] = 0.5
+    optimizer.state[params[2]]["count"] = torch.tensor([3, 4])
+    return model, optimizer
+
+
+def round_trip(how: str, name: str | None, model, optimizer):
+    """The model and optimizer that ``how`` gives back: a new optimizer that loads the state dict (through
+    ``torch.save``), a deepcopy, or a pickle round trip."""
+    if how == "load_state_dict":
+        fresh = reference(decay_groups(model)) if name is None else paged(name, decay_groups(model), device_budget=8192)
+        buffer = io.BytesIO()
+        torch.save(optimizer.state_dict(), buffer)
+        buffer.seek(0)
+        fresh.load_state_dict(torch.load(buffer, weights_only=True))
+        return model, fresh
+    if how == "deepcopy":
+        return copy.deepcopy((model, optimizer))
+    return pickle.loads(pickle.dumps((model, optimizer)))
+
+
+def other_keys(optimizer) -> dict:
+    """Each parameter's saved keys besides the step and the optimizer's states, tensors as (dtype, values)."""
+
+    def comparable(value):
+        return (value.dtype, value.tolist()) if isinstance(value, torch.Tensor) else value
+
+    state = optimizer.state_dict()["state"]
+    return {
+        index: {key: comparable(value) for key, value in entry.items() if key != "step" and "exp_avg" not in key}
+        for index, entry in state.items()
+    }
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "deepcopy", "pickle"])
+@pytest.mark.parametrize("name", [*TWO_KINDS, "PagedAdamW4bit"])
+def test_state_entries_that_no_step_wrote_and_keys_users_add_round_trip_as_in_torch(name, how):
+    results = {}
+    for key in (None, name):
+        model, optimizer = with_state_no_step_wrote(key)
+        saved = other_keys(optimizer)
+        model, copied = round_trip(how, key, model, optimizer)
+        loaded = other_keys(copied)
+        params = [param for group in copied.param_groups for param in group["params"]]
+        entry = dict(copied.state[params[1]])
+        train(model, copied, regression_batches(1, seed=5))
+        steps = [copied.state_dict()["state"][index]["step"].item() for index in range(len(params))]
+        results[key] = (saved, loaded, entry, steps, other_keys(copied))
+    assert results[name] == results[None]
+    saved, loaded, empty, steps, after = results[name]
+    assert saved[1] == {} and saved[0] == {"scale": 0.5} and saved[2]["count"][1] == [3, 4]
+    assert empty == {} and steps == [3, 1, 3, 3, 3, 3]
+
+
 # 5. tensor lr -----------------------------------------------------------------------------------------
 
 

@@ -553,7 +553,8 @@ class PagedOptimizer(Optimizer):
                         fields = sharded_entry(
                             key, fields, self.state_names, self._layout.formats[self._layout[key].kind].codecs
                         )
-                    entry = {"step": entry["step"].detach().to("cpu", torch.float32, copy=True), **fields}
+                    others = {name: value for name, value in entry.items() if name != "step" and name not in fields}
+                    entry = {"step": entry["step"].detach().to("cpu", torch.float32, copy=True), **fields, **others}
                 state[index_of[id(key)]] = entry
         return {"state": state, "param_groups": groups}
 
@@ -577,8 +578,9 @@ class PagedOptimizer(Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """:meth:`load_state_dict` without its hooks."""
+    def _load_state_dict(self, state_dict: dict[str, Any], *, copying: bool = False) -> None:
+        """:meth:`load_state_dict` without its hooks; ``copying`` (a copy's state) keeps the tensors of keys besides
+        the step and the states where they are, as a copy of a ``torch.optim`` optimizer does."""
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("state_dict must be a dict with 'state' and 'param_groups'")
         if not isinstance(state_dict["param_groups"], (list, tuple)) or not isinstance(state_dict["state"], dict):
@@ -606,7 +608,7 @@ class PagedOptimizer(Optimizer):
             new_groups.append(merged)
             for saved_id, param in zip(saved["params"], group["params"]):
                 param_of[saved_id] = (param, saved)
-        steps, sources, other_state = {}, {}, {}
+        entries, sources, other_state = {}, {}, {}
         for saved_id, entry in state_dict["state"].items():
             if saved_id not in param_of and not isinstance(saved_id, int):
                 other_state[saved_id] = entry
@@ -615,13 +617,15 @@ class PagedOptimizer(Optimizer):
                 raise ValueError(f"state_dict has state for parameter {saved_id!r}, which no param group lists")
             param, saved_group = param_of[saved_id]
             block_size = saved_group.get("block_size", self.defaults.get("block_size", 256))
-            steps[param], sources[param] = parse_saved_entry(
-                param, saved_id, entry, block_size, self.state_names, self.signed_states
+            step, states, others = parse_saved_entry(
+                param, saved_id, entry, block_size, self.state_names, self.signed_states, move_others=not copying
             )
+            entries[param] = others if step is None else {"step": torch.tensor(step, dtype=torch.float32), **others}
+            if step is not None:
+                sources[param] = states
         self.param_groups = new_groups
         self.state = defaultdict(dict)
-        for param, step in steps.items():
-            self.state[param] = {"step": torch.tensor(step, dtype=torch.float32)}
+        self.state.update(entries)
         self.state.update(other_state)
         self._layout.clear()
         self._stepped_params.clear()
@@ -726,7 +730,7 @@ class PagedOptimizer(Optimizer):
         self._stepped_params = {}
         for group in param_groups:
             self.add_param_group(group)
-        self._load_state_dict(saved_state)
+        self._load_state_dict(saved_state, copying=True)
 
     # Budget ---------------------------------------------------------------------------------------------
 

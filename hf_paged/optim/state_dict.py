@@ -8,6 +8,7 @@ A saved state holds, per parameter index, ``step`` and each state's fields as CP
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -22,7 +23,7 @@ StateEntry = dict[str, torch.Tensor]
 """One parameter's saved state fields by key (``step`` aside)."""
 
 
-def state_keys(codec: Codec, name: str) -> list[str]:
+def state_keys(codec: Codec | type[Codec], name: str) -> list[str]:
     """The state dict keys of state ``name`` stored by ``codec``: ``exp_avg``, or ``exp_avg_codes`` and so on."""
     return [name if not field else f"{name}_{field}" for field in codec.fields]
 
@@ -108,15 +109,27 @@ def parse_saved_entry(
     block_size: Any,
     state_names: Sequence[str],
     signed_states: Sequence[bool],
-) -> tuple[float, dict[str, SavedState]]:
-    """The step and the states of ``entry``, saved state of parameter ``saved_id`` loading into ``param``.
+    *,
+    move_others: bool = True,
+) -> tuple[float | None, dict[str, SavedState], dict[Any, Any]]:
+    """The step, the states and the other keys of ``entry``, saved state of parameter ``saved_id`` loading into
+    ``param``.
 
     Each state is found in whichever encoding the entry holds it (fp32 values, 8-bit or 4-bit codes with
-    ``block_size`` elements a block). Raises ValueError naming the parameter and key at fault.
+    ``block_size`` elements a block). An entry with neither ``step`` nor any state (``optimizer.state[param]``
+    read before the parameter's first step) has step ``None`` and no states. Other keys (that users or libraries
+    keep in ``optimizer.state[param]``) come back as they are, or with ``move_others`` as ``torch.optim`` loads
+    them: tensors moved to the parameter's device and dtype. Raises ValueError naming the parameter and key at
+    fault.
     """
+    load = functools.partial(_like_torch_loads, param) if move_others else _as_it_is
     numel = local_tensor(param).numel()
-    if not isinstance(entry, dict) or "step" not in entry:
-        raise ValueError(f"state of parameter {saved_id!r} has no 'step'")
+    if not isinstance(entry, dict):
+        raise ValueError(f"state of parameter {saved_id!r} must be a dict, got {type(entry).__name__}")
+    if "step" not in entry:
+        if any(key in entry for name in state_names for key in _saved_keys(name)):
+            raise ValueError(f"state of parameter {saved_id!r} has no 'step'")
+        return None, {}, {key: load(value) for key, value in entry.items()}
     step = float(entry["step"])
     if not math.isfinite(step) or step < 0 or step != int(step):
         raise ValueError(f"state of parameter {saved_id!r} has step {step}, expected a whole number >= 0")
@@ -150,7 +163,32 @@ def parse_saved_entry(
                 raise ValueError(f"state {key!r} of parameter {saved_id!r} has dtype {value.dtype}, expected {dtype}")
             fields.append(value.detach().to("cpu", dtype).reshape(-1))
         states[name] = SavedState(codec, tuple(fields), numel)
-    return step, states
+    used = {"step", *(key for name, state in states.items() for key in state_keys(state.codec, name))}
+    others = {key: load(value) for key, value in entry.items() if key not in used}
+    return step, states, others
+
+
+def _saved_keys(name: str) -> list[str]:
+    """Every key that state ``name`` may be saved under, whatever its encoding."""
+    return [key for codec in (Float32Codec, *QUANTIZED_CODECS.values()) for key in state_keys(codec, name)]
+
+
+def _as_it_is(value: Any) -> Any:
+    return value
+
+
+def _like_torch_loads(param: torch.Tensor, value: Any) -> Any:
+    """``value`` of a parameter's state as ``torch.optim``'s ``load_state_dict`` loads it: tensors (in dicts,
+    lists and tuples too) on ``param``'s device in its dtype, anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype=param.dtype, device=param.device)
+    if isinstance(value, dict):
+        return {key: _like_torch_loads(param, item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_like_torch_loads(param, item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_like_torch_loads(param, item) for item in value)
+    return value
 
 
 def import_state(
