@@ -99,6 +99,31 @@ def allocations_of_a_step(name, budget) -> FailingAllocations:
     return mode
 
 
+def assert_stopped_in_whole_chunks(model, optimizer, error, before, after, at) -> int:
+    """After a step that raised ``error``: every element as before or as after the step, the step count advanced
+    exactly for the parameters updated in full, a note saying how many (or nothing, where nothing changed), and no
+    page in flight. Returns the number of parameters updated in full."""
+    params, state = snapshot(model, optimizer)
+    finished = 0
+    for index, (param, old, new) in enumerate(zip(params, before[0], after[0])):
+        assert torch.where(param == old, True, param == new).all(), (at, index)
+        step = state["state"][index]["step"]
+        if step == after[1]["state"][index]["step"]:
+            finished += 1
+            assert torch.equal(param, new), (at, index)
+        else:
+            assert step == before[1]["state"][index]["step"], (at, index)
+    note = "\n".join(getattr(error, "__notes__", []))
+    if finished == 0 and all(torch.equal(p, old) for p, old in zip(params, before[0])):
+        assert "updated" not in note
+    else:
+        assert f"updated {finished} of {len(params)} parameters in full" in note, at
+    assert not [
+        page for store in optimizer._store.stores.values() for page in store.pages if page.state is PageState.PAGING_IN
+    ]
+    return finished
+
+
 @pytest.mark.parametrize("budget", sorted(BUDGETS))
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_an_out_of_memory_error_at_any_allocation_of_the_step_is_recovered_bitwise(name, budget):
@@ -149,27 +174,7 @@ def test_a_step_that_cannot_recover_leaves_whole_chunks_and_counts_of_finished_p
             train(model, optimizer, batches[:1])
             with pytest.raises(torch.OutOfMemoryError, match="injected") as raised:
                 failing_step(model, optimizer, batches[1], FailingAllocations({at}))
-            params, state = snapshot(model, optimizer)
-            finished = 0
-            for index, (param, old, new) in enumerate(zip(params, before[0], after[0])):
-                assert torch.where(param == old, True, param == new).all(), (at, index)
-                step = state["state"][index]["step"]
-                if step == after[1]["state"][index]["step"]:
-                    finished += 1
-                    assert torch.equal(param, new), (at, index)
-                else:
-                    assert step == before[1]["state"][index]["step"], (at, index)
-            note = "\n".join(getattr(raised.value, "__notes__", []))
-            if finished == 0 and all(torch.equal(p, old) for p, old in zip(params, before[0])):
-                assert "updated" not in note
-                continue
-            assert f"updated {finished} of {len(params)} parameters in full" in note, at
-            assert not [
-                page
-                for store in optimizer._store.stores.values()
-                for page in store.pages
-                if page.state is PageState.PAGING_IN
-            ]
+            assert_stopped_in_whole_chunks(model, optimizer, raised.value, before, after, at)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -266,3 +271,93 @@ def test_a_kernel_that_fails_after_writing_leaves_its_chunk_as_it_was(compiled, 
     assert calls > 2
     for fail_at in (1, calls // 2, calls):
         assert_same(run(fail_at)[0], expected)
+
+
+ADAMW = ("PagedAdamW", "PagedAdamW8bit", "PagedAdamW4bit")
+"""The optimizers whose fp32 pages run PyTorch's fused AdamW kernel, one call per param group and device."""
+
+
+def fail_fused_calls(monkeypatch, at: set[int], error: Exception) -> list[int]:
+    """Make the calls numbered in ``at`` (from 1) of the fused AdamW kernel raise ``error`` before they write, as a
+    failed allocation or launch would; return the count of calls (one element, updated as they come)."""
+    real = hf_paged.optim.adamw.adamw_update_multi_
+    calls = [0]
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] in at:
+            raise error
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf_paged.optim.adamw, "adamw_update_multi_", failing)
+    return calls
+
+
+def fused_calls_of_a_step(name, budget, monkeypatch) -> int:
+    model, optimizer = build(name, budget)
+    batches = regression_batches(2)
+    train(model, optimizer, batches[:1])
+    calls = fail_fused_calls(monkeypatch, set(), RuntimeError())
+    train(model, optimizer, batches[1:])
+    monkeypatch.undo()
+    return calls[0]
+
+
+@pytest.mark.parametrize("budget", sorted(BUDGETS))
+@pytest.mark.parametrize("name", ADAMW)
+def test_an_error_in_a_later_fused_call_leaves_whole_parameters_and_says_so(name, budget, monkeypatch):
+    """The decay and no-decay groups of resident pages take one fused call each: an error in the second leaves the
+    first call's parameters updated in full with their step counts and state advanced, the others (state included)
+    as they were or, streamed a page per call, updated in whole pages, and a note that counts them; an error in the
+    first call changes nothing."""
+    calls = fused_calls_of_a_step(name, BUDGETS[budget], monkeypatch)
+    assert calls >= 2
+    batches = regression_batches(2)
+    reference_model, reference = build(name, BUDGETS[budget])
+    train(reference_model, reference, batches[:1])
+    before = snapshot(reference_model, reference)
+    train(reference_model, reference, batches[1:])
+    after = snapshot(reference_model, reference)
+    for at in sorted({1, 2, calls}):
+        model, optimizer = build(name, BUDGETS[budget], retries=0)
+        train(model, optimizer, batches[:1])
+        fail_fused_calls(monkeypatch, {at}, RuntimeError("injected in a fused call"))
+        with pytest.raises(RuntimeError, match="injected") as raised:
+            train(model, optimizer, batches[1:])
+        monkeypatch.undo()
+        finished = assert_stopped_in_whole_chunks(model, optimizer, raised.value, before, after, at)
+        assert (finished == 0) == (at == 1), at
+        state = snapshot(model, optimizer)[1]["state"]
+        for index, entry in state.items():
+            old, new = before[1]["state"][index], after[1]["state"][index]
+            for key, value in entry.items():
+                if entry["step"] == new["step"]:
+                    assert torch.equal(value, new[key]), (at, index, key)
+                else:
+                    assert torch.where(value == old[key], True, value == new[key]).all(), (at, index, key)
+
+
+@pytest.mark.parametrize("budget", sorted(BUDGETS))
+@pytest.mark.parametrize("name", ADAMW)
+def test_an_out_of_memory_error_in_a_later_fused_call_is_recovered_bitwise(name, budget, monkeypatch):
+    """The recovery updates what the failed call and those after it had left, once: steps 2 and 3 equal those of a
+    run without the error."""
+    calls = fused_calls_of_a_step(name, BUDGETS[budget], monkeypatch)
+    batches = regression_batches(3)
+    reference_model, reference = build(name, BUDGETS[budget])
+    train(reference_model, reference, batches[:2])
+    after_two = snapshot(reference_model, reference)
+    train(reference_model, reference, batches[2:])
+    after_three = snapshot(reference_model, reference)
+    for at in sorted({2, calls}):
+        model, optimizer = build(name, BUDGETS[budget])
+        recoveries = []
+        optimizer.on_oom_recovery = recoveries.append
+        train(model, optimizer, batches[:1])
+        fail_fused_calls(monkeypatch, {at}, torch.OutOfMemoryError("injected in a fused call"))
+        train(model, optimizer, batches[1:2])
+        monkeypatch.undo()
+        assert [r.phase for r in recoveries] == ["optimizer step"], at
+        assert_same(snapshot(model, optimizer), after_two)
+        train(model, optimizer, batches[2:])
+        assert_same(snapshot(model, optimizer), after_three)

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from ..codecs import Float32Codec
+from ..rounding import ieee_sqrt
 from ..store import Page
 from .base import DEFAULT_PAGE_SIZE, PagedOptimizer, WorkItem, check_betas, check_eps, check_lr, check_weight_decay
 
@@ -50,7 +51,7 @@ def adamw_update_(
     """
     exp_avg.lerp_(grad, avg_weight)
     exp_avg_sq.mul_(beta2).add_(grad * grad * sq_weight)
-    denom = (exp_avg_sq.sqrt() * inv_bias_correction2_sqrt).add_(eps)
+    denom = (ieee_sqrt(exp_avg_sq) * inv_bias_correction2_sqrt).add_(eps)
     param.mul_(decay).sub_(exp_avg / denom * step_size)
 
 
@@ -125,11 +126,15 @@ class _PagedAdamWBase(PagedOptimizer):
         return adamw_scalars(group, step)
 
     def update_pages_fast(
-        self, batch: list[tuple[Page, list[WorkItem]]], step_tensors: dict[tuple[torch.device, float], torch.Tensor]
+        self,
+        batch: list[tuple[Page, list[WorkItem]]],
+        step_tensors: dict[tuple[torch.device, float], torch.Tensor],
+        finished: Callable[[list[WorkItem]], None],
     ) -> list[tuple[Page, list[WorkItem]]]:
         """fp32 parameters with fp32 state on CPU or CUDA: PyTorch's fused AdamW kernel, one call for the
-        pages of each param group and device in the batch."""
-        calls: dict[tuple[int, torch.device], list[tuple[Page, list[WorkItem]]]] = defaultdict(list)
+        segments of each param group and device in the batch, each with its own group's hyperparameters (a
+        tensor moved to another group keeps its page, which then holds segments of both groups)."""
+        calls: dict[tuple[int, torch.device], list[tuple[WorkItem, torch.Tensor, torch.Tensor]]] = defaultdict(list)
         left = []
         for page, work in batch:
             device = page.device[0].device
@@ -138,26 +143,23 @@ class _PagedAdamWBase(PagedOptimizer):
                 and all(isinstance(codec, Float32Codec) for codec in page.format.codecs)
                 and all(param.dtype == torch.float32 and grad.dtype == torch.float32 for _, param, grad, _, _ in work)
             ):
-                calls[id(work[0][4]), device].append((page, work))
+                (moment_codec, square_codec), (moments, squares) = page.format.codecs, page.format.arrays(page.device)
+                for item in work:
+                    segment, group = item[0], item[4]
+                    exp_avg = moment_codec.select(moments, segment.offset, segment.length)[0]
+                    exp_avg_sq = square_codec.select(squares, segment.offset, segment.length)[0]
+                    calls[id(group), device].append((item, exp_avg, exp_avg_sq))
             else:
                 left.append((page, work))
-        for pages in calls.values():
-            exp_avgs, exp_avg_sqs, items = [], [], []
-            for page, work in pages:
-                moments, squares = (
-                    [codec.select(array, segment.offset, segment.length)[0] for segment, *_ in work]
-                    for codec, array in zip(page.format.codecs, page.format.arrays(page.device))
-                )
-                exp_avgs += moments
-                exp_avg_sqs += squares
-                items += work
+        for entries in calls.values():
+            items = [item for item, _, _ in entries]
             group = items[0][4]
             beta1, beta2 = group["betas"]
             adamw_update_multi_(
                 [param for _, param, _, _, _ in items],
                 [grad for _, _, grad, _, _ in items],
-                exp_avgs,
-                exp_avg_sqs,
+                [exp_avg for _, exp_avg, _ in entries],
+                [exp_avg_sq for _, _, exp_avg_sq in entries],
                 [step_tensors[param.device, step] for _, param, _, step, _ in items],
                 lr=float(group["lr"]),
                 weight_decay=group["weight_decay"],
@@ -165,6 +167,7 @@ class _PagedAdamWBase(PagedOptimizer):
                 beta2=beta2,
                 eps=group["eps"],
             )
+            finished(items)
         return left
 
 

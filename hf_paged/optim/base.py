@@ -28,7 +28,14 @@ from ..recovery import Recovery, empty_device_cache, is_out_of_memory
 from ..sizes import format_size, parse_size
 from ..store import Page, PageStore, Segment
 from ..stores import DeviceBudget, DeviceStores
-from ._params import StridedElements, StridedRange, describe_parameter, flat_elements, normalize_param_group
+from ._params import (
+    StridedElements,
+    StridedRange,
+    check_update_rule_options,
+    describe_parameter,
+    flat_elements,
+    normalize_param_group,
+)
 from .layout import StateLayout, local_tensor, state_device
 from .state_dict import export_state, import_state, pack_param_groups, parse_saved_entry, sharded_entry
 
@@ -213,6 +220,7 @@ class PagedOptimizer(Optimizer):
                     "the model first (to_empty() and load its weights)"
                 )
         try:
+            check_update_rule_options(param_group, type(self).__name__)
             self.check_group({**self.defaults, **param_group})
         except ValueError as error:
             raise ValueError(f"param group {len(self.param_groups)}: {error}") from None
@@ -247,7 +255,7 @@ class PagedOptimizer(Optimizer):
 
     def _place(self, params: Sequence[tuple[torch.Tensor, dict[str, Any]]]) -> None:
         """Lay out pages for the state of ``(param, group)`` pairs, the parameters of each group packed together
-        (a page never mixes groups, so a multi-tensor kernel updates it with one group's hyperparameters)."""
+        (a page mixes groups only once a tensor moves to another group: it keeps its pages)."""
         by_group: dict[int, list[tuple[torch.Tensor, str]]] = defaultdict(list)
         for param, group in params:
             by_group[id(group)].append((param, self._state_format(param, group)))
@@ -270,13 +278,19 @@ class PagedOptimizer(Optimizer):
         raise NotImplementedError
 
     def update_pages_fast(
-        self, batch: list[tuple[Page, list[WorkItem]]], step_tensors: dict[tuple[torch.device, float], torch.Tensor]
+        self,
+        batch: list[tuple[Page, list[WorkItem]]],
+        step_tensors: dict[tuple[torch.device, float], torch.Tensor],
+        finished: Callable[[list[WorkItem]], None],
     ) -> list[tuple[Page, list[WorkItem]]]:
         """Update whole pages of a batch with a multi-tensor kernel where the subclass has one; return the
         pages left to the segment kernel.
 
         ``step_tensors`` holds each step count of this step as a 0-d fp32 tensor on each parameter device,
-        made before the page loop, for kernels that read the step on the device.
+        made before the page loop, for kernels that read the step on the device. Each kernel call must update its
+        work items whole or not at all (allocate nothing after its first write), and be followed by
+        ``finished(items)`` before the next call: an error in a later call then leaves a step whose progress is
+        known, that an out-of-memory recovery finishes without updating an item twice.
         """
         return batch
 
@@ -451,22 +465,23 @@ class PagedOptimizer(Optimizer):
         scalars_cache: dict[tuple[int, float], dict[str, float | torch.Tensor]],
     ) -> None:
         """Update the segments of resident ``pages`` that ``progress`` has not finished: a multi-tensor kernel
-        where the subclass has one (it allocates nothing, so it updates its pages whole), else chunk by chunk,
-        each chunk whole or not at all. A non-contiguous parameter's copy is written back after each segment's
-        update, whether it finished or not."""
+        where the subclass has one (it allocates nothing, so each of its calls updates its segments whole), else
+        chunk by chunk, each chunk whole or not at all. A non-contiguous parameter's copy is written back after
+        each segment's update, whether it finished or not."""
         gathered = {
             page.index: [_gathered(item) for item in by_page[page.index] if not progress.finished(item[0])]
             for page in pages
         }
+        strided_of = {id(item[0]): strided for page in pages for item, strided in gathered[page.index]}
+
+        def finished(items: list[WorkItem]) -> None:
+            for segment, param_slice, *_ in items:
+                if strided_of[id(segment)] is not None:
+                    strided_of[id(segment)].scatter(param_slice)
+                progress.finish(segment)
+
         batch = [(page, [item for item, _ in gathered[page.index]]) for page in pages if gathered[page.index]]
-        left = self.update_pages_fast(batch, step_tensors)
-        left_pages = {page.index for page, _ in left}
-        for page, _ in batch:
-            if page.index not in left_pages:
-                for item, strided in gathered[page.index]:
-                    if strided is not None:
-                        strided.scatter(item[1])
-                    progress.finish(item[0])
+        left = self.update_pages_fast(batch, step_tensors, finished)
         for page, _ in left:
             kernel = segment_kernel(self.update_rule(), page.format.codecs, compiled, page.device[0].device)
             arrays = page.format.arrays(page.device)
@@ -602,6 +617,7 @@ class PagedOptimizer(Optimizer):
                 )
             merged = {**group, **{key: value for key, value in saved.items() if key not in ("params", *_LAYOUT_KEYS)}}
             try:
+                check_update_rule_options(merged, type(self).__name__)
                 self.check_group(merged)
             except ValueError as error:
                 raise ValueError(f"param group {position} of state_dict: {error}") from None
