@@ -158,3 +158,56 @@ def test_load_state_dict_under_another_map_location_and_group_hyperparameters(op
     assert fresh.param_groups[0]["lr"] == 0.5 and fresh.param_groups[0]["initial_lr"] == 0.5
     assert fresh.param_groups[1]["lr"] == optimizer.param_groups[1]["lr"]
     assert fresh.param_groups[0]["params"] == decay_groups(model)[0]["params"]
+
+
+TORCH_RULES_NOT_SUPPORTED = [
+    (lambda groups: torch.optim.AdamW(groups, lr=1e-2, maximize=True), r"maximize=True is not supported"),
+    (lambda groups: torch.optim.AdamW(groups, lr=1e-2, amsgrad=True), r"amsgrad=True is not supported"),
+    (
+        lambda groups: torch.optim.Adam(groups, lr=1e-2, weight_decay=0.1),
+        r"decoupled_weight_decay=False with weight_decay=0.1 is not supported",
+    ),
+]
+
+
+@pytest.mark.parametrize("make_torch, message", TORCH_RULES_NOT_SUPPORTED)
+@pytest.mark.parametrize("name", ["PagedAdamW", "PagedAdamW8bit", "PagedLion"])
+def test_torch_state_dicts_of_another_update_rule_are_refused_and_change_nothing(name, make_torch, message):
+    """A torch group that changes the rule (maximize, AMSGrad, Adam's coupled weight decay) is refused on load as in
+    the constructor, with the same error, before anything changes."""
+    torch_model = make_mlp()
+    torch_optimizer = make_torch(decay_groups(torch_model))
+    train(torch_model, torch_optimizer, regression_batches(2))
+    saved = roundtrip(torch_optimizer.state_dict())
+    model = make_mlp()
+    optimizer = OPTIMIZERS[name](decay_groups(model), **optimizer_kwargs(name, device_budget=4096))
+    train(model, optimizer, regression_batches(2))
+    before, groups_before = optimizer.state_dict(), [dict(group) for group in optimizer.param_groups]
+    with pytest.raises(ValueError, match=r"param group 0 of state_dict: " + message):
+        optimizer.load_state_dict(saved)
+    after = optimizer.state_dict()
+    assert [dict(group) for group in optimizer.param_groups] == groups_before
+    assert after["param_groups"] == before["param_groups"] and after["state"].keys() == before["state"].keys()
+    for index, entry in before["state"].items():
+        assert entry.keys() == after["state"][index].keys()
+        assert all(torch.equal(value, after["state"][index][key]) for key, value in entry.items()), index
+    torch_group = {key: value for key, value in saved["param_groups"][0].items() if key != "params"}
+    with pytest.raises(ValueError, match=r"param group 0: " + message):
+        OPTIMIZERS[name]([{**torch_group, "params": list(make_mlp().parameters())}])
+
+
+def test_torch_adam_state_dict_without_weight_decay_loads():
+    """torch.optim.Adam without weight decay is AdamW's rule: its state dict loads and trains on alike."""
+    batches = regression_batches(6)
+    reference = make_mlp()
+    torch_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2, foreach=False)
+    train(reference, torch_optimizer, batches[:3])
+    saved_model, saved_optimizer = roundtrip(reference.state_dict()), roundtrip(torch_optimizer.state_dict())
+    train(reference, torch_optimizer, batches[3:])
+    model = make_mlp(seed=5)
+    model.load_state_dict(saved_model)
+    optimizer = hf_paged.PagedAdamW(model.parameters(), lr=1e-2, page_size=4096)
+    optimizer.load_state_dict(saved_optimizer)
+    train(model, optimizer, batches[3:])
+    for param, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(param, expected)

@@ -91,6 +91,28 @@ def normalize_param_group(
     return normalized
 
 
+def check_update_rule_options(group: dict[str, Any], optimizer_name: str) -> None:
+    """Raise ValueError for a ``torch.optim`` option of ``group`` that changes the update rule, which the paged
+    optimizers do not have: ``maximize=True``, ``amsgrad=True``, or ``decoupled_weight_decay=False`` with weight
+    decay (``torch.optim.Adam``'s decay, added to the gradient). Such groups come in torch state dicts."""
+    if group.get("maximize", False):
+        raise ValueError(
+            f"maximize={group['maximize']!r} is not supported: {optimizer_name} minimizes the loss (allowed: "
+            "maximize=False; negate the loss to maximize it)"
+        )
+    if group.get("amsgrad", False):
+        raise ValueError(
+            f"amsgrad={group['amsgrad']!r} is not supported: {optimizer_name} has no AMSGrad variant (allowed: "
+            "amsgrad=False)"
+        )
+    if not group.get("decoupled_weight_decay", True) and group.get("weight_decay", 0.0):
+        raise ValueError(
+            f"decoupled_weight_decay={group['decoupled_weight_decay']!r} with weight_decay={group['weight_decay']!r} "
+            f"is not supported: {optimizer_name}'s weight decay is decoupled, as torch.optim.AdamW's, not added to "
+            "the gradient as torch.optim.Adam's (allowed: decoupled_weight_decay=True, or weight_decay=0)"
+        )
+
+
 def flat_elements(tensor: torch.Tensor) -> torch.Tensor | StridedElements:
     """``tensor``'s elements in row-major order: a flat view, or for a non-contiguous tensor a sliceable stand-in."""
     return tensor.view(-1) if tensor.is_contiguous() else StridedElements(tensor)
