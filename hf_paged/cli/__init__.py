@@ -85,13 +85,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _plan(args)
         return _train(args)
     except ConfigError as error:
-        print(f"hf-paged: error: {error}", file=sys.stderr)
+        from .train import is_first_on_machine
+
+        if is_first_on_machine():  # every process of a launch reads the same config: one says what is wrong
+            print(f"hf-paged: error: {error}", file=sys.stderr)
         return 2
 
 
 def _train(args: argparse.Namespace) -> int:
+    """``hf-paged train``; launched as several processes, only the first (rank 0) prints the plan, config and
+    summary."""
     from . import quiet
     from .config import load_config, to_dict, update
+    from .train import is_main_process
 
     quiet.install()
     config = load_config(args.config, args.overrides)
@@ -105,18 +111,22 @@ def _train(args: argparse.Namespace) -> int:
         device = training_arguments(config).device.type  # where the Trainer will train (use_cpu, the accelerator)
         if device in ("cpu", "cuda"):
             outcome = report(setup_from_config(config), device, _capacity(config, None, device))
-            print(format_report(outcome), flush=True)
+            if is_main_process():
+                print(format_report(outcome), flush=True)
             planned = outcome.plan
-        else:
+        elif is_main_process():
             print(f"hf-paged train --plan: plans are for cpu and cuda, not {device}; training without one", flush=True)
     if args.print_config:
         import yaml
 
-        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+        if is_main_process():
+            print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
         return 0
     from .train import format_summary, run
 
-    print(format_summary(run(config, plan=planned)), flush=True)
+    summary = run(config, plan=planned)
+    if is_main_process():
+        print(format_summary(summary), flush=True)
     return 0
 
 

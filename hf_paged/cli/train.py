@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,8 +39,36 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text"}
 
 
+_RANK_VARIABLES = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
+_LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK")
+_WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def _launch_value(names: tuple[str, ...], default: int) -> int:
+    for name in names:
+        if name in os.environ:
+            return int(os.environ[name])
+    return default
+
+
+def launched_processes() -> int:
+    """How many processes the launcher started (``accelerate launch``, ``torchrun``, MPI); 1 without one."""
+    return _launch_value(_WORLD_SIZE_VARIABLES, 1)
+
+
+def is_main_process() -> bool:
+    """Whether this process is the launch's first (rank 0), the one that prints for all; true without a launcher."""
+    return _launch_value(_RANK_VARIABLES, 0) == 0
+
+
+def is_first_on_machine() -> bool:
+    """Whether this process is the first of its machine (local rank 0); true without a launcher."""
+    return _launch_value(_LOCAL_RANK_VARIABLES, 0) == 0
+
+
 def _progress(message: str) -> None:
-    print(f"hf-paged: {message}", flush=True)
+    if is_main_process():
+        print(f"hf-paged: {message}", flush=True)
 
 
 def build_tokenizer(config: Config) -> Any:
@@ -124,7 +153,7 @@ def tokenize(records: Any, config: Config, tokenizer: Any) -> Any:
 
     tokenized = records.map(encode, remove_columns=records.column_names, desc="tokenizing")
     kept = tokenized.filter(lambda example: any(label != IGNORE_INDEX for label in example["labels"]))
-    if len(kept) < len(tokenized):
+    if len(kept) < len(tokenized) and is_main_process():
         logger.warning(
             "hf-paged: dropped %d of %d examples whose response lies beyond tokenizer.max_length=%d",
             len(tokenized) - len(kept),
@@ -225,13 +254,19 @@ def tiny_model(config: Config, tokenizer: Any) -> Any:
 
 
 def training_arguments(config: Config) -> Any:
-    """``TrainingArguments`` from ``config.training`` (the hf-paged optimizer names are registered first)."""
+    """``TrainingArguments`` from ``config.training`` (the hf-paged optimizer names are registered first).
+
+    Launched as several processes on a machine without an accelerator, the processes train with DDP on the
+    CPU (gloo): ``use_cpu`` is set, without which each process would train alone on all the data."""
     register()
     from transformers import TrainingArguments
 
     settings = dict(config.training)
+    accelerator = _accelerator_available()
     if "dataloader_pin_memory" not in settings:
-        settings["dataloader_pin_memory"] = _accelerator_available()  # pinned batches need an accelerator
+        settings["dataloader_pin_memory"] = accelerator  # pinned batches need an accelerator
+    if not accelerator and launched_processes() > 1:
+        settings["use_cpu"] = True  # accelerate makes a CPU process group of the launch only when told use_cpu
     try:
         return TrainingArguments(**settings)
     except (TypeError, ValueError) as error:
@@ -283,11 +318,15 @@ def run(config: Config | None = None, plan: MemoryPlan | None = None) -> dict[st
     which compares the first steps' peaks with it and hands it to an automatic device budget (``device_budget=auto``:
     the budget then starts from the planned forward/backward peak); without the callback it is not used.
 
-    The summary holds the first and final logged loss, the steps, the training and total wall time
-    (seconds), the memory callback's peaks per phase and optimizer device bytes (bytes) and spike count,
-    the optimizer's pages and what moved each way (bytes, page-ins and page-outs, stall seconds), the
-    out-of-memory recoveries and their steps, and the paths of the output directory, the adapter, the memory timeline and its plot (``None`` when
-    not written). It is also written to ``summary.json`` in the output directory.
+    Launched as several processes, every process trains and returns the summary; the first (rank 0) writes it and
+    the other files, and only it prints progress.
+
+    The summary holds the number of processes that trained together, the first and final logged loss, the steps,
+    the training and total wall time (seconds), the memory callback's peaks per phase and optimizer device bytes
+    (bytes) and spike count, the optimizer's pages and what moved each way (bytes, page-ins and page-outs, stall
+    seconds), the out-of-memory recoveries and their steps, and the paths of the output directory, the adapter, the
+    memory timeline and its plot (``None`` when not written). It is also written to ``summary.json`` in the output
+    directory.
     """
     started = time.perf_counter()
     config = default_config() if config is None else config
@@ -295,6 +334,10 @@ def run(config: Config | None = None, plan: MemoryPlan | None = None) -> dict[st
 
     args = training_arguments(config)
     set_seed(args.seed)  # before the adapters are initialised, so that a seed gives the same run
+    if not is_main_process():
+        from datasets import disable_progress_bars
+
+        disable_progress_bars()  # rank 0 shows the loading and tokenizing, once for the launch
     output_dir = Path(args.output_dir)
     _progress(f"tokenizer and data ({config.data.path or 'shipped instructions'})")
     tokenizer = build_tokenizer(config)
@@ -323,7 +366,8 @@ def run(config: Config | None = None, plan: MemoryPlan | None = None) -> dict[st
     result = trainer.train()
     trainer.save_model()
     trainer.save_state()
-    (output_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False), encoding="utf-8")
+    if trainer.is_world_process_zero():
+        (output_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False), encoding="utf-8")
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     memory = callback.summary() if callback is not None else {}
     adapter = output_dir / "adapter_model.safetensors"
@@ -331,6 +375,7 @@ def run(config: Config | None = None, plan: MemoryPlan | None = None) -> dict[st
         "model": config.model.name,
         "method": method,
         "device": str(args.device),
+        "processes": args.world_size,
         "optimizer": str(getattr(args.optim, "value", args.optim)),
         "trainable_params": trainable,
         "total_params": total,
@@ -353,7 +398,8 @@ def run(config: Config | None = None, plan: MemoryPlan | None = None) -> dict[st
         "timeline_path": memory.get("timeline_path"),
         "plot_path": memory.get("plot_path"),
     }
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    if trainer.is_world_process_zero():
+        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     return summary
 
 
@@ -370,7 +416,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         ratio = f", {first / final:.1f}x lower" if final else ""
         loss = f"{first:.4f} -> {final:.4f} (first -> final logged{ratio})"
     rows = [
-        ("model", f"{summary['model']} with {summary['method']} on {summary['device']}"),
+        ("model", f"{summary['model']} with {summary['method']} on {summary['device']}{_processes(summary)}"),
         ("parameters", f"{summary['trainable_params']:,} trainable of {summary['total_params']:,}"),
         ("steps", f"{summary['steps']} on {summary['examples']} examples"),
         ("time", f"{summary['train_seconds']:.1f} s training, {summary['total_seconds']:.1f} s in all"),
@@ -394,6 +440,11 @@ def format_summary(summary: dict[str, Any]) -> str:
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(["hf-paged train summary"] + [f"  {name:<{width}}  {value}" for name, value in rows])
+
+
+def _processes(summary: dict[str, Any]) -> str:
+    processes = summary["processes"]
+    return f", {processes} processes (data parallel)" if processes > 1 else ""
 
 
 def _paging_line(summary: dict[str, Any]) -> str:

@@ -52,12 +52,13 @@ def enable_oom_recovery(
     if retries == 0:
         return None
     if trainer.args.world_size > 1:
-        logger.warning(
-            "hf-paged: out-of-memory recovery in forward and backward is off: it replays micro-batches in one "
-            "process, and with %d processes their gradient collectives would diverge (the optimizer step still "
-            "recovers)",
-            trainer.args.world_size,
-        )
+        if trainer.is_world_process_zero():  # once for the launch, not once per process
+            logger.warning(
+                "hf-paged: out-of-memory recovery in forward and backward is off: it replays micro-batches in one "
+                "process, and with %d processes their gradient collectives would diverge (the optimizer step still "
+                "recovers)",
+                trainer.args.world_size,
+            )
         return None
     internals.trainer_metric_marks(trainer)  # fails now, not at a recovery, if a trainer's metrics moved
     marks: dict[str, Any] = {}
