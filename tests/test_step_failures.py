@@ -13,8 +13,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import hf_paged
+from hf_paged.budget import AutoBudget
+from hf_paged.memory import MemoryProbe
 from hf_paged.store import PageState
 from hf_paged.testing import simulated_streams
+from memory_utils import GIB, ScriptedMemory
 
 BUDGETS = {"no budget": None, "two pages": 2 * 4096}
 SAMPLED_FAILURES = 16
@@ -361,3 +364,45 @@ def test_an_out_of_memory_error_in_a_later_fused_call_is_recovered_bitwise(name,
         assert_same(snapshot(model, optimizer), after_two)
         train(model, optimizer, batches[2:])
         assert_same(snapshot(model, optimizer), after_three)
+
+
+def test_a_loop_that_goes_on_after_a_failed_step_gets_the_automatic_budget_of_a_good_step(monkeypatch):
+    """After a step that raises, the state is evicted down to the budget of the coming forward/backward and that
+    forward/backward is measured from the step's end, as after a good step: the failed step's own memory neither
+    runs the forward under the step's budget nor counts as a forward/backward peak."""
+    mib = 2**20
+
+    def run(fail: bool) -> list[tuple[int | None, int, int | None]]:
+        model = make_mlp()
+        memory = ScriptedMemory(total=1 * GIB, level=100 * mib)
+        auto = AutoBudget(safety_margin=0.0, window=1, probe=MemoryProbe("cpu", memory=memory))
+        optimizer = hf_paged.PagedAdamW(decay_groups(model), lr=1e-2, page_size=4096, device_budget=auto)
+        real = hf_paged.optim.adamw.adamw_update_multi_
+        failing = [False]
+
+        def kernel(*args, **kwargs):
+            memory.spike(900 * mib, after=150 * mib)  # the step's own peak, above every forward/backward's
+            if failing[0]:
+                raise RuntimeError("injected in a fused call")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(hf_paged.optim.adamw, "adamw_update_multi_", kernel)
+        seen = []
+        for step, (batch, peak) in enumerate(zip(regression_batches(4), (600, 500, 400, 300))):
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(batch[0]), batch[1]).backward()
+            memory.spike(peak * mib, after=150 * mib)  # forward and backward
+            failing[0] = fail and step == 1
+            try:
+                optimizer.step()
+            except RuntimeError as error:
+                assert failing[0] and "injected" in str(error)
+            seen.append((optimizer.device_budget, optimizer.paging_stats()["device_bytes"], auto.predicted_peak))
+        monkeypatch.undo()
+        return seen
+
+    expected = run(fail=False)
+    state_bytes = expected[-1][1]  # all of it: these budgets keep every page on the device
+    resting = [(1024 - 600) * mib] + [(1024 - peak) * mib + state_bytes for peak in (500, 400, 300)]
+    assert [budget for budget, _, _ in expected] == resting  # the peak of each forward/backward, state excluded
+    assert run(fail=True) == expected

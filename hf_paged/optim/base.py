@@ -402,14 +402,14 @@ class PagedOptimizer(Optimizer):
                     (segment, flat_param[segment.start : end], grad[segment.start : end], step, group)
                 )
             step_devices.add((local.device, step))
-        if self._auto_budgets:
-            self._begin_auto_step()
         budgets = {device: store.device_budget for device, store in self._store.stores.items()}
         # Made once per step: a tensor built from a number on a device per page would wait for a host copy.
         step_tensors = {key: torch.full((), key[1], dtype=torch.float32, device=key[0]) for key in step_devices}
         scalars_cache: dict[tuple[int, float], dict[str, float | torch.Tensor]] = {}
         recoveries = 0
         try:
+            if self._auto_budgets:
+                self._begin_auto_step()
             while True:
                 pages = [self._store.pages[i] for i in sorted(by_page) if not progress.page_done(by_page[i])]
                 if not pages:
@@ -429,11 +429,9 @@ class PagedOptimizer(Optimizer):
                 for device, budget in budgets.items():
                     if device not in self._auto_budgets:
                         self._store.stores[device].set_budget(budget)
+            if self._auto_budgets:  # after a step that raised too: a loop that goes on gets the forward's budget
+                self._end_auto_step()
         self._record_stepped()
-        if self._auto_budgets:
-            self.prepare_forward()
-            for auto in self._auto_budgets.values():
-                auto.probe.mark(_BETWEEN_STEPS)
         return loss
 
     def _stream_pages(
@@ -821,6 +819,12 @@ class PagedOptimizer(Optimizer):
             peak = auto.probe.exact_peak(_BETWEEN_STEPS)
             auto.observe(None if peak is None else peak - auto.state_bytes())
             store.set_budget(auto.step_budget(store.device_bytes, self.step_workspace, minimum=store.max_page_bytes))
+
+    def _end_auto_step(self) -> None:
+        """Evict down to each device's budget for the coming forward/backward, and measure its peak from now."""
+        self.prepare_forward()
+        for auto in self._auto_budgets.values():
+            auto.probe.mark(_BETWEEN_STEPS)
 
     def evict(self, nbytes: int | str | None = None) -> int:
         """Write state back to host memory until at least ``nbytes`` of the devices are freed (``None``: all).
