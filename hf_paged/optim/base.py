@@ -192,7 +192,9 @@ class PagedOptimizer(Optimizer):
         self._compiled_setting = compiled
         self._store = DeviceStores(self._new_store)
         self._layout = StateLayout(self._store, self._formats, self.page_size, self._state_device)
-        self._stepped_params: dict[int, tuple[dict[str, Any], list[torch.Tensor]]] = {}
+        self._stepped_params: dict[int, tuple[dict[str, Any], list[torch.Tensor], int]] = {}
+        """By ``id``: each group given to the optimizer, the tensors it listed at its last step (or when given), and
+        its position then, for :meth:`_check_replacements`."""
         self._budget = DeviceBudget.parse(device_budget, "device_budget", self.page_size)
         self._auto_budgets: dict[str, AutoBudget] = {}
         self.check_group(defaults)
@@ -227,6 +229,8 @@ class PagedOptimizer(Optimizer):
         new_devices = {self._state_device(param) for param in params}.difference(self._store.stores)
         self._budget.resolve([*self._store.stores, *sorted(new_devices)])  # raises before anything changes
         super().add_param_group(param_group)
+        added = self.param_groups[-1]
+        self._stepped_params[id(added)] = (added, list(added["params"]), len(self.param_groups) - 1)
         for device in sorted(new_devices):
             self._store.store_for(device)  # an automatic budget measures from now
 
@@ -340,28 +344,38 @@ class PagedOptimizer(Optimizer):
 
     def _check_replacements(self, group_index: int, group: dict[str, Any]) -> None:
         """Raise if, since ``group``'s last step, a tensor with state was replaced at its position by a new tensor
-        of another shape: its state cannot follow it, and a fresh start would be a silent loss."""
+        of another shape: its state cannot follow it, and a fresh start would be a silent loss. A group dict the
+        optimizer was never given (``param_groups`` assigned a new list) is checked against the groups that stood
+        at its position and are gone from ``param_groups``."""
         stepped = self._stepped_params.get(id(group))
-        if stepped is None or stepped[0] is not group:
-            return
-        for position, (old, new) in enumerate(zip(stepped[1], group["params"])):
-            if old is new or old not in self._layout or new in self._layout:
-                continue
-            laid_out = self._layout[old].shape
-            if local_tensor(new).shape != laid_out:
-                where = describe_parameter(group_index, position, group.get("param_names"))
-                raise RuntimeError(
-                    f"{where} is a new tensor of shape {tuple(local_tensor(new).shape)} in place of one whose state "
-                    f"has shape {tuple(laid_out)}: state cannot follow a tensor into another shape. Swap tensors "
-                    "before the first step (as accelerate's FSDP2 preparation does), or save the state dict and "
-                    "load it after the swap"
-                )
+        if stepped is not None and stepped[0] is group:
+            replaced = [stepped[1]]
+        else:
+            listed = {id(listed_group) for listed_group in self.param_groups}
+            replaced = [
+                tensors
+                for old_group, tensors, position in self._stepped_params.values()
+                if position == group_index and id(old_group) not in listed
+            ]
+        for tensors in replaced:
+            for position, (old, new) in enumerate(zip(tensors, group["params"])):
+                if old is new or old not in self._layout or new in self._layout:
+                    continue
+                laid_out = self._layout[old].shape
+                if local_tensor(new).shape != laid_out:
+                    where = describe_parameter(group_index, position, group.get("param_names"))
+                    raise RuntimeError(
+                        f"{where} is a new tensor of shape {tuple(local_tensor(new).shape)} in place of one whose "
+                        f"state has shape {tuple(laid_out)}: state cannot follow a tensor into another shape. Swap "
+                        "tensors before the first step (as accelerate's FSDP2 preparation does), or save the state "
+                        "dict and load it after the swap"
+                    )
 
     def _record_stepped(self) -> None:
-        """Remember the tensors of each group that lists any, for :meth:`_check_replacements`."""
-        for group in self.param_groups:
+        """Remember the tensors and position of each group that lists any, for :meth:`_check_replacements`."""
+        for position, group in enumerate(self.param_groups):
             if group["params"]:
-                self._stepped_params[id(group)] = (group, list(group["params"]))
+                self._stepped_params[id(group)] = (group, list(group["params"]), position)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -642,7 +656,7 @@ class PagedOptimizer(Optimizer):
         self.state.update(entries)
         self.state.update(other_state)
         self._layout.clear()
-        self._stepped_params.clear()
+        self._stepped_params = {id(group): (group, list(group["params"]), i) for i, group in enumerate(new_groups)}
         group_of = {param: group for group in self.param_groups for param in group["params"]}
         self._place([(param, group_of[param]) for param in sources])
         import_state(self._layout, self.state_names, sources)

@@ -1,0 +1,74 @@
+"""A param group dict replaced whole (``optimizer.param_groups = [{**group, "params": ...}]``) is checked as a group
+whose ``params`` are replaced (tests/test_swapped_tensors.py): state cannot follow a tensor into another shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import OPTIMIZERS, decay_groups, make_mlp, regression_batches, train
+from test_swapped_tensors import ZeroLike, make_optimizer, sharded_and_full
+
+
+def replace_groups(optimizer: torch.optim.Optimizer, mapping: dict[torch.Tensor, torch.Tensor]) -> list[dict]:
+    """Assign ``param_groups`` new group dicts, each a copy of one listing the tensors ``mapping`` gives; return the
+    groups it held."""
+    groups = optimizer.param_groups
+    optimizer.param_groups = [{**group, "params": [mapping[param] for param in group["params"]]} for group in groups]
+    return groups
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_group_dicts_replaced_by_ones_with_tensors_of_another_shape_is_a_clear_error(name):
+    sharded, full = sharded_and_full()
+    optimizer = make_optimizer(name, decay_groups(full))
+    train(full, optimizer, regression_batches(1))
+    saved = optimizer.state_dict()
+    groups = replace_groups(optimizer, dict(zip(full.parameters(), sharded.parameters(), strict=True)))
+    before = [param.detach().clone() for param in sharded.parameters()]
+    message = r"parameter 0 of param group 0 is a new tensor of shape \(32, 20\) in place of one whose state has shape"
+    with pytest.raises(RuntimeError, match=message):
+        train(sharded, optimizer, regression_batches(1))
+    for param, expected in zip(sharded.parameters(), before, strict=True):
+        assert torch.equal(param, expected)
+    optimizer.param_groups = groups
+    state = optimizer.state_dict()["state"]
+    for index, entry in saved["state"].items():
+        assert all(torch.equal(state[index][key], value) for key, value in entry.items())
+    train(full, optimizer, regression_batches(1))
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_group_dicts_replaced_after_a_load_are_checked_too(name):
+    sharded, full = sharded_and_full()
+    optimizer = make_optimizer(name, decay_groups(full))
+    train(full, optimizer, regression_batches(1))
+    optimizer.load_state_dict(optimizer.state_dict())
+    replace_groups(optimizer, dict(zip(full.parameters(), sharded.parameters(), strict=True)))
+    with pytest.raises(RuntimeError, match=r"parameter 0 of param group 0 is a new tensor of shape \(32, 20\)"):
+        train(sharded, optimizer, regression_batches(1))
+
+
+@pytest.mark.parametrize("name", ["torch AdamW", "PagedAdamW"])
+def test_group_dicts_replaced_by_ones_with_tensors_of_the_same_shape_start_afresh_as_in_torch(name):
+    first, second = make_mlp(seed=0), make_mlp(seed=1)
+    optimizer = make_optimizer(name, decay_groups(first))
+    train(first, optimizer, regression_batches(2))
+    replace_groups(optimizer, dict(zip(first.parameters(), second.parameters(), strict=True)))
+    train(second, optimizer, regression_batches(2, seed=3))
+    fresh_model = make_mlp(seed=1)
+    train(fresh_model, make_optimizer(name, decay_groups(fresh_model)), regression_batches(2, seed=3))
+    for param, expected in zip(second.parameters(), fresh_model.parameters(), strict=True):
+        assert torch.equal(param, expected)
+
+
+@pytest.mark.parametrize("name", ["PagedAdamW", "PagedAdamW8bit"])
+def test_zero_narrowing_the_groups_after_a_load_is_no_replacement(name):
+    """DeepSpeed ZeRO stages 1 and 2 narrow ``param_groups`` to one of the optimizer's own groups around each step
+    (after a load too, whose groups are the optimizer's own): the partitions of different shapes at position 0
+    are no replacement."""
+    model = make_mlp()
+    engine = ZeroLike(model, name, 2)
+    train(model, engine, regression_batches(2))
+    engine.load_state_dict(engine.state_dict())
+    train(model, engine, regression_batches(2, seed=3))
+    assert engine.state_dict()["state"][1]["step"].item() == 4
