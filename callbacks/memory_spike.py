@@ -57,6 +57,15 @@ _PHASE_LABELS = {FORWARD_BACKWARD: "forward+backward", OPTIMIZER_STEP: "optimize
 
 _MOVED = ("bytes_to_device", "bytes_to_host", "page_ins", "page_outs", "stall_seconds")
 
+TRAINING_LOG_KEY = "loss"
+"""The key that marks the Trainer's training logs, the only ones the ``memory/`` metrics join (its evaluation
+entries carry ``eval_*`` keys, its end-of-training summary ``train_runtime`` and ``train_loss``)."""
+
+_PAGING_METRICS = (
+    "memory/optimizer_device_bytes, memory/device_budget_bytes, memory/moved_to_device_gib, "
+    "memory/moved_to_host_gib and memory/stall_seconds"
+)
+
 
 def paged_optimizer(optimizer: Any) -> Any | None:
     """The hf-paged optimizer inside ``optimizer`` (accelerate wraps it at ``.optimizer``), if there is one."""
@@ -83,7 +92,8 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
             (all optimizer state moves to the host and the step's micro-batches are replayed exactly, see
             :func:`hf_paged.integrations.oom.enable_oom_recovery`; a single process only), and, as many times,
             from one in the optimizer's step (the pages left are updated under a smaller budget, in any number
-            of processes); 0 turns recovery off. Only with an hf-paged optimizer.
+            of processes); 0 turns recovery off. Only with an hf-paged optimizer: with another, recovery, the
+            budget and the paging metrics are off, which a warning says once.
         plan: the planned peaks of this training: a :class:`~hf_paged.planner.MemoryPlan` (for the device that
             trains), or bytes per phase (``{"forward_backward": ..., "optimizer_step": ...}``, the highest of the
             first :data:`PLANNED_STEPS` steps). A MemoryPlan is handed to an hf-paged optimizer's automatic budget
@@ -137,6 +147,7 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
         self._logged_rows = 0
         self._plot_unavailable = False
         self._handler_missing_warned = False
+        self._not_paged_warned = False
         self._row: dict[str, Any] = {}
         self._stats_at_begin: dict[str, Any] | None = None
         self._stats_before_step: dict[str, Any] | None = None
@@ -164,6 +175,16 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
                 "oom_recoveries": self.oom_recoveries,
             },
         }
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Take the measurements of a saved :meth:`state` (its ``attributes``), keeping this callback's arguments.
+
+        With ``restore_callback_states_from_checkpoint=True`` the Trainer hands a checkpoint's state to the
+        callback it was given (see :func:`hf_paged.integrations.trainer.register_resume`), so that the object the
+        user holds goes on measuring, with the plan it was given.
+        """
+        for name, value in state["attributes"].items():
+            setattr(self, name, value)
 
     @property
     def detector_state(self) -> dict[str, list]:
@@ -197,11 +218,17 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
                 "resident memory, not the live tensor bytes the plan predicts",
                 self._probe.device,
             )
-        self._enable_recovery()
+        if paged_optimizer(kwargs.get("optimizer")) is None:
+            if state.is_world_process_zero:
+                self._warn_not_paged(kwargs.get("optimizer"))
+        else:
+            self._enable_recovery()
         if state.global_step > 0:
             resumed = read_rows(os.path.join(args.output_dir, TIMELINE_NAME))
             self.rows = [row for row in resumed if row["step"] <= state.global_step]
             self._logged_rows = len(self.rows)
+            if self.rows:
+                self._resume_from_rows()
 
     def on_step_begin(self, args, state, control, **kwargs) -> None:
         self._run_before_integrations()
@@ -271,7 +298,7 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
 
     def on_log(self, args, state, control, logs=None, **kwargs) -> None:
         new_rows = self.rows[self._logged_rows :]
-        if logs is None or not new_rows or not state.is_world_process_zero:
+        if logs is None or TRAINING_LOG_KEY not in logs or not new_rows or not state.is_world_process_zero:
             return
         self._logged_rows = len(self.rows)
         metrics = self._metrics(new_rows)
@@ -325,6 +352,35 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
             return
         if enable_oom_recovery(trainer, self.oom_retries, on_recovery=self._record_recovery) is not None:
             self._trainer = trainer
+
+    def _warn_not_paged(self, optimizer: Any) -> None:
+        """Say, once per callback, what an optimizer that is not an hf-paged one leaves out."""
+        if self._not_paged_warned:
+            return
+        self._not_paged_warned = True
+        inner = getattr(optimizer, "optimizer", optimizer)
+        skipped = f"out-of-memory recovery (oom_retries={self.oom_retries}), " if self.oom_retries else ""
+        logger.warning(
+            "hf-paged: MemorySpikeCallback: the optimizer (%s) is not an hf-paged optimizer, so %sthe optimizer "
+            "state's budget and the paging metrics (%s) are off: they need an optimizer that pages its state and "
+            "can give it back to the host. Peaks, spikes and the timeline are measured as usual. Train with "
+            "optim='hf_paged_adamw_8bit' (or another hf_paged_* name) to have them.",
+            type(inner).__name__,
+            skipped,
+            _PAGING_METRICS,
+        )
+
+    def _resume_from_rows(self) -> None:
+        """Rebuild the spike detector (its recent peaks and the spikes it flagged) and the recovery count from the
+        rows read back at a resume, as they were when those steps were measured."""
+        peaks = [row["forward_backward_peak"] for row in self.rows]
+        spikes = [
+            {"step": row["step"], "peak": peak, "size": peak - row["baseline"]}
+            for row, peak in zip(self.rows, peaks)
+            if row["spike"]
+        ]
+        self.detector.load_state({"peaks": peaks, "spikes": spikes})
+        self.oom_recoveries = sum(row.get("oom_recoveries", 0) for row in self.rows)
 
     def _record_recovery(self, recovery: Recovery) -> None:
         self.oom_recoveries += 1

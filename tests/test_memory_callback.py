@@ -6,6 +6,7 @@ import glob
 import json
 import logging
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -287,3 +288,76 @@ def test_the_planned_peaks_survive_a_restore_of_the_callback():
     callback = MemorySpikeCallback(plan={"forward_backward": "2GiB", "optimizer_step": 3 * GIB})
     restored = MemorySpikeCallback(**json.loads(json.dumps(callback.state()))["args"])  # as the Trainer restores it
     assert restored.planned_peaks == callback.planned_peaks == {"forward_backward": 2 * GIB, "optimizer_step": 3 * GIB}
+
+
+def _not_paged_warnings(caplog):
+    return [record.message for record in caplog.records if "is not an hf-paged optimizer" in record.message]
+
+
+def test_an_optimizer_that_is_not_hf_paged_is_warned_of_once_with_what_it_skips(tmp_path, caplog):
+    callback = MemorySpikeCallback(plot=False)
+    args = training_args(tmp_path, optim="adamw_torch", max_steps=2)
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=token_dataset(8), callbacks=[callback])
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+        trainer.train()  # the same callback again: already said
+    (warning,) = _not_paged_warnings(caplog)
+    assert "AdamW" in warning and "out-of-memory recovery" in warning and "memory/optimizer_device_bytes" in warning
+    assert not hasattr(trainer, "_hf_paged_oom_recovery")  # what the warning says is skipped is skipped
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert logged and all("memory/forward_backward_peak_gib" in entry for entry in logged)
+    assert not any("memory/optimizer_device_bytes" in entry for entry in logged)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        _train(tmp_path / "paged", MemorySpikeCallback(plot=False), max_steps=1)
+    assert not _not_paged_warnings(caplog)
+
+
+def test_memory_metrics_go_to_training_logs_only(tmp_path):
+    """Evaluation entries and the final summary carry no memory metrics; each training log covers its steps."""
+    callback = MemorySpikeCallback(plot=False)
+    args = training_args(
+        tmp_path,
+        optim="hf_paged_adamw_8bit",
+        max_steps=5,
+        logging_steps=3,
+        eval_strategy="steps",
+        eval_steps=2,
+        report_to=["tensorboard"],
+    )
+    trainer = Trainer(
+        model=tiny_llama(),
+        args=args,
+        train_dataset=token_dataset(32),
+        eval_dataset=token_dataset(4, seed=1),
+        callbacks=[callback],
+    )
+    trainer.train()
+    history = trainer.state.log_history
+    evaluations = [entry for entry in history if "eval_loss" in entry]
+    (final,) = [entry for entry in history if "train_runtime" in entry]
+    assert [entry["step"] for entry in evaluations][:2] == [2, 4]
+    for entry in [*evaluations, final]:
+        assert not [key for key in entry if key.startswith("memory/")], entry
+    (training,) = [entry for entry in history if "loss" in entry]  # logging_steps=3: step 3 only
+    assert training["step"] == 3
+    peaks = [row["forward_backward_peak"] for row in callback.rows[:3]]
+    assert training["memory/forward_backward_peak_gib"] == max(peaks) / GIB  # steps 1-3, none lost to step 2's eval
+    scalars = _tensorboard_scalars(tmp_path / "runs")
+    memory_tags = sorted(tag for tag in scalars if "memory/" in tag)
+    assert memory_tags and all(tag.startswith("train/memory/") for tag in memory_tags)
+    assert [step for step, _ in scalars["train/memory/forward_backward_peak_gib"]] == [3]
+
+
+def test_the_readme_names_the_metrics_as_tensorboard_and_mlflow_show_them():
+    """TensorBoard shows ``train/memory/*`` (transformers' rewrite_logs), MLflow the logged ``memory/*``."""
+    from transformers.integrations.integration_utils import rewrite_logs
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("## Automatic budget and the memory-spike monitor\n")[1].split("\n## ")[0]
+    bullets = [line for line in section.replace("\n  ", " ").splitlines() if line.startswith("- ")]
+    (tensorboard,) = [line for line in bullets if "TensorBoard" in line]
+    (mlflow,) = [line for line in bullets if "MLflow" in line]
+    (shown,) = rewrite_logs({"memory/forward_backward_peak_gib": 1.0})
+    assert shown == "train/memory/forward_backward_peak_gib" and f"`{shown}`" in tensorboard
+    assert "`memory/...` as logged" in mlflow

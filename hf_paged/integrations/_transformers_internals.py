@@ -7,8 +7,9 @@ transformers has no public registry of optimizers: names are members of the ``Op
 ``TrainingArguments.__post_init__`` and ``TrainingArguments.set_optimizer``. A callback's handler is found in
 the frame of ``CallbackHandler.call_event``, and the trainer running a callback in the frame of the loop that
 called it. Resuming replaces ``Trainer._load_optimizer_and_scheduler`` for our optimizers, to load their
-state to the CPU. TRL's trainers keep metrics per micro-batch in ``_metrics`` and ``_total_train_tokens``,
-which a replayed micro-batch must not count twice. All are used here and nowhere else;
+state to the CPU, and wraps ``Trainer._load_callback_state`` so that our callbacks keep their instance.
+TRL's trainers keep metrics per micro-batch in ``_metrics`` and ``_total_train_tokens``, which a replayed
+micro-batch must not count twice. All are used here and nowhere else;
 ``tests/test_transformers_internals.py`` fails loudly when a release changes them.
 """
 
@@ -183,6 +184,49 @@ def load_optimizer_state_on_cpu(is_ours: Callable[[Any], bool]) -> None:
     _load_optimizer_and_scheduler.hf_paged_original = original
     _load_optimizer_and_scheduler.__doc__ = original.__doc__
     trainer_cls._load_optimizer_and_scheduler = _load_optimizer_and_scheduler
+
+
+def restore_callback_states_in_place(keeps_instance: Callable[[Any], bool]) -> None:
+    """Make the Trainer hand a checkpoint's saved state to ``callback.load_state`` for each callback for which
+    ``keeps_instance(callback)`` holds, instead of replacing that callback (idempotent).
+
+    With ``restore_callback_states_from_checkpoint=True``, ``Trainer._load_callback_state`` builds a new
+    callback from each saved state (``type(callback)(**args)``, then ``setattr`` of its attributes) and removes
+    the one it was given, which then hears no more events while the user still holds it. The callbacks kept
+    here stay where they are and load the saved state; the others are restored as the Trainer does.
+    """
+    module = importlib.import_module("transformers.trainer")
+    trainer_cls = getattr(module, "Trainer", None)
+    original = getattr(trainer_cls, "_load_callback_state", None)
+    if getattr(original, "hf_paged_original", None) is not None:
+        return
+    if original is None:
+        raise _fail(
+            "Trainer._load_callback_state",
+            action="restore MemorySpikeCallback's state in the callback the Trainer was given",
+            instead="resume with restore_callback_states_from_checkpoint=False (the callback reads its timeline back)",
+        )
+
+    def _load_callback_state(self) -> None:
+        saved = self.state.stateful_callbacks
+        kept: dict[str, list[Any]] = {}
+        if self.args.restore_callback_states_from_checkpoint:
+            for callback in self.callback_handler.callbacks:
+                if type(callback).__name__ in saved and keeps_instance(callback):
+                    kept.setdefault(type(callback).__name__, []).append(callback)
+        self.state.stateful_callbacks = {name: data for name, data in saved.items() if name not in kept}
+        try:
+            original(self)
+        finally:
+            self.state.stateful_callbacks = saved
+        for name, callbacks in kept.items():
+            states = saved[name] if isinstance(saved[name], list) else [saved[name]]
+            for callback, state in zip(callbacks, states):
+                callback.load_state(state)
+
+    _load_callback_state.hf_paged_original = original
+    _load_callback_state.__doc__ = original.__doc__
+    trainer_cls._load_callback_state = _load_callback_state
 
 
 def calling_trainer(max_depth: int = 8) -> Any | None:

@@ -196,9 +196,19 @@ def is_paged(optimizer: Any) -> bool:
     return isinstance(getattr(optimizer, "optimizer", optimizer), PagedOptimizer)
 
 
+def _keeps_its_instance(callback: Any) -> bool:
+    """Whether ``callback`` loads its saved state itself at a resume (``MemorySpikeCallback``)."""
+    from ..callbacks import MemorySpikeCallback  # hf_paged.callbacks imports this module
+
+    return isinstance(callback, MemorySpikeCallback)
+
+
 def register_resume() -> None:
-    """Make the Trainer load our optimizers' state from a checkpoint to the CPU, under any world size."""
+    """Make the Trainer load our optimizers' state from a checkpoint to the CPU, under any world size, and hand
+    ``MemorySpikeCallback``'s saved state to the callback it was given (``restore_callback_states_from_checkpoint``)
+    instead of replacing it with a new one."""
     internals.load_optimizer_state_on_cpu(is_paged)
+    internals.restore_callback_states_in_place(_keeps_its_instance)
 
 
 def register(replace_bitsandbytes: bool | None = None) -> None:
