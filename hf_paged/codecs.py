@@ -44,6 +44,8 @@ from typing import ClassVar
 
 import torch
 
+from .rounding import ieee_sqrt
+
 EncodedSegment = tuple[torch.Tensor, ...]
 """The arrays of one segment's encoded state: views into a page's buffers."""
 
@@ -161,7 +163,7 @@ class Blockwise8bitCodec(_BlockScaled):
             block_scales = self.block_scales(values)
         if self.signed:
             normalized = values * inverse_scales(block_scales).unsqueeze(1)
-            quantized = torch.round(normalized.abs().sqrt() * self.max_code) * normalized.sign()
+            quantized = torch.round(ieee_sqrt(normalized.abs()) * self.max_code) * normalized.sign()
         else:
             roots = fourth_roots(values, block_scales)
             quantized = torch.round(roots * self.max_code)
@@ -229,7 +231,7 @@ class Blockwise4bitCodec(_BlockScaled):
         if self.signed:
             normalized = values * inverse_scales(block_scales).unsqueeze(1)
             # nearest level (k / 7)^2: |x| >= the midpoint of levels k - 1 and k iff 196 |x| - 1 >= (2k - 1)^2
-            magnitude = torch.floor((torch.sqrt(torch.relu(normalized.abs() * 196 - 1)) + 1) * 0.5)
+            magnitude = torch.floor((ieee_sqrt(torch.relu(normalized.abs() * 196 - 1)) + 1) * 0.5)
             codes = magnitude.clamp(max=7) * normalized.sign() + 7
         else:
             codes = (torch.round(fourth_roots(values, block_scales) * 16) - 1).clamp(0, 15)
@@ -276,7 +278,7 @@ def fourth_roots(values: torch.Tensor, block_scales: torch.Tensor) -> torch.Tens
     All-zero blocks give 0.
     """
     inverse_root = torch.where(block_scales > 0, block_scales.rsqrt(), torch.zeros_like(block_scales))
-    return (values.sqrt() * inverse_root.unsqueeze(1)).sqrt()
+    return ieee_sqrt(ieee_sqrt(values) * inverse_root.unsqueeze(1))
 
 
 def to_blocks(values: torch.Tensor, alignment: int) -> torch.Tensor:

@@ -73,8 +73,16 @@ def host_kernels_enabled() -> bool:
     return reason is None
 
 
+def build_name() -> str:
+    """The extension's name for the CPU capability PyTorch runs now (``ATEN_CPU_CAPABILITY`` can lower it): one
+    build per capability, ``hf_paged_host_kernels_default``, ``..._avx2`` or ``..._avx512``."""
+    return f"hf_paged_host_kernels_{torch.backends.cpu.get_cpu_capability().lower()}"
+
+
 def _compile_flags() -> list[str]:
-    """Optimization flags for this machine's vector unit, as PyTorch detected it.
+    """Optimization flags for the vector unit PyTorch's kernels use, as PyTorch detected it: AVX2 code (eight fp32
+    lanes, fused multiply-adds) for its AVX2 and AVX512 capabilities, scalar code for DEFAULT, each rounding as
+    ATen's kernels of that capability round.
 
     The flags are part of the cache key, so machines of different capabilities sharing a cache get their own
     builds. ``-ffp-contract=off`` keeps every product and sum rounded as PyTorch's eager kernels round them.
@@ -104,7 +112,7 @@ def build_failure() -> str | None:
         start = time.perf_counter()
         try:
             cpp_extension.load(
-                name=f"hf_paged_host_kernels_{torch.backends.cpu.get_cpu_capability().lower()}",
+                name=build_name(),
                 sources=[str(SOURCE)],
                 extra_cflags=_compile_flags(),
                 extra_ldflags=["-fopenmp"],

@@ -7,10 +7,12 @@
 // chunked.
 //
 // The arithmetic is that of the eager PyTorch kernels (hf_paged/codecs.py, hf_paged/optim/adamw.py and lion.py),
-// operation by operation in fp32 with the same constants and rounding: products and sums are rounded one by one
-// (no contraction into fused multiply-adds), lerp is one fused multiply-add as in ATen's vectorized lerp, square
-// roots and quotients are IEEE (correctly rounded). The kernels are written once over `Vec`, eight lanes of AVX2
-// where the build targets it, else one scalar lane.
+// operation by operation in fp32 with the same constants and rounding, so that both give bitwise the same results:
+// products and sums are rounded one by one (no contraction into fused multiply-adds), lerp is ATen's vectorized
+// lerp (one fused multiply-add where the target has one, as ATen's kernels of that capability), square roots and
+// quotients are IEEE (correctly rounded; the PyTorch kernels take theirs through hf_paged/rounding.py). The kernels
+// are written once over `Vec`: eight lanes of AVX2 where the build targets it (PyTorch's AVX2 and AVX512
+// capabilities), else one scalar lane (its DEFAULT capability).
 //
 // The kernels write in place and allocate nothing: every argument is checked before the first write.
 
@@ -148,7 +150,12 @@ struct Vec {
   static F sub(F a, F b) { return a - b; }
   static F mul(F a, F b) { return a * b; }
   static F div(F a, F b) { return a / b; }
+  // ATen's generic vectorized fmadd is a * b + c, fused only where the compiler targets a fused multiply-add.
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
   static F fma(F a, F b, F c) { return std::fma(a, b, c); }
+#else
+  static F fma(F a, F b, F c) { return a * b + c; }
+#endif
   static F sqrt(F a) { return std::sqrt(a); }
   static F abs(F a) { return std::fabs(a); }
   static F rint(F a) { return std::nearbyint(a); }
@@ -533,6 +540,8 @@ void lion_blockwise(const at::Tensor& param, const at::Tensor& grad, const at::T
 }  // namespace hf_paged
 
 TORCH_LIBRARY(hf_paged, m) {
+  // The lanes of `Vec` this build computes with: 8 for AVX2 code, 1 for scalar code.
+  m.def("vector_lanes() -> int", []() -> int64_t { return hf_paged::Vec::kWidth; });
   m.def(
       "adamw_blockwise_(Tensor(a!) param, Tensor grad, Tensor(b!) avg_codes, Tensor(c!) avg_scales, "
       "Tensor(d!) avg_sq_codes, Tensor(e!) avg_sq_scales, int bits, int block_size, float decay, float avg_weight, "

@@ -1,0 +1,56 @@
+"""The host kernels in every CPU capability this machine runs, each against the eager kernels.
+
+``ATEN_CPU_CAPABILITY`` lowers the capability PyTorch's kernels (and so the host kernels' build) use. The
+comparisons of tests/test_native_kernels.py run in this process for the capability it has; here they run again in
+a subprocess for each other capability the machine can run (about 25 s per capability the first time, to build).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_paged import native
+
+TESTS = Path(__file__).parent
+COMPARISONS = "matches_the_eager or tracks_the_eager or targets_the_cpu_capability"
+
+
+@functools.cache
+def machine_capability() -> str:
+    """The highest capability PyTorch finds on this machine (``ATEN_CPU_CAPABILITY`` unset)."""
+    environment = {key: value for key, value in os.environ.items() if key != "ATEN_CPU_CAPABILITY"}
+    script = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+    result = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True, check=True)
+    return result.stdout.strip().lower()
+
+
+def runnable_capabilities() -> list[str]:
+    """``default``, and on x86 ``avx2`` and ``avx512`` up to the machine's."""
+    ladder = ["default", "avx2", "avx512"]
+    top = machine_capability()
+    return ladder[: ladder.index(top) + 1] if top in ladder else ["default", top]
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+def test_host_kernels_match_the_eager_kernels_in_every_capability(capability):
+    if capability not in runnable_capabilities():
+        pytest.skip(f"this machine runs {machine_capability()} at most")
+    if capability == torch.backends.cpu.get_cpu_capability().lower():
+        pytest.skip("this process's capability: tests/test_native_kernels.py compares it")
+    if native.native_setting() is False or native.build_failure() is not None:
+        pytest.skip("host kernels off or unavailable here")
+    environment = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "HF_PAGED_NATIVE": "1"}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "test_native_kernels.py")]
+    result = subprocess.run(
+        [*command, "-k", COMPARISONS], env=environment, capture_output=True, text=True, timeout=900, cwd=TESTS.parent
+    )
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-2000:]
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert "skipped" not in summary and "passed" in summary, summary
