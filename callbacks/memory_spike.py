@@ -125,6 +125,10 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
             raise ValueError(f"oom_retries must be an integer >= 0, got {oom_retries!r}")
         if not isinstance(warn_fraction, (int, float)) or isinstance(warn_fraction, bool) or not 0 < warn_fraction <= 1:
             raise ValueError(f"warn_fraction must be a fraction in (0, 1], got {warn_fraction!r}")
+        if safety_margin is not None and (
+            not isinstance(safety_margin, (int, float)) or isinstance(safety_margin, bool) or not 0 <= safety_margin < 1
+        ):
+            raise ValueError(f"safety_margin must be None or a fraction in [0, 1), got {safety_margin!r}")
         self.detector = SpikeDetector(window=window, warmup=warmup, margin=spike_margin)
         self.device_capacity = None if device_capacity is None else parse_size(device_capacity, "device_capacity")
         self.safety_margin = safety_margin
@@ -359,13 +363,14 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
             return
         self._not_paged_warned = True
         inner = getattr(optimizer, "optimizer", optimizer)
+        name = type(inner).__name__ if inner is not None else "none given"
         skipped = f"out-of-memory recovery (oom_retries={self.oom_retries}), " if self.oom_retries else ""
         logger.warning(
             "hf-paged: MemorySpikeCallback: the optimizer (%s) is not an hf-paged optimizer, so %sthe optimizer "
             "state's budget and the paging metrics (%s) are off: they need an optimizer that pages its state and "
             "can give it back to the host. Peaks, spikes and the timeline are measured as usual. Train with "
             "optim='hf_paged_adamw_8bit' (or another hf_paged_* name) to have them.",
-            type(inner).__name__,
+            name,
             skipped,
             _PAGING_METRICS,
         )

@@ -258,6 +258,23 @@ def test_a_plan_is_handed_to_the_automatic_budget_and_not_compared_with_resident
 
 
 @pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"safety_margin": float("nan")}, r"safety_margin must be None or a fraction in \[0, 1\), got nan"),
+        ({"safety_margin": float("inf")}, r"safety_margin must be None or a fraction in \[0, 1\), got inf"),
+        ({"safety_margin": 1.0}, r"safety_margin must be None or a fraction in \[0, 1\), got 1.0"),
+        ({"safety_margin": "0.1"}, r"safety_margin must be None or a fraction in \[0, 1\), got '0.1'"),
+        ({"warn_fraction": float("nan")}, r"warn_fraction must be a fraction in \(0, 1\], got nan"),
+        ({"spike_margin": float("inf")}, "margin must be a finite number >= 0, got inf"),
+        ({"device_capacity": float("inf")}, "device_capacity must be a finite, non-negative size, got inf"),
+    ],
+)
+def test_callback_rejects_numbers_out_of_range_when_built(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        MemorySpikeCallback(**kwargs)
+
+
+@pytest.mark.parametrize(
     "plan, error, message",
     [
         ({"forward_backward": 1}, ValueError, "plan must give bytes for exactly the phases"),
