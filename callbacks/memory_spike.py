@@ -8,9 +8,10 @@ Each optimizer step is split into two phases by the Trainer's events:
 For each step the callback keeps a row (bytes unless named otherwise): the peak of each phase, allocated,
 reserved and capacity of the device, host resident memory, and, for hf-paged optimizers, the optimizer
 state on the device during forward and after the step, the budget and what moved each way. The rows are
-logged under ``memory/`` through the Trainer (so they reach ``log_history`` and the ``report_to``
-integrations) and written as ``memory_timeline.jsonl`` and ``memory_timeline.png`` in the output
-directory at each save and at the end of training.
+added under ``memory/`` to the Trainer's training logs (so they reach ``log_history`` and the ``report_to``
+integrations, which may rename them: TensorBoard shows ``train/memory/...``) and written as
+``memory_timeline.jsonl`` and ``memory_timeline.png`` in the output directory at each save and at the end of
+training. A resume reads the rows back and rebuilds the spike detector from them.
 
 Given a plan (:func:`hf_paged.plan`, ``hf-paged train --plan``), the callback hands it to an automatic budget
 (which then starts from the planned peak, see :meth:`hf_paged.budget.AutoBudget.expect`) and compares the measured
