@@ -1,11 +1,13 @@
 """QLoRA fine-tuning with transformers' Trainer, hf-paged's paged 8-bit AdamW and the memory timeline.
 
+    pip install -e ".[examples]"
     python examples/train_trainer.py                      # a tiny Llama built from a config: runs offline
     python examples/train_trainer.py --model Qwen/Qwen2.5-0.5B --data train.jsonl --max-steps 200
 
 ``--data`` is a JSON list or a JSON Lines file of ``{"instruction": ..., "response": ...}`` records (a few
 built-in records without it). The adapter (``adapter_model.safetensors``) and the memory timeline
-(``memory_timeline.jsonl``, ``memory_timeline.png``) are written to ``--output-dir``.
+(``memory_timeline.jsonl``, ``memory_timeline.png``) are written to ``--output-dir``
+(``examples-output/train_trainer``, which git ignores); the last line printed says where.
 """
 
 from __future__ import annotations
@@ -15,10 +17,15 @@ import json
 import logging
 from pathlib import Path
 
-import torch
-from hf_paged.callbacks import MemorySpikeCallback
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (
+from hf_paged.cli import quiet
+
+# First, as hf-paged train does: keeps out third-party lines a user cannot act on (optional kernels that fail to
+# load, notices to other libraries' authors), which come as the libraries below are imported.
+quiet.install()
+
+import torch  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
+from transformers import (  # noqa: E402
     AutoTokenizer,
     DataCollatorForLanguageModeling,
     LlamaConfig,
@@ -29,7 +36,8 @@ from transformers import (
     TrainingArguments,
 )
 
-from hf_paged.qlora import prepare_qlora
+from hf_paged.callbacks import MemorySpikeCallback  # noqa: E402
+from hf_paged.qlora import prepare_qlora  # noqa: E402
 
 BUILT_IN = [
     {"instruction": "Name a primary colour.", "response": "Red."},
@@ -45,13 +53,22 @@ BUILT_IN = [
 PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 
 
-def parse_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
+OUTPUT_ROOT = Path("examples-output")
+"""Where the examples write by default (relative to the working directory; git ignores it)."""
+
+
+def parse_args(description: str, output_dir: Path, argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default="tiny", help="hub name or local path; 'tiny' builds a tiny Llama offline")
     parser.add_argument("--data", type=Path, help="JSON or JSON Lines file of instruction/response records")
-    parser.add_argument("--output-dir", type=Path, default=Path("qlora-out"))
+    parser.add_argument("--output-dir", type=Path, default=output_dir, help=f"where to write (default {output_dir})")
     parser.add_argument("--max-steps", type=int, default=20)
     return parser.parse_args(argv)
+
+
+def say_where(output_dir: Path) -> None:
+    """Print where the adapter and the memory timeline went."""
+    print(f"adapter and memory timeline written to {output_dir.resolve()}", flush=True)
 
 
 def read_records(path: Path | None) -> list[dict[str, str]]:
@@ -111,7 +128,7 @@ def tokenize(records: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase) 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    args = parse_args(__doc__.splitlines()[0], argv)
+    args = parse_args(__doc__.splitlines()[0], OUTPUT_ROOT / "train_trainer", argv)
     model, tokenizer = model_and_tokenizer(args.model)
     training = TrainingArguments(
         output_dir=str(args.output_dir),
@@ -120,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         learning_rate=2e-3 if args.model == "tiny" else 2e-4,
         optim="hf_paged_adamw_8bit",
         bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+        dataloader_pin_memory=torch.cuda.is_available(),  # pinned batches only help a copy to a GPU
         logging_steps=1,
         save_strategy="no",
         report_to="none",
@@ -133,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     trainer.train()
     trainer.save_model()
+    say_where(args.output_dir)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from hf_paged.cli.config import ConfigError, apply_override, default_config, loa
 from hf_paged.cli.tokenizer import byte_tokenizer
 from hf_paged.cli.train import IGNORE_INDEX, SHIPPED_DATA, load_records, tokenize, training_arguments
 from hf_paged.integrations.trainer import OPTIMIZER_NAMES
+from test_examples import unwanted_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -464,5 +465,6 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     assert not [output for output in outputs if output.output_type == "error"]
     assert any("image/png" in output.get("data", {}) for output in outputs)
     assert (tmp_path / "quickstart-output" / "memory_timeline.png").is_file()
-    text = "".join(output.get("text", "") for output in outputs)
+    text = "".join(output.get("text", "") for output in outputs)  # stdout and stderr streams
     assert "hf-paged train summary" in text
+    assert unwanted_lines(text) == {}  # quiet.install() in the first cell, as in the example scripts

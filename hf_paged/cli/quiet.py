@@ -1,13 +1,15 @@
 """Third-party messages that ``hf-paged train`` keeps out of a run because the user cannot act on them.
 
-Each filter is scoped to one logger and one message; everything else those libraries say still reaches the
-user. A message that matters for the run is said once in our own words instead (see :func:`notes`).
+Each filter is scoped to one logger and one message, or to one warning; everything else those libraries say still
+reaches the user. A message that matters for the run is said once in our own words instead (see :func:`notes`).
+The examples and the quickstart notebook call :func:`install` too; importing ``hf_paged`` installs nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import warnings
 
 
 class _MessageFilter(logging.Filter):
@@ -39,12 +41,22 @@ _FILTERS = {
 }
 
 
+_WARNINGS = (
+    # tqdm.auto in a notebook without ipywidgets: the progress bars are drawn as text instead of widgets.
+    (r"IProgress not found", r"tqdm\."),
+)
+"""(message, module) regular expressions of the warnings kept out."""
+
+
 def install() -> None:
-    """Keep the messages above out of this process's logs (idempotent); call before the libraries are imported."""
+    """Keep the messages above out of this process (idempotent): call it first, before the libraries are imported,
+    as ``hf-paged train``, the examples and the notebook do."""
     for name, message_filter in _FILTERS.items():
         logger = logging.getLogger(name)
         if message_filter not in logger.filters:
             logger.addFilter(message_filter)
+    for message, module in _WARNINGS:
+        warnings.filterwarnings("ignore", message=message, module=module)
 
 
 def notes() -> list[str]:
