@@ -2,7 +2,10 @@
 
 The composition is plain PyTorch, so it runs eagerly on every device. With ``compiled=True`` it is
 handed to :func:`torch.compile`, which fuses decode, update and encode into one kernel per segment
-shape family (segment lengths and the per-step scalars do not cause recompiles).
+shape family (segment lengths and the per-step scalars do not cause recompiles). Each rule, page format and
+device gets a compiled function of its own, so that only dtypes and block counts add entries to its cache, far
+below Dynamo's recompile limit; where compilation fails all the same, the kernel updates eagerly from then on,
+which is logged once.
 
 CPU segments of AdamW's and Lion's 8-bit and 4-bit states take a hand-written C++ kernel instead
 (:class:`HostKernel`, built at first use by :mod:`hf_paged.native`), whether ``compiled`` is set or not: one pass
@@ -16,6 +19,7 @@ import functools
 import logging
 import os
 import shutil
+import types
 from collections.abc import Callable, Sequence
 
 import torch
@@ -120,6 +124,16 @@ segment it was compiled for (a dynamic length has no other hint): compiled for a
 update every later segment, however long, on one thread. With dynamic threads OpenMP decides at each call."""
 
 
+@functools.cache
+def _compile_failures() -> tuple[type[Exception], ...]:
+    """What a compiled function raises when Dynamo or Inductor cannot compile it (a graph break under
+    ``fullgraph=True``, the recompile limit, a compiler error), before it runs any of its code."""
+    from torch._dynamo import exc
+
+    names = ("TorchDynamoException", "FailOnRecompileLimitHit")
+    return tuple(getattr(exc, name) for name in names if hasattr(exc, name))
+
+
 class SegmentKernel:
     """:func:`update_segment` for one rule and one page format's codecs, eager or through ``torch.compile``.
 
@@ -128,18 +142,49 @@ class SegmentKernel:
     settings and caches). The scalars (learning rate, bias corrections) enter as 0-d fp32 CPU tensors made
     once per step by :func:`prepare_scalars`, since torch.compile would specialize on float values and
     recompile at every step.
+
+    Each device gets a function with a code object of its own (:func:`_update_function`): Dynamo keeps compiled
+    entries and counts recompiles per code object, and one function shared by every rule, format and device
+    would recompile for each of them and, past the recompile limit, run eagerly without a word. Where
+    compilation fails all the same, the kernel logs it once and updates eagerly from then on (:attr:`compiled`
+    turns ``False``, so the optimizer's chunks and workspace follow).
     """
 
     def __init__(self, rule: UpdateRule, codecs: tuple[Codec, ...], compiled: bool) -> None:
         self.rule = rule
         self.codecs = codecs
         self.compiled = compiled
-        self._compiled_update = torch.compile(self._update, options=_INDUCTOR_OPTIONS) if compiled else None
+        """Whether calls run compiled: as made, until a compilation fails."""
+        self._compiled_updates: dict[torch.device, Callable[..., None]] = {}
 
     def _update(
         self, param: torch.Tensor, grad: torch.Tensor, encoded: Sequence[EncodedSegment], scalars: dict
     ) -> None:
         update_segment(self.rule, self.codecs, param, grad, encoded, scalars)
+
+    def _compiled_update(self, device: torch.device) -> Callable[..., None]:
+        """The compiled update of this kernel's segments on ``device`` (compiled at its first call)."""
+        update = self._compiled_updates.get(device)
+        if update is None:
+            name = "_".join(["update", self.rule.__name__, *(type(codec).__name__ for codec in self.codecs)])
+            function = _update_function(self.rule, self.codecs, f"{name}_{str(device).replace(':', '')}")
+            update = torch.compile(function, fullgraph=True, options=_INDUCTOR_OPTIONS)
+            self._compiled_updates[device] = update
+        return update
+
+    def _fall_back(self, error: Exception) -> None:
+        """Update eagerly from now on, and say why."""
+        self.compiled = False
+        if type(error).__name__ == "FailOnRecompileLimitHit":
+            reason = "it reached Dynamo's recompile limit, torch._dynamo.config.recompile_limit"
+        else:
+            reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        logger.warning(
+            "hf_paged: torch.compile failed for the %s update of %s state (%s); its pages update eagerly from now on",
+            self.rule.__name__,
+            ", ".join(type(codec).__name__ for codec in self.codecs),
+            reason,
+        )
 
     def allocates_nothing(self, param: torch.Tensor, grad: torch.Tensor) -> bool:
         """Whether a call on ``param`` and ``grad`` allocates nothing, so that a segment of any length can be
@@ -149,14 +194,28 @@ class SegmentKernel:
     def __call__(
         self, param: torch.Tensor, grad: torch.Tensor, encoded: Sequence[EncodedSegment], scalars: dict
     ) -> None:
-        """Update one segment; ``scalars`` come from :func:`prepare_scalars`."""
-        if self._compiled_update is None:
-            self._update(param, grad, encoded, scalars)
-            return
-        for tensor in (param, grad, *(array for segment in encoded for array in segment)):
-            if tensor.shape[0] > 1:
-                torch._dynamo.mark_dynamic(tensor, 0)
-        self._compiled_update(param, grad, encoded, scalars)
+        """Update one segment; ``scalars`` come from :func:`prepare_scalars` (0-d CPU tensors or floats)."""
+        if self.compiled:
+            for tensor in (param, grad, *(array for segment in encoded for array in segment)):
+                if tensor.shape[0] > 1:
+                    torch._dynamo.mark_dynamic(tensor, 0)
+            try:
+                self._compiled_update(param.device)(param, grad, encoded, scalars)
+                return
+            except _compile_failures() as error:
+                self._fall_back(error)
+        self._update(param, grad, encoded, {name: float(value) for name, value in scalars.items()})
+
+
+def _update_function(rule: UpdateRule, codecs: tuple[Codec, ...], name: str) -> Callable[..., None]:
+    """:func:`update_segment` of ``rule`` and ``codecs`` as a new function named ``name`` with a code object of its
+    own, which Dynamo compiles and caches apart from every other."""
+
+    def update(param: torch.Tensor, grad: torch.Tensor, encoded: Sequence[EncodedSegment], scalars: dict) -> None:
+        update_segment(rule, codecs, param, grad, encoded, scalars)
+
+    code = update.__code__.replace(co_name=name)
+    return types.FunctionType(code, update.__globals__, name, None, update.__closure__)
 
 
 def prepare_scalars(scalars: dict[str, float], compiled: bool) -> dict[str, float | torch.Tensor]:
@@ -191,13 +250,16 @@ class HostKernel:
         self.rule_name = rule_name
         self.codecs = codecs
         self.fallback = fallback
-        self.compiled = fallback.compiled
-        """The fallback's setting, which also sizes the chunks the optimizer hands over."""
         first = codecs[0]
         self.bits = 8 if isinstance(first, Blockwise8bitCodec) else 4
         self.block_size = first.block_size
         self._scalar_names = _HOST_RULES[rule_name][1]
         self._operator = getattr(torch.ops.hf_paged, f"{rule_name}_blockwise_")
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the fallback runs compiled, which also sizes the chunks the optimizer hands over."""
+        return self.fallback.compiled
 
     def __call__(
         self, param: torch.Tensor, grad: torch.Tensor, encoded: Sequence[EncodedSegment], scalars: dict
@@ -286,7 +348,12 @@ def segment_kernel(
 def _segment_kernel(
     rule: UpdateRule, codecs: tuple[Codec, ...], compiled: bool, native: bool
 ) -> SegmentKernel | HostKernel:
-    kernel = SegmentKernel(rule, codecs, compiled)
     if not native:
-        return kernel
-    return HostKernel(host_rule_name(rule, codecs), codecs, kernel)
+        return SegmentKernel(rule, codecs, compiled)
+    return HostKernel(host_rule_name(rule, codecs), codecs, _segment_kernel(rule, codecs, compiled, False))
+
+
+def runs_compiled(rule: UpdateRule, codecs: tuple[Codec, ...]) -> bool:
+    """Whether the compiled PyTorch kernel of ``rule`` for ``codecs`` still compiles in this process: ``False`` once
+    its compilation failed (it then updates eagerly, with an eager kernel's chunks and temporaries)."""
+    return _segment_kernel(rule, codecs, True, False).compiled

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -65,3 +67,90 @@ def test_kernel_compiled_for_a_short_first_segment_runs_long_ones_in_parallel():
     with fresh_cache():
         _, (code, *_) = run_and_get_code(kernel, param, grad, [(torch.zeros(short),), (torch.zeros(short),)], scalars)
     assert "#pragma omp parallel" in code
+
+
+@pytest.fixture
+def fresh_kernels():
+    """The process's kernels made anew for a test, and again after it (a kernel that fell back stays eager)."""
+    from hf_paged import kernels
+
+    kernels._segment_kernel.cache_clear()
+    yield kernels
+    kernels._segment_kernel.cache_clear()
+
+
+class _Recompiles(logging.Handler):
+    """The recompiles Dynamo logs (``TORCH_LOGS=recompiles``) while in use, by the function recompiled."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.functions: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("Recompiling function "):
+            self.functions.append(message.split()[2])
+
+    def __enter__(self):
+        torch._logging.set_logs(recompiles=True)
+        logging.getLogger("torch._dynamo.guards.__recompiles").addHandler(self)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        logging.getLogger("torch._dynamo.guards.__recompiles").removeHandler(self)
+        torch._logging.set_logs()
+
+
+def fp32_segment(elements: int = 512):
+    """A segment's parameter, gradient and fp32 state of two states, and AdamW's scalars, as a kernel takes them."""
+    from hf_paged.kernels import prepare_scalars
+    from hf_paged.optim.adamw import adamw_scalars
+
+    generator = torch.Generator().manual_seed(0)
+    param, grad = torch.randn(elements, generator=generator), torch.randn(elements, generator=generator)
+    encoded = [(torch.zeros(elements),), (torch.zeros(elements),)]
+    group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    return param, grad, encoded, prepare_scalars(adamw_scalars(group, 1), True)
+
+
+def test_a_second_rule_does_not_recompile_the_first_rules_kernel(fresh_kernels):
+    """Each rule and codec compiles a function of its own: a second rule in the process adds no entry to the first's
+    (before, one function served all and recompiled on the guard ``___check_obj_id(self.rule.__code__)``)."""
+    from hf_paged.codecs import Float32Codec
+    from hf_paged.optim.adamw import adamw_update_
+    from hf_paged.optim.lion import lion_update_
+
+    cpu = torch.device("cpu")
+    adamw = fresh_kernels.segment_kernel(adamw_update_, (Float32Codec(), Float32Codec()), True, cpu)
+    lion = fresh_kernels.segment_kernel(lion_update_, (Float32Codec(),), True, cpu)
+    param, grad, encoded, scalars = fp32_segment()
+    lion_scalars = {name: scalars["step_size"] for name in ("lr", "decay", "direction_weight", "avg_weight")}
+    with _Recompiles() as recompiles:
+        adamw(param, grad, encoded, scalars)
+        lion(param, grad, encoded[:1], lion_scalars)
+        adamw(param, grad, encoded, scalars)
+        lion(param, grad, encoded[:1], lion_scalars)
+    assert recompiles.functions == []
+    assert adamw.compiled and lion.compiled
+
+
+def test_a_compilation_that_fails_falls_back_to_eager_logs_once_and_sizes_chunks_eagerly(fresh_kernels, caplog):
+    """Past Dynamo's recompile limit (0 here, so the first compilation fails) the kernel updates eagerly, says so
+    once, and the optimizer's chunks and workspace are the eager kernel's; the results are the eager run's."""
+    import hf_paged
+
+    def run(compiled: bool):
+        model = make_mlp()
+        optimizer = hf_paged.PagedLion(decay_groups(model), compiled=compiled, **optimizer_kwargs("PagedLion"))
+        train(model, optimizer, regression_batches(3))
+        return model, optimizer
+
+    eager_model, eager = run(compiled=False)
+    with torch._dynamo.config.patch(recompile_limit=0), caplog.at_level(logging.WARNING, logger="hf_paged.kernels"):
+        model, optimizer = run(compiled=True)
+    fallbacks = [record for record in caplog.records if record.name == "hf_paged.kernels"]
+    assert len(fallbacks) == 1 and "update eagerly from now on" in fallbacks[0].getMessage()
+    assert "lion_update_" in fallbacks[0].getMessage() and "recompile limit" in fallbacks[0].getMessage()
+    for param, expected in zip(model.parameters(), eager_model.parameters(), strict=True):
+        assert torch.equal(param, expected)
+    assert optimizer.compiled and optimizer.step_workspace == eager.step_workspace

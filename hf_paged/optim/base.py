@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 from ..budget import AutoBudget
 from ..codecs import QUANTIZED_CODECS, Float32Codec, PageFormat, to_blocks
 from ..device import backend_for
-from ..kernels import SegmentKernel, UpdateRule, prepare_scalars, resolve_compiled, segment_kernel
+from ..kernels import SegmentKernel, UpdateRule, prepare_scalars, resolve_compiled, runs_compiled, segment_kernel
 from ..memory import probe_for
 from ..recovery import Recovery, empty_device_cache, is_out_of_memory
 from ..sizes import format_size, parse_size
@@ -705,10 +705,12 @@ class PagedOptimizer(Optimizer):
 
     @property
     def step_workspace(self) -> int:
-        """Bytes of temporaries a step may hold on the device besides the state (a chunk's decoded state)."""
+        """Bytes of temporaries a step may hold on the device besides the state (a chunk's decoded state), for the
+        kernels that run: eager ones where compilation is off or failed."""
         workspaces = []
-        compiled = self.compiled
+        setting = self.compiled
         for kind, page_format in self._formats.items():
+            compiled = setting and runs_compiled(self.update_rule(), page_format.codecs)
             per_element = _WORKSPACE_BYTES_PER_ELEMENT[compiled, kind]
             padded_tail = 3 * page_format.alignment * 4  # a partial last block's padded parameter, gradient, zeros
             workspaces.append(per_element * self._chunk_elements(page_format, compiled) + padded_tail)
