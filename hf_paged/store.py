@@ -183,12 +183,35 @@ class PageStore:
         """Free every page (device and host buffers, copies in flight finished first) and forget them all."""
         self._drain_outgoing()
         for page in self.pages:
-            if page.state in (PageState.PAGING_IN, PageState.RESIDENT):
-                self._finish_page_in(page)
-                self.backend.release(page.device)
-            page.device, page.host, page.event = None, None, None
-            self._set_state(page, PageState.EMPTY)
+            self._free(page)
         self.pages.clear()
+
+    def remove(self, pages: Iterable[Page]) -> None:
+        """Free ``pages`` (device and host buffers, copies in flight finished first) and forget them; the pages
+        left are numbered again from 0 in their order (see :meth:`renumber`)."""
+        gone = {id(page) for page in pages}
+        for page in self.pages:
+            if id(page) in gone:
+                self._free(page)
+        self.pages[:] = [page for page in self.pages if id(page) not in gone]
+        self.renumber(range(len(self.pages)))
+
+    def renumber(self, indices: Iterable[int]) -> None:
+        """Give the pages, in their order, the ``indices`` (the pages a :class:`~hf_paged.stores.DeviceStores`
+        numbers over its devices); the resident pages keep their order of use."""
+        for page, index in zip(self.pages, indices, strict=True):
+            page.index = index
+        self._lru = OrderedDict((page.index, page) for page in self._lru.values())
+
+    def _free(self, page: Page) -> None:
+        """Release the buffers of ``page`` (a write-back in flight finished first); it is empty afterwards."""
+        if page.state is PageState.PAGING_OUT:
+            self._finish_page_out(page, wait=True)
+        if page.state in (PageState.PAGING_IN, PageState.RESIDENT):
+            self._finish_page_in(page)
+            self.backend.release(page.device)
+        page.device, page.host, page.event = None, None, None
+        self._set_state(page, PageState.EMPTY)
 
     # Transitions -----------------------------------------------------------------------------------
 

@@ -207,6 +207,18 @@ class DeviceStores:
             freed += store.evict(None if nbytes is None else nbytes - freed)
         return freed
 
+    def remove(self, pages: list[Page]) -> None:
+        """Free and forget ``pages``; the pages left are numbered again over the devices, in their order."""
+        gone = {id(page) for page in pages}
+        for store in self.stores.values():
+            store.remove([page for page in store.pages if id(page) in gone])
+        kept = [(page, device) for page, device in zip(self.pages, self._page_devices) if id(page) not in gone]
+        self.pages[:] = [page for page, _ in kept]
+        self._page_devices[:] = [device for _, device in kept]
+        index_of = {id(page): index for index, page in enumerate(self.pages)}
+        for store in self.stores.values():
+            store.renumber([index_of[id(page)] for page in store.pages])
+
     def clear(self) -> None:
         """Free and forget every page of every device; the stores, their budgets and statistics stay."""
         for store in self.stores.values():

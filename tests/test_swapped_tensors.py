@@ -14,6 +14,7 @@ tests/test_deepspeed.py run the engines themselves):
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import pytest
 import torch
@@ -339,3 +340,125 @@ def test_zero_partitions_on_cuda_page_under_a_budget_bitwise(stage):
     reference = run(0)
     for partition, expected in zip(run(stage, device_budget=4096), reference, strict=True):
         assert torch.equal(partition, expected)
+
+
+def swap_middle_weight(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Parameter:
+    """What an engine or a user swapping tensors at every step does: the middle weight becomes a new tensor of the
+    same values, in the model and in the param group; return the old one."""
+    old = model[2].weight
+    model[2].weight = torch.nn.Parameter(old.detach().clone())
+    optimizer.param_groups[0]["params"][1] = model[2].weight
+    return old
+
+
+def train_with_swaps(model, optimizer, batches, keep: list | None = None) -> list[tuple[int, int]]:
+    """Swap the middle weight before each step (the old one dropped, or kept in ``keep``); return the pages and
+    bytes of paged state after each step."""
+    held = []
+    for batch in batches:
+        old = swap_middle_weight(model, optimizer)
+        if keep is not None:
+            keep.append(old)
+        del old
+        train(model, optimizer, [batch])
+        if hasattr(optimizer, "paging_stats"):
+            stats = optimizer.paging_stats()
+            held.append((stats["pages_total"], stats["host_bytes"] + stats["device_bytes"]))
+    return held
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_pages_of_tensors_swapped_out_and_dropped_are_freed(name):
+    """Seven swaps hold the state of one: the pages of the tensors nothing holds any more are freed (a page shared
+    with a tensor kept stays). Training, state_dict() and a resume from it are bitwise those of a run that holds
+    every swapped-out tensor, whose pages are kept."""
+    batches = regression_batches(8)
+    half = len(batches) // 2
+    model = make_mlp()
+    optimizer = make_optimizer(name, decay_groups(model), device_budget=4 * 4096)
+    train(model, optimizer, batches[:1])
+    first = optimizer.paging_stats()["pages_total"]
+    held = train_with_swaps(model, optimizer, batches[1:half])
+    resumed_model = make_mlp(seed=1)
+    resumed_model.load_state_dict(model.state_dict())
+    resumed = make_optimizer(name, decay_groups(resumed_model))
+    resumed.load_state_dict(optimizer.state_dict())
+    held += train_with_swaps(model, optimizer, batches[half:])
+    train_with_swaps(resumed_model, resumed, batches[half:])
+    weight_pages = -(-64 * 64 * 8 // 4096)  # its fp32 moments, or fewer pages of 8-bit or 4-bit codes
+    assert held[0][0] <= first + weight_pages
+    assert held == held[:1] * len(held), held
+
+    keep = []
+    reference_model = make_mlp()
+    reference = make_optimizer(name, decay_groups(reference_model))
+    train(reference_model, reference, batches[:1])
+    kept = train_with_swaps(reference_model, reference, batches[1:], keep)
+    assert kept[-1][0] > held[-1][0]  # the state of tensors still held is kept, as in torch.optim
+    for trained in (model, resumed_model):
+        for param, expected in zip(trained.parameters(), reference_model.parameters(), strict=True):
+            assert torch.equal(param, expected)
+    expected_saved = reference.state_dict()["state"]
+    for saved in (optimizer.state_dict()["state"], resumed.state_dict()["state"]):
+        assert saved.keys() == expected_saved.keys() == set(range(6))
+        for index, entry in expected_saved.items():
+            for key, value in entry.items():
+                assert torch.equal(saved[index][key], value), (index, key)
+
+
+def test_paged_adamw_with_swaps_matches_torch_adamw_bitwise():
+    """``torch.optim.AdamW`` keeps the state of every swapped-out tensor (its state_dict() then fails on them);
+    PagedAdamW frees it and trains bitwise as torch does."""
+    batches = regression_batches(6)
+    models, optimizers = [], []
+    for name, paging in (("torch AdamW", {}), ("PagedAdamW", {"device_budget": 4096})):
+        model = make_mlp()
+        optimizer = make_optimizer(name, decay_groups(model), **paging)
+        train(model, optimizer, batches[:1])
+        train_with_swaps(model, optimizer, batches[1:])
+        models.append(model)
+        optimizers.append(optimizer)
+    for param, expected in zip(models[1].parameters(), models[0].parameters(), strict=True):
+        assert torch.equal(param, expected)
+    saved = optimizers[1].state_dict()["state"]
+    listed = [param for group in optimizers[0].param_groups for param in group["params"]]
+    for index, param in enumerate(listed):
+        for key, value in optimizers[0].state[param].items():
+            assert torch.equal(saved[index][key], value), (index, key)
+    assert len(optimizers[1].state) == 6 < len(optimizers[0].state)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_tensor_swapped_out_and_held_keeps_its_state_until_it_comes_back(name):
+    """Only tensors nothing holds are forgotten: the middle weight, swapped out for a step in which a stand-in
+    steps and back, trains on from its state as in ``torch.optim``; the stand-in, dropped, leaves no pages."""
+
+    def run(swap_out: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer, weakref.ref | None]:
+        model = make_mlp()
+        optimizer = make_optimizer(name, decay_groups(model))
+        batches = regression_batches(4)
+        train(model, optimizer, batches[:2])
+        stand_in_ref = None
+        if swap_out:
+            optimizer.zero_grad()
+            stand_in = torch.nn.Parameter(torch.ones_like(model[2].weight))
+            stand_in.grad = torch.ones_like(stand_in)
+            optimizer.param_groups[0]["params"][1] = stand_in
+            optimizer.step()
+            optimizer.param_groups[0]["params"][1] = model[2].weight
+            stand_in_ref = weakref.ref(stand_in)
+            del stand_in
+        train(model, optimizer, batches[2:])
+        return model, optimizer, stand_in_ref
+
+    model, optimizer, stand_in = run(swap_out=True)
+    reference_model, reference, _ = run(swap_out=False)
+    for param, expected in zip(model.parameters(), reference_model.parameters(), strict=True):
+        assert torch.equal(param, expected)
+    saved, expected_saved = optimizer.state_dict()["state"], reference.state_dict()["state"]
+    assert saved.keys() == expected_saved.keys() == set(range(6))
+    for index, entry in expected_saved.items():
+        for key, value in entry.items():
+            assert torch.equal(saved[index][key], value), (index, key)
+    assert stand_in() is None and len(optimizer.state) == 6
+    assert optimizer.paging_stats()["pages_total"] == reference.paging_stats()["pages_total"]

@@ -12,6 +12,7 @@ import copy
 import logging
 import math
 import traceback
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
@@ -377,6 +378,40 @@ class PagedOptimizer(Optimizer):
             if group["params"]:
                 self._stepped_params[id(group)] = (group, list(group["params"]), position)
 
+    def _free_dropped_tensors(self) -> None:
+        """Forget the tensors that are away from the param groups and that nothing outside the optimizer holds, and
+        free their pages.
+
+        A tensor away from the groups keeps its state while anything else holds it (ZeRO-3's partitions between
+        steps, a tensor swapped back later): it may come back, as in ``torch.optim``. One that nothing else holds
+        cannot come back, and its pages would hold memory for good (an engine or user swapping tensors at every
+        step). The optimizer holds the tensors away only weakly for a moment: those that die then were held by
+        nothing else, and their state and pages go (a page shared with a tensor kept keeps its buffers).
+        """
+        listed = {id(param) for group in self.param_groups for param in group["params"]}
+        away = [tensor for tensor in self._layout if id(tensor) not in listed]
+        if not away:
+            return
+        held = {id(tensor): _HeldWeakly(tensor) for tensor in away}
+        state = [(held.get(id(key), key), entry) for key, entry in self.state.items()]
+        detached = [(held[id(tensor)], self._layout.detach(tensor)) for tensor in away]
+        self.state.clear()
+        del away
+        for key, entry in state:
+            if isinstance(key, _HeldWeakly):
+                key = key()
+                if key is None:
+                    continue
+            self.state[key] = entry
+        dead = []
+        for reference, pages in detached:
+            tensor = reference()
+            if tensor is None:
+                dead.append(pages)
+            else:
+                self._layout.attach(tensor, pages)
+        self._layout.free(dead)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform one optimization step over the pages of the parameters that have gradients.
@@ -446,6 +481,7 @@ class PagedOptimizer(Optimizer):
             if self._auto_budgets:  # after a step that raised too: a loop that goes on gets the forward's budget
                 self._end_auto_step()
         self._record_stepped()
+        self._free_dropped_tensors()
         return loss
 
     def _stream_pages(
@@ -921,6 +957,12 @@ def _update_whole(
         for target, copy_of_target in zip(targets, saved):
             target.copy_(copy_of_target)
         raise
+
+
+class _HeldWeakly(weakref.ref):
+    """A weak reference to a tensor away from the param groups, while the optimizer checks whether it lives on."""
+
+    __slots__ = ()
 
 
 class _StepProgress:

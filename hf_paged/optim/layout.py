@@ -119,6 +119,30 @@ class StateLayout:
         for page in open_pages.values():
             page.capacity = used[page.index]
 
+    def detach(self, tensor: torch.Tensor) -> TensorPages:
+        """Forget ``tensor`` and return its pages, which keep its state (:meth:`attach` gives them back)."""
+        pages = self._pages_of.pop(tensor)
+        del self._tensor_of[pages.owner]
+        return pages
+
+    def attach(self, tensor: torch.Tensor, pages: TensorPages) -> None:
+        """Give ``tensor`` back the pages :meth:`detach` returned."""
+        self._pages_of[tensor] = pages
+        self._tensor_of[pages.owner] = tensor
+
+    def free(self, detached: Sequence[TensorPages]) -> None:
+        """Free the pages that hold only the state of ``detached`` tensors. A page that also holds a tensor still
+        laid out keeps its buffers (the detached tensors' segments leave it)."""
+        owners = {pages.owner for pages in detached}
+        touched = {id(page): page for pages in detached for page, _ in pages.segments}
+        emptied = []
+        for page in touched.values():
+            page.segments[:] = [segment for segment in page.segments if segment.owner not in owners]
+            if not page.segments:
+                emptied.append(page)
+        if emptied:
+            self.store.remove(emptied)
+
     def clear(self) -> None:
         """Forget every tensor and free every page, on the devices and in host memory."""
         self.store.clear()
