@@ -4,8 +4,9 @@ A tensor gets pages when it first needs state (its first step, or a loaded state
 is then: after an engine swaps the tensors of the param groups (accelerate's switch to FSDP2 shards, DeepSpeed
 ZeRO's flat fp32 partitions), the new tensors get pages of their own size. A tensor keeps its pages while it is
 away from the param groups (ZeRO-3 lists its partitions only around ``step()``), and meets them again when it
-comes back; the optimizer frees the pages of a tensor away that nothing else holds. The layout never changes the values of state: every segment starts on a block boundary of the
-tensor's elements, so blocks fall on the same elements however tensors are packed into pages.
+comes back; the optimizer frees the pages of a tensor away that nothing else holds. The layout never changes the
+values of state: every segment starts on a block boundary of the tensor's elements, so blocks fall on the same
+elements however tensors are packed into pages.
 """
 
 from __future__ import annotations
