@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -213,6 +213,47 @@ class _Ledger:
         return {serial: self._bytes_of[serial] for serial in live}
 
 
+class PlanningError(RuntimeError):
+    """A training step the planner cannot trace under fake tensors; the message names the operator and what to do."""
+
+
+def _data_dependent_message(error: DynamicOutputShapeException | DataDependentOutputException) -> str:
+    what = "shape" if isinstance(error, DynamicOutputShapeException) else "value"
+    return (
+        f"cannot plan the step: the {what} that {error.func} returns depends on the values in tensors, which fake "
+        "tensors do not have (a mixture-of-experts layer that loops over the experts its tokens chose, indexing with "
+        "a boolean mask, .item(), .tolist() or an if on a tensor in the model or the loss). Plan a model whose shapes "
+        "follow from shapes alone: transformers' mixture-of-experts models with experts_implementation='grouped_mm' "
+        "(their default) or 'batched_mm', which run every token's chosen experts in one call, so their memory does "
+        "not depend on the routing"
+    )
+
+
+def _grouped_mm_output(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The output of ``aten._grouped_mm`` as the CPU and CUDA kernels allocate it: in ``out_dtype`` or the inputs'
+    dtype, each row padded to 16 bytes. The fake kernel takes only bfloat16 inputs (the CUDA kernel's first
+    rule), where the CPU kernel multiplies float32 as well (transformers' mixture-of-experts models in float32)."""
+    dtype = out_dtype or mat_a.dtype
+    if mat_a.dim() == 2 and mat_b.dim() == 2:  # the groups split the inner dimension: one output per group
+        size = [offs.size(0), mat_a.size(0), mat_b.size(1)]
+    elif mat_a.dim() == 2:
+        size = [mat_a.size(0), mat_b.size(-1)]
+    elif mat_b.dim() == 2:
+        size = [mat_a.size(1), mat_b.size(1)]
+    else:
+        size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+    alignment = 16 // dtype.itemsize
+    padded = -(-size[-1] // alignment) * alignment
+    stride = [size[1] * padded, padded, 1] if len(size) == 3 else [padded, 1]
+    return torch.empty_strided(size, stride, dtype=dtype, device=mat_a.device)
+
+
 class _StorageTracker(TorchDispatchMode):
     """Adds the storage of every tensor an operator returns to a ledger (holds no tensor itself)."""
 
@@ -221,7 +262,14 @@ class _StorageTracker(TorchDispatchMode):
         self._ledger = ledger
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        output = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        try:
+            if func is torch.ops.aten._grouped_mm.default:
+                output = _grouped_mm_output(*args, **kwargs)
+            else:
+                output = func(*args, **kwargs)
+        except (DynamicOutputShapeException, DataDependentOutputException) as error:
+            raise PlanningError(_data_dependent_message(error)) from None
         for item in tree_flatten(output)[0]:
             if isinstance(item, torch.Tensor):
                 self._ledger.add(item.untyped_storage())

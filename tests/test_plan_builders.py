@@ -4,6 +4,8 @@ Each plan is checked against the peaks of the same builder run for real (the pro
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -100,3 +102,76 @@ def test_a_builder_that_deep_copies_modules() -> None:
     assert planned.trainable_params == head + lora
     torch.manual_seed(0)
     assert not check_plan(planned, measured_peaks(build, batch, optimizer))
+
+
+def _tiny_mixtral_config(experts_implementation: str) -> Any:
+    from transformers import MixtralConfig
+
+    return MixtralConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        experts_implementation=experts_implementation,
+    )
+
+
+def _tiny_mixtral(experts_implementation: str) -> nn.Module:
+    from transformers import MixtralForCausalLM
+
+    return MixtralForCausalLM(_tiny_mixtral_config(experts_implementation))
+
+
+def _token_batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 256, (2, 16))
+    return {"input_ids": ids, "labels": ids}
+
+
+def test_data_dependent_routing_is_refused_with_the_operator_and_what_to_do() -> None:
+    """A mixture of experts that loops over the experts its tokens chose (transformers' eager experts) has shapes
+    that depend on the routing; the refusal names the operator and the implementation to plan instead."""
+    from hf_paged.planner import PlanningError
+
+    def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters())
+
+    with pytest.raises(PlanningError, match=r"aten\.nonzero\.default.*experts_implementation='grouped_mm'"):
+        plan(lambda: _tiny_mixtral("eager"), _token_batch, optimizer)
+    for implementation in ("grouped_mm", "batched_mm"):
+        assert plan(lambda: _tiny_mixtral(implementation), _token_batch, optimizer, steps=1).forward_backward_peak > 0
+
+
+def test_a_value_read_in_forward_is_refused_with_the_operator() -> None:
+    from hf_paged.planner import PlanningError
+
+    class ReadsAValue(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+            output = self.linear(inputs)
+            return output.mean() if output.sum().item() > 0 else output.pow(2).mean()
+
+    with pytest.raises(PlanningError, match=r"the value that aten\._local_scalar_dense\.default returns"):
+        plan(ReadsAValue, lambda: torch.randn(4, 8), lambda model: torch.optim.SGD(model.parameters()))
+
+
+def test_cli_refuses_a_model_it_cannot_plan(tmp_path, monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``hf-paged plan`` of a model whose routing decides shapes (built here as transformers would build remote code
+    with an eager experts loop) stops with exit status 2 and the planner's reason, not a traceback."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_paged.cli import main
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", lambda config, **kwargs: _tiny_mixtral("eager"))
+    _tiny_mixtral_config("grouped_mm").save_pretrained(tmp_path)
+    overrides = [f"model.name={tmp_path}", "tokenizer.max_length=16", "training.optim=adamw_torch"]
+    arguments = [item for override in overrides for item in ("--set", override)]
+    assert main(["plan", "--device", "cpu", "--method", "full", *arguments]) == 2
+    error = capsys.readouterr().err
+    assert f"model.name: '{tmp_path}'" in error and "aten.nonzero.default" in error and "grouped_mm" in error

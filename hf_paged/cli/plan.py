@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..planner import MemoryPlan, plan
+from ..planner import MemoryPlan, PlanningError, plan
 from .config import Config, ConfigError
 from .train import IGNORE_INDEX, add_lora_adapters
 
@@ -328,17 +328,21 @@ def build_optimizer(setup: TrainingSetup, model: nn.Module, device: str = "cpu")
 
 
 def plan_setup(setup: TrainingSetup, device: str = "cpu") -> MemoryPlan:
-    """Trace ``setup`` with :func:`hf_paged.planner.plan` for ``device`` (``cpu`` or ``cuda``)."""
+    """Trace ``setup`` with :func:`hf_paged.planner.plan` for ``device`` (``cpu`` or ``cuda``); a model the
+    planner cannot trace is a :class:`ConfigError` naming ``model.name``."""
     vocab_size = architecture(setup.config).vocab_size
     extra = quantization_state if setup.method == "qlora" else None
-    return plan(
-        lambda: build_model(setup, device, shapes_only=True),
-        lambda: make_batch(setup, vocab_size),
-        lambda model: build_optimizer(setup, model, device),
-        device=device,
-        accumulation=min(setup.accumulation, 2),
-        extra_state=extra,
-    )
+    try:
+        return plan(
+            lambda: build_model(setup, device, shapes_only=True),
+            lambda: make_batch(setup, vocab_size),
+            lambda model: build_optimizer(setup, model, device),
+            device=device,
+            accumulation=min(setup.accumulation, 2),
+            extra_state=extra,
+        )
+    except PlanningError as error:
+        raise ConfigError(f"model.name: {setup.config.model.name!r}: {error}") from None
 
 
 def optimizer_state_bytes(plan_result: MemoryPlan) -> int:
