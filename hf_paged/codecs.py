@@ -46,6 +46,8 @@ import torch
 
 from .rounding import ieee_sqrt
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
 EncodedSegment = tuple[torch.Tensor, ...]
 """The arrays of one segment's encoded state: views into a page's buffers."""
 
@@ -105,8 +107,12 @@ class _BlockScaled:
         return self.block_size
 
     def block_scales(self, values: torch.Tensor) -> torch.Tensor:
-        """The scales of fp32 ``values`` shaped ``(blocks, block_size)``: each block's largest magnitude."""
-        return values.abs().amax(dim=1)
+        """The scales of fp32 ``values`` shaped ``(blocks, block_size)``: each block's largest finite magnitude.
+
+        A NaN counts as zero and an infinity as the largest fp32 value, so that one non-finite value never makes
+        its block's scale, and so every value the block decodes to in later steps, non-finite.
+        """
+        return values.abs().nan_to_num_(nan=0.0, posinf=FLOAT32_MAX).amax(dim=1)
 
 
 @dataclass(frozen=True)
@@ -162,7 +168,7 @@ class Blockwise8bitCodec(_BlockScaled):
         if block_scales is None:
             block_scales = self.block_scales(values)
         if self.signed:
-            normalized = values * inverse_scales(block_scales).unsqueeze(1)
+            normalized = saturate_(values * inverse_scales(block_scales).unsqueeze(1))
             quantized = torch.round(ieee_sqrt(normalized.abs()) * self.max_code) * normalized.sign()
         else:
             roots = fourth_roots(values, block_scales)
@@ -229,7 +235,7 @@ class Blockwise4bitCodec(_BlockScaled):
         if block_scales is None:
             block_scales = self.block_scales(values)
         if self.signed:
-            normalized = values * inverse_scales(block_scales).unsqueeze(1)
+            normalized = saturate_(values * inverse_scales(block_scales).unsqueeze(1))
             # nearest level (k / 7)^2: |x| >= the midpoint of levels k - 1 and k iff 196 |x| - 1 >= (2k - 1)^2
             magnitude = torch.floor((ieee_sqrt(torch.relu(normalized.abs() * 196 - 1)) + 1) * 0.5)
             codes = magnitude.clamp(max=7) * normalized.sign() + 7
@@ -270,6 +276,15 @@ def inverse_scales(block_scales: torch.Tensor) -> torch.Tensor:
     return torch.where(block_scales >= smallest_normal, block_scales.reciprocal(), torch.zeros_like(block_scales))
 
 
+def saturate_(normalized: torch.Tensor) -> torch.Tensor:
+    """Values divided by their block's scale, in place: NaN to 0 and the rest clamped to [-1, 1].
+
+    Finite values are within [-1, 1] already (but for an ulp); a NaN is stored as zero and an infinity as the
+    block's largest code (see :meth:`_BlockScaled.block_scales`), since casting them to integer codes is undefined.
+    """
+    return normalized.nan_to_num_(nan=0.0).clamp_(-1.0, 1.0)
+
+
 def fourth_roots(values: torch.Tensor, block_scales: torch.Tensor) -> torch.Tensor:
     """``(values / scale) ** (1/4)`` of non-negative ``values`` shaped ``(blocks, block_size)``, in [0, 1].
 
@@ -278,7 +293,7 @@ def fourth_roots(values: torch.Tensor, block_scales: torch.Tensor) -> torch.Tens
     All-zero blocks give 0.
     """
     inverse_root = torch.where(block_scales > 0, block_scales.rsqrt(), torch.zeros_like(block_scales))
-    return ieee_sqrt(ieee_sqrt(values) * inverse_root.unsqueeze(1))
+    return ieee_sqrt(saturate_(ieee_sqrt(values) * inverse_root.unsqueeze(1)))
 
 
 def to_blocks(values: torch.Tensor, alignment: int) -> torch.Tensor:

@@ -71,9 +71,8 @@ struct Vec {
   static F apply_sign(F magnitude, F source) {
     return _mm256_cvtepi32_ps(_mm256_sign_epi32(_mm256_cvttps_epi32(magnitude), _mm256_castps_si256(source)));
   }
-  // Nonzero lanes where a is NaN, accumulated into flags.
-  static F nan_flags(F flags, F a) { return _mm256_or_ps(flags, _mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
-  static bool any(F flags) { return _mm256_movemask_ps(flags) != 0; }
+  // 0 where a is NaN, else a.
+  static F zero_nan(F a) { return _mm256_and_ps(a, _mm256_cmp_ps(a, a, _CMP_ORD_Q)); }
   static float reduce_max(F a) {
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, a);
@@ -165,8 +164,7 @@ struct Vec {
   static F positive(F a) { return a > 0.0f ? 1.0f : 0.0f; }
   static F sign(F a) { return a > 0.0f ? 1.0f : (a < 0.0f ? -1.0f : 0.0f); }
   static F apply_sign(F magnitude, F source) { return magnitude * sign(source); }
-  static F nan_flags(F flags, F a) { return std::isnan(a) ? 1.0f : flags; }
-  static bool any(F flags) { return flags != 0.0f; }
+  static F zero_nan(F a) { return std::isnan(a) ? 0.0f : a; }
   static float reduce_max(F a) { return a; }
 
   static F rint_root_times(F x, F top) { return std::nearbyint(std::sqrt(x) * top); }
@@ -209,16 +207,18 @@ struct Lerp {
   F coefficient;
 };
 
-// The running largest magnitude of a block, as torch.amax of its absolute values (a NaN makes it NaN).
+// The running largest finite magnitude of a block (_BlockScaled.block_scales): a NaN counts as zero, an infinity
+// as FLT_MAX.
 struct AbsMax {
   F largest = Vec::zero();
-  F nans = Vec::zero();
-  void add(F values) {
-    largest = Vec::max(largest, Vec::abs(values));
-    nans = Vec::nan_flags(nans, values);
-  }
-  float value() const { return Vec::any(nans) ? NAN : Vec::reduce_max(largest); }
+  void add(F values) { largest = Vec::max(Vec::min(Vec::splat(FLT_MAX), Vec::zero_nan(Vec::abs(values))), largest); }
+  float value() const { return Vec::reduce_max(largest); }
 };
+
+// A value divided by its block's scale, with NaN as 0 and clamped to [-1, 1] (codecs.saturate_).
+inline F saturate(F normalized) {
+  return Vec::min(Vec::max(Vec::zero_nan(normalized), Vec::splat(-1.0f)), Vec::splat(1.0f));
+}
 
 // 1 / scale, and 0 for a zero or subnormal scale (codecs.inverse_scales).
 inline float inverse_scale(float scale) { return scale >= FLT_MIN ? 1.0f / scale : 0.0f; }
@@ -265,7 +265,7 @@ struct Codes8 {
     const F inverse = Vec::splat(inverse_scale(scale));
     const F top = Vec::splat(127.0f);
     for (int64_t i = 0; i < size; i += kWidth) {
-      const F normalized = Vec::mul(Vec::load(values + i), inverse);
+      const F normalized = saturate(Vec::mul(Vec::load(values + i), inverse));
       const F magnitude = Vec::rint_root_times(Vec::abs(normalized), top);
       Vec::store_signed_codes(codes + i, magnitude, normalized);
     }
@@ -279,7 +279,7 @@ struct Codes8 {
     const F inverse_root = Vec::splat(inverse_root_scale(scale));
     const F top = Vec::splat(255.0f);
     for (int64_t i = 0; i < size; i += kWidth) {
-      const F normalized = Vec::mul(Vec::load(roots + i), inverse_root);  // sqrt(x / s), whose sqrt is coded
+      const F normalized = saturate(Vec::mul(Vec::load(roots + i), inverse_root));  // sqrt(x / s), whose sqrt is coded
       Vec::store_codes(codes + i, Vec::max(Vec::rint_root_times(normalized, top), Vec::positive(normalized)));
     }
     state.scales[block] = scale;
@@ -322,7 +322,7 @@ struct Codes4 {
 
   // Nearest level (k / 7)^2: |x| >= the midpoint of levels k - 1 and k iff 196 |x| - 1 >= (2k - 1)^2.
   static F signed_code(F values, F inverse) {
-    const F normalized = Vec::mul(values, inverse);
+    const F normalized = saturate(Vec::mul(values, inverse));
     const F excess = Vec::sub(Vec::mul(Vec::abs(normalized), Vec::splat(196.0f)), Vec::splat(1.0f));
     const F level = Vec::min(Vec::floor_half_root_plus_half(Vec::max(excess, Vec::zero())), Vec::splat(7.0f));
     return Vec::add(Vec::apply_sign(level, normalized), Vec::splat(7.0f));
@@ -341,7 +341,7 @@ struct Codes4 {
 
   // Nearest of the 16 codes in the (x / s)^(1/4) domain, from roots = sqrt(x); zero is not a level.
   static F unsigned_code(F roots, F inverse_root) {
-    const F code = Vec::sub(Vec::rint_root_times(Vec::mul(roots, inverse_root), Vec::splat(16.0f)), Vec::splat(1.0f));
+    const F code = Vec::sub(Vec::rint_root_times(saturate(Vec::mul(roots, inverse_root)), Vec::splat(16.0f)), Vec::splat(1.0f));
     return Vec::min(Vec::max(code, Vec::zero()), Vec::splat(15.0f));
   }
 
