@@ -133,7 +133,8 @@ class _PagedAdamWBase(PagedOptimizer):
     ) -> list[tuple[Page, list[WorkItem]]]:
         """fp32 parameters with fp32 state on CPU or CUDA: PyTorch's fused AdamW kernel, one call for the
         segments of each param group and device in the batch, each with its own group's hyperparameters (a
-        tensor moved to another group keeps its page, which then holds segments of both groups)."""
+        tensor moved to another group keeps its page, which then holds segments of both groups). The kernel
+        allocates nothing, so each call updates its segments whole; they are ``finished`` before the next call."""
         calls: dict[tuple[int, torch.device], list[tuple[WorkItem, torch.Tensor, torch.Tensor]]] = defaultdict(list)
         left = []
         for page, work in batch:
