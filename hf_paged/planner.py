@@ -96,7 +96,11 @@ class MemoryPlan:
     trainable_shapes: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)
     """Shape and dtype of each trainable parameter (what optimizer state is kept for)."""
     paged_state_bytes: int | None = None
-    """Bytes of all pages of a paged optimizer's state (on the device or not), ``None`` for other optimizers."""
+    """Bytes of all pages of a paged optimizer's state (on the device or not), as ``device_budget`` counts them;
+    ``None`` for other optimizers."""
+    optimizer_state_bytes: int = 0
+    """Bytes of all the optimizer's state after the last traced step, wherever it lives: the tensors of
+    ``optimizer.state`` and every page of a paged optimizer, each allocation as the planned device would hold it."""
     notes: list[str] = field(default_factory=list)
     """What the figures include besides traced tensors (constants added for the device)."""
 
@@ -399,6 +403,17 @@ def _paged_state_bytes(optimizer: torch.optim.Optimizer) -> int | None:
     return sum(page.nbytes for page in optimizer._store.pages)
 
 
+def _optimizer_state_bytes(optimizer: torch.optim.Optimizer, rounding: int) -> int:
+    """Bytes of the tensors of ``optimizer.state`` and of every page buffer, each rounded up to ``rounding``."""
+    from .optim import PagedOptimizer
+
+    storages = {id(tensor.untyped_storage()): tensor for tensor in _tensors(list(optimizer.state.values()))}
+    sizes = [tensor.untyped_storage().nbytes() for tensor in storages.values()]
+    if isinstance(optimizer, PagedOptimizer):
+        sizes += [numel * dtype.itemsize for page in optimizer._store.pages for numel, dtype in page.specs]
+    return sum(math.ceil(size / rounding) * rounding for size in sizes)
+
+
 class _Classifier:
     """Names the kind of each storage the ledger follows, from what the model and optimizer hold now."""
 
@@ -543,6 +558,7 @@ def plan(
         trainable = sum(p.numel() for p in params if p.requires_grad)
         total = sum(p.numel() for p in params)
         paged_state = _paged_state_bytes(built_optimizer)
+        state = _optimizer_state_bytes(built_optimizer, ledger.rounding)
         shapes = [(tuple(p.shape), p.dtype) for p in params if p.requires_grad]
     notes = [f"includes {format_size(CUDA_WORKSPACE_BYTES)} of cuBLAS workspace"] if on_cuda else []
     return MemoryPlan(
@@ -553,5 +569,6 @@ def plan(
         seconds=time.perf_counter() - started,
         trainable_shapes=shapes,
         paged_state_bytes=paged_state,
+        optimizer_state_bytes=state,
         notes=notes,
     )

@@ -345,11 +345,6 @@ def plan_setup(setup: TrainingSetup, device: str = "cpu") -> MemoryPlan:
         raise ConfigError(f"model.name: {setup.config.model.name!r}: {error}") from None
 
 
-def optimizer_state_bytes(plan_result: MemoryPlan) -> int:
-    """Bytes of optimizer state at the optimizer step's peak."""
-    return plan_result.peak("optimizer_step").by_kind["optimizer_state"]
-
-
 COMPARED_OPTIMIZERS = (
     "adamw_torch",
     "adamw_bnb_8bit",
@@ -383,33 +378,59 @@ class _Trainable(nn.Module):
         return torch.stack([param.sum() for param in self.params]).sum()
 
 
-def _bitsandbytes_8bit_state(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
-    """Bytes of bitsandbytes' 8-bit AdamW state (its optimizer reads values, so it cannot be traced): two
-    8-bit codes and two fp32 absmax per 256 elements, or two fp32 moments below 4096 elements, and a 256-entry
-    fp32 code map per state kind."""
-    total = 2 * 2 * 256 * 4
+def _bitsandbytes_8bit_state(shapes: list[tuple[tuple[int, ...], torch.dtype]], rounding: int) -> int:
+    """Bytes of bitsandbytes' 8-bit AdamW state (its optimizer reads values, so it cannot be traced), each
+    allocation rounded up to ``rounding``: two 8-bit codes and two fp32 absmax per 256 elements, or two fp32
+    moments below 4096 elements, and a 256-entry fp32 code map per state kind."""
+
+    def allocated(nbytes: int) -> int:
+        return math.ceil(nbytes / rounding) * rounding
+
+    total = 2 * allocated(2 * 256 * 4)
     for shape, _ in shapes:
         elements = math.prod(shape)
         if elements >= BNB_MIN_8BIT_SIZE:
-            total += 2 * elements + 2 * 4 * math.ceil(elements / BNB_BLOCK)
+            total += 2 * allocated(elements) + 2 * allocated(4 * math.ceil(elements / BNB_BLOCK))
         else:
-            total += 2 * 4 * elements
+            total += 2 * allocated(4 * elements)
     return total
 
 
+def _comparison_optim_args(setup: TrainingSetup, name: str) -> str | None:
+    """The chosen ``optim_args`` that the hf-paged optimizer ``name`` takes, without ``device_budget`` (the
+    comparison counts all the state); ``None`` for other optimizers."""
+    import inspect
+
+    from ..integrations.trainer import optimizer_class_for, split_optim_args
+
+    optimizer_class = optimizer_class_for(name)
+    if optimizer_class is None:
+        return None
+    accepted = inspect.signature(optimizer_class).parameters
+    chosen = split_optim_args(setup.config.training.get("optim_args")) if _paged(setup) else {}
+    kept = {key: value for key, value in chosen.items() if key in accepted and key != "device_budget"}
+    return ",".join(f"{key}={value}" for key, value in kept.items()) or None
+
+
 def optimizer_state_comparison(setup: TrainingSetup, result: MemoryPlan, device: str = "cpu") -> dict[str, int] | None:
-    """Bytes of optimizer state of ``result``'s trainable parameters under each of :data:`COMPARED_OPTIMIZERS`
-    (traced; bitsandbytes' from its layout); ``None`` above :data:`COMPARISON_LIMIT` trainable parameters."""
+    """All the optimizer state of ``result``'s trainable parameters under each of :data:`COMPARED_OPTIMIZERS`, in
+    bytes as :attr:`~hf_paged.planner.MemoryPlan.optimizer_state_bytes` counts it (the chosen optimizer's is
+    ``result``'s own; the others traced with the chosen ``optim_args`` they take; bitsandbytes' from its layout);
+    ``None`` above :data:`COMPARISON_LIMIT` trainable parameters."""
     if result.trainable_params > COMPARISON_LIMIT:
         return None
     from .. import planner
 
+    rounding = planner.CUDA_ALLOCATION_ROUNDING if torch.device(device).type == "cuda" else 1
     states = {}
     for name in COMPARED_OPTIMIZERS:
-        if name == "adamw_bnb_8bit":
-            states[name] = _bitsandbytes_8bit_state(result.trainable_shapes)
+        if name == setup.optimizer_name:
+            states[name] = result.optimizer_state_bytes
             continue
-        other = setup.with_changes(training={"optim": name, "optim_args": None})
+        if name == "adamw_bnb_8bit":
+            states[name] = _bitsandbytes_8bit_state(result.trainable_shapes, rounding)
+            continue
+        other = setup.with_changes(training={"optim": name, "optim_args": _comparison_optim_args(setup, name)})
         traced = planner.plan(
             lambda: _Trainable(result.trainable_shapes),
             lambda: None,
@@ -418,10 +439,7 @@ def optimizer_state_comparison(setup: TrainingSetup, result: MemoryPlan, device:
             steps=1,
             device=device,
         )
-        if traced.paged_state_bytes is not None:
-            states[name] = traced.paged_state_bytes
-        else:
-            states[name] = traced.peak("optimizer_step").by_kind["optimizer_state"]
+        states[name] = traced.optimizer_state_bytes
     return states
 
 
@@ -430,7 +448,7 @@ KIND_LABELS = {
     "trainable_weights": "trainable weights",
     "quantization_state": "4-bit quantization state",
     "gradients": "gradients",
-    "optimizer_state": "optimizer state",
+    "optimizer_state": "optimizer state on device",
     "activations": "activations",
     "temporaries": "step temporaries",
 }
@@ -599,6 +617,7 @@ def format_report(outcome: PlanReport) -> str:
         f"  {result.trainable_params:,} trainable of {result.total_params:,} parameters (as stored)",
         "",
         f"  {'memory by kind':<28}{'forward+backward':>18}{'optimizer step':>18}",
+        "  (what the device holds at each phase's peak)",
     ]
     for kind, label in KIND_LABELS.items():
         if forward_backward.by_kind[kind] or step.by_kind[kind]:
@@ -607,8 +626,16 @@ def format_report(outcome: PlanReport) -> str:
             )
     lines.append(f"  {'peak':<28}{format_size(forward_backward.peak_bytes):>18}{format_size(step.peak_bytes):>18}")
     lines += [f"  ({note})" for note in result.notes]
+    if result.paged_state_bytes is not None and result.optimizer_state_bytes > step.by_kind["optimizer_state"]:
+        lines.append(
+            f"  (optimizer state on device: pages device_budget keeps there or updates, and step counts; all of it: "
+            f"{format_size(result.optimizer_state_bytes)})"
+        )
     if outcome.optimizer_states is not None:
-        lines.append("  optimizer state of these trainable parameters by optimizer (all pages, with no budget):")
+        lines.append(
+            "  all the optimizer state by optimizer, on the device or in host memory (the chosen optim_args "
+            "but device_budget):"
+        )
         for name, nbytes in outcome.optimizer_states.items():
             chosen = "  <- chosen" if name == outcome.setup.optimizer_name else ""
             lines.append(f"    {name:<26}{format_size(nbytes):>18}{chosen}")
@@ -624,7 +651,10 @@ def format_report(outcome: PlanReport) -> str:
     if outcome.largest_budget is not None:
         budget, budgeted = outcome.largest_budget
         if budget and budget == result.paged_state_bytes:
-            lines.append(f"largest device budget that fits: all the state ({format_size(budget)}), no limit needed")
+            lines.append(
+                f"largest device budget that fits: no limit needed (all pages fit: {format_size(budget)}, "
+                "step counts aside)"
+            )
         elif budget:
             lines.append(
                 f"largest device budget that fits: {format_size(budget)} "
