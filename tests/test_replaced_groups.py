@@ -72,3 +72,28 @@ def test_zero_narrowing_the_groups_after_a_load_is_no_replacement(name):
     engine.load_state_dict(engine.state_dict())
     train(model, engine, regression_batches(2, seed=3))
     assert engine.state_dict()["state"][1]["step"].item() == 4
+
+
+def test_group_dicts_replaced_at_every_step_free_the_pages_of_the_tensors_dropped():
+    """A loop that puts a new tensor in a new group dict at every step keeps the pages of the tensors listed, not of
+    every tensor it ever listed, and trains as ``torch.optim.AdamW`` does."""
+    results = {}
+    for name in ("torch AdamW", "PagedAdamW"):
+        model = make_mlp()
+        optimizer = make_optimizer(name, decay_groups(model))
+        train(model, optimizer, regression_batches(1))
+        pages = []
+        for seed in range(8):
+            mapping = {param: param for param in model.parameters()}
+            new = torch.nn.Parameter(model[2].weight.detach().clone())
+            mapping[model[2].weight] = new
+            model[2].weight = new
+            replace_groups(optimizer, mapping)
+            del mapping
+            train(model, optimizer, regression_batches(1, seed=seed + 2))
+            if name != "torch AdamW":
+                pages.append(optimizer.paging_stats()["pages_total"])
+        assert pages == pages[:1] * len(pages)
+        results[name] = [param.detach().clone() for param in model.parameters()]
+    for param, expected in zip(results["PagedAdamW"], results["torch AdamW"], strict=True):
+        torch.testing.assert_close(param, expected)

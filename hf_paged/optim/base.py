@@ -373,10 +373,19 @@ class PagedOptimizer(Optimizer):
                     )
 
     def _record_stepped(self) -> None:
-        """Remember the tensors and position of each group that lists any, for :meth:`_check_replacements`."""
+        """Remember the tensors and position of each group that lists any, for :meth:`_check_replacements`. A group
+        dict new at its position has replaced the groups gone from there: they are forgotten, so that their tensors,
+        once nothing else holds them, are freed."""
+        listed = {id(group) for group in self.param_groups}
         for position, group in enumerate(self.param_groups):
-            if group["params"]:
-                self._stepped_params[id(group)] = (group, list(group["params"]), position)
+            if not group["params"]:
+                continue
+            recorded = self._stepped_params.get(id(group))
+            if recorded is None or recorded[0] is not group:
+                for key, (_, _, old_position) in list(self._stepped_params.items()):
+                    if old_position == position and key not in listed:
+                        del self._stepped_params[key]
+            self._stepped_params[id(group)] = (group, list(group["params"]), position)
 
     def _free_dropped_tensors(self) -> None:
         """Forget the tensors that are away from the param groups and that nothing outside the optimizer holds, and
