@@ -10,10 +10,14 @@ host thread as the compute stream:
 * a released device block goes back to a free list and is handed to the next allocation of its size at
   once, as PyTorch's caching allocator does; its content is overwritten (NaN, or 0xA5 bytes) on release
   and fresh blocks, host buffers included, start so, as the next owner's data would;
+* a copy holds its device buffers weakly: on CUDA, ``release`` does nothing and a device block is freed
+  when its last reference drops, whatever a side stream still does with it. A device buffer collected
+  without ``release`` counts as freed, and the copy skips it. Host buffers are held until the copy has run,
+  as the caching host allocator keeps a pinned block until the copies queued on it have run;
 * where a copy and the compute stream are not ordered as CUDA needs, the result is undefined there, and
   here it is made wrong: a copy whose event the store never waited for, saw complete, or ordered the
-  compute stream after, and whose buffer is released or used by a copy on the other stream, writes
-  garbage into its destination. Each such hazard is also listed in ``hazards``.
+  compute stream after, and whose device buffer is released, collected, or used by a copy on the other
+  stream, writes garbage into its destination. Each such hazard is also listed in ``hazards``.
 
 Select it with :func:`simulated_streams`; every page store built inside the block uses it.
 
@@ -28,6 +32,7 @@ import contextlib
 import queue
 import threading
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -52,11 +57,13 @@ def _poison(buffers: Buffers) -> None:
 
 @dataclass(eq=False)
 class SimulatedEvent:
-    """Completion of one simulated copy."""
+    """Completion of one simulated copy between ``host`` buffers (held) and ``device`` buffers (held weakly)."""
 
     stream: str
-    dst: Buffers
-    src: Buffers
+    host: Buffers
+    device: tuple[weakref.ref, ...]
+    storages: frozenset[int]
+    """Storages of every buffer the copy touches (the device's as they were when it was queued)."""
     done: threading.Event = field(default_factory=threading.Event)
     observed: bool = False
     """Whether the store has waited for it, seen it complete, or ordered the compute stream after it."""
@@ -64,7 +71,24 @@ class SimulatedEvent:
     """Whether its destination is undefined (a hazard touched it)."""
 
     def touches(self, storages: set[int]) -> bool:
-        return not storages.isdisjoint(_storages(self.dst) | _storages(self.src))
+        return not self.storages.isdisjoint(storages)
+
+    def live_device(self) -> Buffers | None:
+        """The device buffers, or ``None`` where one of them has been collected."""
+        buffers = tuple(ref() for ref in self.device)
+        return None if any(buffer is None for buffer in buffers) else buffers
+
+    def destination(self) -> Buffers:
+        """The buffers the copy writes that are still alive."""
+        if self.stream == "to_host":
+            return self.host
+        return tuple(buffer for buffer in (ref() for ref in self.device) if buffer is not None)
+
+
+def _collected(backend_ref: weakref.ref, storage: int, nbytes: int) -> None:
+    backend = backend_ref()
+    if backend is not None:
+        backend._collected(storage, nbytes)
 
 
 class SimulatedStreamBackend(SyncBackend):
@@ -91,7 +115,7 @@ class SimulatedStreamBackend(SyncBackend):
         self.peak_device_bytes = 0
         self._free: defaultdict[tuple[int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         self._unobserved: list[SimulatedEvent] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a device buffer may be collected, and reported, while it is held
         self._closed = False
         self._queues = {name: queue.Queue() for name in ("to_device", "to_host")}
         self._workers = [
@@ -123,6 +147,8 @@ class SimulatedStreamBackend(SyncBackend):
             else:
                 buffer = torch.empty(numel, dtype=dtype)
                 _poison((buffer,))
+                storage = buffer.untyped_storage()
+                weakref.finalize(storage, _collected, weakref.ref(self), storage.data_ptr(), storage.nbytes())
             buffers.append(buffer)
             self.device_bytes += numel * dtype.itemsize
         self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
@@ -142,16 +168,16 @@ class SimulatedStreamBackend(SyncBackend):
     # Copies and events -----------------------------------------------------------------------------
 
     def copy_to_device(self, dst: Buffers, src: Buffers) -> SimulatedEvent:
-        return self._enqueue("to_device", dst, src)
+        return self._enqueue("to_device", host=src, device=dst)
 
     def copy_to_host(self, dst: Buffers, src: Buffers) -> SimulatedEvent:
-        return self._enqueue("to_host", dst, src)
+        return self._enqueue("to_host", host=dst, device=src)
 
-    def _enqueue(self, stream: str, dst: Buffers, src: Buffers) -> SimulatedEvent:
+    def _enqueue(self, stream: str, host: Buffers, device: Buffers) -> SimulatedEvent:
         if self._closed:
             raise RuntimeError("this SimulatedStreamBackend is closed: its streams run no more copies")
-        event = SimulatedEvent(stream, dst, src)
-        storages = _storages(dst) | _storages(src)
+        storages = _storages(host) | _storages(device)
+        event = SimulatedEvent(stream, host, tuple(weakref.ref(buffer) for buffer in device), frozenset(storages))
         with self._lock:
             for other in self._unobserved:
                 if other.stream != stream and other.touches(storages):
@@ -165,18 +191,34 @@ class SimulatedStreamBackend(SyncBackend):
         while (event := jobs.get()) is not None:
             time.sleep(self.delay)
             with self._lock:
-                for target, source in zip(event.dst, event.src):
-                    target.copy_(source)
+                self._copy(event)  # a device buffer whose last reference it held is collected on return
                 if event.garbage:
-                    _poison(event.dst)
+                    _poison(event.destination())
                 event.done.set()
+
+    @staticmethod
+    def _copy(event: SimulatedEvent) -> None:
+        """Run ``event``'s copy; a collected device buffer is not there to copy."""
+        device = event.live_device()
+        if device is not None:
+            dst, src = (event.host, device) if event.stream == "to_host" else (device, event.host)
+            for target, source in zip(dst, src):
+                target.copy_(source)
 
     def _hazard(self, event: SimulatedEvent, what: str) -> None:
         """Record that ``event``'s copy is not ordered as CUDA needs; make its result garbage (lock held)."""
         self.hazards.append(f"{event.stream} copy not waited for: {what}")
         event.garbage = True
         if event.done.is_set():
-            _poison(event.dst)
+            _poison(event.destination())
+
+    def _collected(self, storage: int, nbytes: int) -> None:
+        """A device buffer handed out and not released lost its last reference: CUDA frees its block here."""
+        with self._lock:
+            self.device_bytes -= nbytes
+            for event in self._unobserved:
+                if event.touches({storage}):
+                    self._hazard(event, "a device buffer of it was freed (its last reference dropped)")
 
     def _observe(self, event: SimulatedEvent) -> None:
         with self._lock:

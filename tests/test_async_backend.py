@@ -7,6 +7,7 @@ and stores broken in the ways that ordering forbids fail them.
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
 from test_paging import PAGE_SIZE, STEPS, assert_same_result, unlimited
 from test_state_dict import roundtrip
+from test_swapped_tensors import train_with_swaps
 
 from hf_paged.store import PageState, PageStore
 from hf_paged.testing import SimulatedStreamBackend, simulated_streams
@@ -175,6 +177,90 @@ def test_broken_stores_fail_the_invariance_check(store_class):
     assert backend.hazards
     with pytest.raises(AssertionError):
         assert_same_result(model, optimizer, reference_model, reference_optimizer)
+
+
+class DropsDeviceBufferBeforeWriteBack(PageStore):
+    """Drops the device buffer of a page being written back without ``release`` and without waiting: on CUDA,
+    where ``release`` does nothing, its block is freed there while the write-back still reads it."""
+
+    def _finish_page_out(self, page, wait: bool) -> None:
+        self._outgoing.remove(page)
+        page.device, page.event = None, None
+        self._set_state(page, PageState.HOST)
+
+
+class DropsDeviceBufferAfterWriteBack(PageStore):
+    """Waits for the write-back, then drops the device buffer without ``release``: correct on CUDA (the block is
+    freed when its last reference drops, after the host has seen the copy complete)."""
+
+    def _finish_page_out(self, page, wait: bool) -> None:
+        self.stats.stall_seconds += self.backend.wait(page.event)
+        self._outgoing.remove(page)
+        page.device, page.event = None, None
+        self._set_state(page, PageState.HOST)
+
+
+def test_a_device_buffer_collected_while_its_copy_is_pending_is_a_hazard():
+    backend = SimulatedStreamBackend(delay=0.05)
+    try:
+        device = backend.empty_device([(4, torch.float32)])
+        page_in = backend.copy_to_device(device, (torch.arange(4.0),))
+        del device  # CUDA frees the block here; the copy writes into memory the allocator may hand out again
+        assert backend.hazards and backend.device_bytes == 0
+        backend.order_after(page_in)
+        hazards = len(backend.hazards)
+        device = backend.empty_device([(4, torch.float32)])
+        backend.order_after(backend.copy_to_device(device, (torch.ones(4),)))
+        host = (torch.zeros(4),)
+        write_back = backend.copy_to_host(host, device)
+        del device  # the write-back reads a freed block
+        assert len(backend.hazards) == hazards + 1
+        backend.wait(write_back)
+        assert torch.isnan(host[0]).all()  # garbage, not the page's values
+        device = backend.empty_device([(4, torch.float32)])
+        backend.wait(backend.copy_to_host(host, device))
+        del device  # the host has seen the copy complete: freeing the block is safe
+        assert len(backend.hazards) == hazards + 1 and backend.device_bytes == 0
+    finally:
+        backend.close()
+
+
+def test_a_device_buffer_dropped_without_release_before_its_write_back_completes_is_caught():
+    reference_model, reference_optimizer = unlimited("PagedAdamW")
+    model, optimizer, backend = run_with_store(DropsDeviceBufferBeforeWriteBack, "PagedAdamW", delay=5e-3)
+    assert any("last reference dropped" in hazard for hazard in backend.hazards)
+    with pytest.raises(AssertionError):
+        assert_same_result(model, optimizer, reference_model, reference_optimizer)
+
+
+def test_a_device_buffer_dropped_without_release_after_its_write_back_is_freed_as_on_cuda():
+    reference_model, reference_optimizer = unlimited("PagedAdamW")
+    model, optimizer, backend = run_with_store(DropsDeviceBufferAfterWriteBack, "PagedAdamW", delay=5e-4)
+    assert_same_result(model, optimizer, reference_model, reference_optimizer)
+    assert backend.hazards == [] and optimizer.paging_stats()["page_outs"] > 0
+    assert backend.device_bytes == optimizer.paging_stats()["device_bytes"]
+
+
+def test_the_optimizer_frees_device_buffers_only_after_their_copies(optimizer_name):
+    """Swapped-out tensors whose pages are freed, a load, eviction, budget changes and the optimizer dropped at the
+    end: no device buffer is released or collected while a copy uses it, and every one is freed in the end."""
+    batches = regression_batches(STEPS)
+    with simulated_streams(delay=2e-3) as backends:
+        model, optimizer = build(optimizer_name, device_budget=PAGE_SIZE, prefetch=2)
+        train(model, optimizer, batches[:2])
+        train_with_swaps(model, optimizer, batches[2:4])
+        optimizer.load_state_dict(optimizer.state_dict())
+        optimizer.set_device_budget(3 * PAGE_SIZE)
+        train(model, optimizer, batches[4:5])
+        optimizer.evict(PAGE_SIZE)
+        optimizer.set_device_budget(PAGE_SIZE)
+        train_with_swaps(model, optimizer, batches[5:])
+        (backend,) = backends
+        assert backend.device_bytes == optimizer.paging_stats()["device_bytes"] > 0
+        del optimizer
+        gc.collect()
+        assert backend.device_bytes == 0
+    assert backend.hazards == []
 
 
 def test_host_waits_for_page_ins_are_caught():
