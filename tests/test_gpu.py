@@ -1,6 +1,14 @@
-"""Parity, paging invariance and the budget on CUDA: pinned host pages, one copy stream per direction."""
+"""Parity, paging invariance and the budget on CUDA: pinned host pages, one copy stream per direction.
+
+The paging tests run on a busy device: large pages, and a long kernel queued on the compute stream before each
+``step()`` and ``evict()``, so that every copy is issued while the compute work it must follow is still queued and
+every update while its page-in is still running. Mutation checks remove each ordering guard of
+:class:`~hf_paged.device.StreamBackend` (``wait_stream``, ``order_after``, the event record) and see the tests fail.
+"""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -29,6 +37,79 @@ def run(name: str, **paging):
     return model, optimizer
 
 
+BIG_PAGE = 8 * 2**20
+"""Bytes of a page on the busy device: a copy of one takes hundreds of microseconds, an update of it far less."""
+
+SLEEP_CYCLES = 50_000_000
+"""GPU clock cycles of the kernel queued before each step() and evict() (tens of milliseconds)."""
+
+
+def make_wide_mlp(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """An MLP (1024 -> 4096 -> 4096 -> 1024, 25M parameters) on the GPU: several 8 MiB pages of any state format."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1024, 4096),
+        torch.nn.GELU(),
+        torch.nn.Linear(4096, 4096),
+        torch.nn.GELU(),
+        torch.nn.Linear(4096, 1024),
+    )
+    return model.to(DEVICE, dtype)
+
+
+def wide_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` fixed (input, target) batches for the wide MLP."""
+    generator = torch.Generator().manual_seed(1)
+    return [tuple(torch.randn(32, 1024, generator=generator) for _ in range(2)) for _ in range(steps)]
+
+
+def train_on_a_busy_device(name: str, steps: int = 3, evict: bool = False, **paging):
+    """Train the wide MLP with a long kernel queued on the compute stream before each step() (and evict()); the
+    device bytes of its state are checked against the budget after every page operation."""
+    model = make_wide_mlp()
+    optimizer = OPTIMIZERS[name](decay_groups(model), **optimizer_kwargs(name, page_size=BIG_PAGE, **paging))
+    budget = paging.get("device_budget")
+    if budget is not None:
+        optimizer._store.add_observer(lambda operation, page: _check_budget(optimizer, budget))
+    for inputs, targets in wide_batches(steps):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(inputs.to(DEVICE)), targets.to(DEVICE)).backward()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        optimizer.step()
+        if evict:
+            torch.cuda._sleep(SLEEP_CYCLES)
+            optimizer.evict()
+    torch.cuda.synchronize()
+    return model, optimizer
+
+
+def assert_paging_on_a_busy_device_matches_unlimited(name: str, prefetch: int, compiled: bool = False) -> None:
+    """Paged (under a budget of two pages, and with every page evicted after each step) equals unlimited, bitwise."""
+    reference_model, reference = train_on_a_busy_device(name, compiled=compiled)
+    budget = 2 * BIG_PAGE
+    paged_model, paged = train_on_a_busy_device(name, device_budget=budget, prefetch=prefetch, compiled=compiled)
+    evicted_model, evicted = train_on_a_busy_device(name, evict=True, compiled=compiled)
+    assert paged.paging_stats()["page_outs"] > 0 and evicted.paging_stats()["page_outs"] > 0
+    assert paged.paging_stats()["device_bytes"] <= budget
+    expected_state = reference.state_dict()
+    for model, optimizer in ((paged_model, paged), (evicted_model, evicted)):
+        for param, expected in zip(model.parameters(), reference_model.parameters(), strict=True):
+            assert torch.equal(param, expected)
+        assert_state_equal(optimizer.state_dict(), expected_state)
+
+
+def _remove_guard(monkeypatch, guard: str) -> None:
+    """Make one ordering guard of the CUDA backend a no-op."""
+    from hf_paged.device import StreamBackend
+
+    if guard == "wait_stream":  # copies no longer wait for the compute work queued before them
+        monkeypatch.setattr(torch.cuda.Stream, "wait_stream", lambda self, stream: None)
+    elif guard == "order_after":  # updates no longer wait for their page's copy
+        monkeypatch.setattr(StreamBackend, "order_after", lambda self, event: None)
+    else:  # events complete at once: nothing waits for a copy
+        monkeypatch.setattr(torch.cuda.Event, "record", lambda self, stream=None: None)
+
+
 def test_adamw_matches_torch_adamw_on_cuda():
     batches = regression_batches(50)
     reference = make_mlp().to(DEVICE)
@@ -40,24 +121,32 @@ def test_adamw_matches_torch_adamw_on_cuda():
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
-def test_paging_is_invariant_and_within_budget_on_cuda(optimizer_name, prefetch):
-    reference_model, reference = run(optimizer_name)
-    model = make_mlp().to(DEVICE)
-    budget = 2 * 4096
-    optimizer = OPTIMIZERS[optimizer_name](
-        decay_groups(model), **optimizer_kwargs(optimizer_name, device_budget=budget, prefetch=prefetch)
-    )
-    optimizer._store.add_observer(lambda operation, page: _check_budget(optimizer, budget))
-    train_on(model, optimizer, regression_batches(6))
-    for param, expected in zip(model.parameters(), reference_model.parameters()):
-        assert torch.equal(param, expected)
-    stats = optimizer.paging_stats()
-    assert stats["page_outs"] > 0 and stats["device_bytes"] <= budget
-    pages = optimizer._store.pages
-    assert any(page.host is not None and page.host[0].is_pinned() for page in pages)
+def test_paging_on_a_busy_device_is_invariant_and_within_budget(optimizer_name, prefetch):
+    assert_paging_on_a_busy_device_matches_unlimited(optimizer_name, prefetch)
+
+
+def test_compiled_paging_on_a_busy_device_is_invariant(optimizer_name, monkeypatch):
+    from hf_paged.kernels import compile_available
+
+    if not compile_available(DEVICE):
+        pytest.skip("no usable Triton for torch.compile")
+    monkeypatch.setenv("HF_PAGED_COMPILE", "1")
+    torch._dynamo.reset()
+    assert_paging_on_a_busy_device_matches_unlimited(optimizer_name, prefetch=2, compiled=True)
+
+
+@pytest.mark.parametrize("guard", ["wait_stream", "order_after", "event record"])
+def test_the_busy_device_check_fails_without_each_ordering_guard(monkeypatch, guard):
+    _remove_guard(monkeypatch, guard)
+    with pytest.raises(AssertionError):
+        assert_paging_on_a_busy_device_matches_unlimited("PagedAdamW", prefetch=2)
+
+
+def test_paged_state_rests_in_pinned_host_memory_on_cuda(optimizer_name):
+    model, optimizer = run(optimizer_name, device_budget=2 * 4096, prefetch=2)
+    assert any(page.host is not None and page.host[0].is_pinned() for page in optimizer._store.pages)
     saved = optimizer.state_dict()
     assert all(value.device.type == "cpu" for entry in saved["state"].values() for value in entry.values())
-    assert_state_equal(saved, reference.state_dict())
 
 
 def _check_budget(optimizer, budget):
@@ -206,30 +295,110 @@ def _steps_and_grads(model, batches):
         yield
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("budget", [None, 2 * 4096])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_step_never_synchronizes_the_host(optimizer_name, compiled, budget, dtype):
-    from hf_paged.kernels import compile_available
+class HostWaits:
+    """Records the host's waits that ``set_sync_debug_mode`` does not flag: ``torch.cuda.Event.synchronize``
+    (cudaEventSynchronize), ``torch.cuda.Stream.synchronize`` and ``torch.cuda.synchronize``, while recording."""
 
-    if compiled and not compile_available(DEVICE):
-        pytest.skip("no usable Triton for torch.compile")
+    def __init__(self, monkeypatch) -> None:
+        self.events: list[torch.cuda.Event] = []
+        self.streams_and_devices: list[str] = []
+        self._recording = False
+        event_synchronize, stream_synchronize, synchronize = (
+            torch.cuda.Event.synchronize,
+            torch.cuda.Stream.synchronize,
+            torch.cuda.synchronize,
+        )
+
+        def on_event(event):
+            if self._recording:
+                self.events.append(event)
+            return event_synchronize(event)
+
+        def on_stream(stream):
+            if self._recording:
+                self.streams_and_devices.append(f"stream {stream}")
+            return stream_synchronize(stream)
+
+        def on_device(device=None):
+            if self._recording:
+                self.streams_and_devices.append(f"device {device}")
+            return synchronize(device)
+
+        monkeypatch.setattr(torch.cuda.Event, "synchronize", on_event)
+        monkeypatch.setattr(torch.cuda.Stream, "synchronize", on_stream)
+        monkeypatch.setattr(torch.cuda, "synchronize", on_device)
+
+    @contextlib.contextmanager
+    def recording(self):
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = False
+
+
+def assert_step_never_synchronizes_the_host(monkeypatch, optimizer_name, compiled, budget, dtype):
+    """Steps 3 and 4, each behind a long kernel on the compute stream, neither sync under ``set_sync_debug_mode``
+    nor wait on the host for a page-in's event, a stream or the device; without a budget they wait for nothing."""
     model = make_mlp(dtype=dtype).to(DEVICE)
     optimizer = OPTIMIZERS[optimizer_name](
         decay_groups(model), **optimizer_kwargs(optimizer_name, device_budget=budget, compiled=compiled)
     )
+    waits = HostWaits(monkeypatch)
+    page_in_events = []  # the events themselves, so that no id is reused
     for step, _ in enumerate(_steps_and_grads(model, regression_batches(4))):
         if step < 2:  # the first steps compile kernels and allocate pinned host pages
             optimizer.step()
             continue
+        if step == 2:
+            for store in optimizer._store.stores.values():
+                _record_page_ins(store.backend, page_in_events)
         torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)  # the step's copies wait for it: none has completed when the step looks
         torch.cuda.set_sync_debug_mode("error")
         try:
-            optimizer.step()
+            with waits.recording():
+                optimizer.step()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    if budget is not None:
-        assert optimizer.paging_stats()["page_outs"] > 0
+    assert waits.streams_and_devices == []
+    page_ins = {id(event) for event in page_in_events}
+    assert not [event for event in waits.events if id(event) in page_ins]
+    if budget is None:
+        assert waits.events == []
+    else:
+        assert optimizer.paging_stats()["page_outs"] > 0 and page_in_events
+
+
+def _record_page_ins(backend, events: list) -> None:
+    copy_to_device = backend.copy_to_device
+
+    def recording_copy(dst, src):
+        event = copy_to_device(dst, src)
+        events.append(event)
+        return event
+
+    backend.copy_to_device = recording_copy
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("budget", [None, 2 * 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_never_synchronizes_the_host(monkeypatch, optimizer_name, compiled, budget, dtype):
+    from hf_paged.kernels import compile_available
+
+    if compiled and not compile_available(DEVICE):
+        pytest.skip("no usable Triton for torch.compile")
+    assert_step_never_synchronizes_the_host(monkeypatch, optimizer_name, compiled, budget, dtype)
+
+
+def test_the_host_sync_check_catches_a_host_wait_for_a_page_in(monkeypatch):
+    """A backend that makes the host wait for each page-in's event (which ``set_sync_debug_mode`` lets pass)."""
+    from hf_paged.device import StreamBackend
+
+    monkeypatch.setattr(StreamBackend, "order_after", lambda self, event: self.wait(event))
+    with pytest.raises(AssertionError):
+        assert_step_never_synchronizes_the_host(monkeypatch, "PagedAdamW", False, 2 * 4096, torch.float32)
 
 
 @pytest.mark.parametrize("budget", [2 * 4096, "auto"])

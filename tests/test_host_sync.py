@@ -3,7 +3,9 @@
 On CUDA, a tensor built from a Python number on the device is a blocking copy from pageable memory, and
 ``.item()`` (or ``bool``, ``float``, ``tolist``) of a device tensor waits for the stream. The page loop must
 do neither: every call that would is recorded here while a page is being updated.
-tests/test_gpu.py runs the same steps under ``torch.cuda.set_sync_debug_mode("error")``.
+tests/test_gpu.py runs the same steps under ``torch.cuda.set_sync_debug_mode("error")`` and records the event,
+stream and device synchronizations that mode lets pass; tests/test_async_backend.py counts the host's waits for
+page-ins on the simulated stream device.
 """
 
 from __future__ import annotations
