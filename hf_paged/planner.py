@@ -309,6 +309,24 @@ def _page_backend(ledger: _Ledger, host_is_device: bool) -> Iterator[None]:
         device_module._backend_factory = previous
 
 
+@contextlib.contextmanager
+def _host_rng_states_counted(ledger: _Ledger) -> Iterator[None]:
+    """The CPU generator's states that ``torch.get_rng_state`` returns are counted (activation checkpointing saves
+    one, about 5 KiB, per checkpointed call); they are made without an operator, so no dispatch mode sees them."""
+    original = torch.get_rng_state
+
+    def get_rng_state() -> torch.Tensor:
+        state = original()
+        ledger.add(state.untyped_storage())
+        return state
+
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original
+
+
 def _apply_to_fake_tensors(
     module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
 ) -> nn.Module:
@@ -512,6 +530,8 @@ def plan(
         _page_backend(ledger, host_is_device=target.type == "cpu"),
         # the C++ kernels update only CPU pages: elsewhere the PyTorch kernels run, with their chunks' temporaries
         contextlib.nullcontext() if target.type == "cpu" else host_kernels_disabled(),
+        # host memory, so on the device only when the device is the host
+        _host_rng_states_counted(ledger) if target.type == "cpu" else contextlib.nullcontext(),
         warnings.catch_warnings(),
     ):
         # a pointer comparison of fake tensors (all at 0) decides only whether to copy, never what is allocated
