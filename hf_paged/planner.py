@@ -241,8 +241,8 @@ def _grouped_mm_output(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The output of ``aten._grouped_mm`` as the CPU and CUDA kernels allocate it: in ``out_dtype`` or the inputs'
-    dtype, each row padded to 16 bytes. The fake kernel takes only bfloat16 inputs (the CUDA kernel's first
-    rule), where the CPU kernel multiplies float32 as well (transformers' mixture-of-experts models in float32)."""
+    dtype, each row padded to 16 bytes (``bias`` does not change it). PyTorch's fake kernel takes only bfloat16
+    inputs, where the CPU kernel multiplies float32 as well (transformers' mixture-of-experts models in float32)."""
     dtype = out_dtype or mat_a.dtype
     if mat_a.dim() == 2 and mat_b.dim() == 2:  # the groups split the inner dimension: one output per group
         size = [offs.size(0), mat_a.size(0), mat_b.size(1)]
@@ -490,7 +490,8 @@ def plan(
     """Predict the device memory of training, in bytes, by tracing ``steps`` training steps under fake tensors.
 
     Args:
-        model: builds the model (called under ``FakeTensorMode``: its weights take no memory).
+        model: builds the model (called under ``FakeTensorMode``: its weights take no memory). It may convert
+            dtypes (``to``, ``half``, ``bfloat16``...: tied weights stay tied) and deep-copy modules.
         batch: makes one batch (called at each step, under the same mode), e.g. a dict of ``input_ids`` and
             ``labels``.
         optimizer: builds the optimizer of the model's trainable parameters. Traced eagerly: build it
@@ -509,6 +510,10 @@ def plan(
 
     Returns:
         the :class:`MemoryPlan`: each phase's peak and what it holds.
+
+    Raises:
+        PlanningError: an operator of the step returns a shape or value that depends on the values in tensors
+            (routing that loops over the chosen experts, ``.item()``...), which fake tensors do not have.
     """
     started = time.perf_counter()
     for name, value in (("model", model), ("batch", batch), ("optimizer", optimizer), ("loss", loss)):
