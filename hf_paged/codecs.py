@@ -39,6 +39,7 @@ moments with blocks of 256.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -47,6 +48,10 @@ import torch
 from .rounding import ieee_sqrt
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
+
+ADDRESS_ALIGNMENT = 16
+"""Bytes to which every view a kernel takes is aligned (when its buffer is): compiled kernels assume inputs aligned
+to 16 bytes as the first call's were, and copy any that are not in and out at every call."""
 
 EncodedSegment = tuple[torch.Tensor, ...]
 """The arrays of one segment's encoded state: views into a page's buffers."""
@@ -63,6 +68,12 @@ class Float32Codec:
     fields: tuple[str, ...] = ("",)
     saved_like_param: ClassVar[bool] = True
     """Whether the first field holds one entry per element, so that it is saved shaped like the parameter."""
+
+    @property
+    def address_alignment(self) -> int:
+        """Elements: a segment starting at a multiple of it starts at a multiple of ``ADDRESS_ALIGNMENT`` bytes of
+        the values."""
+        return ADDRESS_ALIGNMENT // torch.float32.itemsize
 
     def buffer_specs(self, capacity: int) -> tuple[BufferSpec, ...]:
         """The buffers that hold ``capacity`` elements of this state: the fp32 values."""
@@ -105,6 +116,14 @@ class _BlockScaled:
     @property
     def alignment(self) -> int:
         return self.block_size
+
+    @property
+    def address_alignment(self) -> int:
+        """Elements: a segment starting at a multiple of it starts at a multiple of ``ADDRESS_ALIGNMENT`` bytes of
+        the codes. (Its scales, 4 bytes a block, start there only at every fourth block: a kernel takes an aligned
+        copy of them otherwise, a few bytes, rather than pages padded by up to 3 blocks a segment.)"""
+        (code_bytes, _), _ = self.buffer_specs(self.block_size)  # one block's codes
+        return ADDRESS_ALIGNMENT * self.block_size // code_bytes
 
     def block_scales(self, values: torch.Tensor) -> torch.Tensor:
         """The scales of fp32 ``values`` shaped ``(blocks, block_size)``: each block's largest finite magnitude.
@@ -319,6 +338,24 @@ class PageFormat:
     def alignment(self) -> int:
         return max(codec.alignment for codec in self.codecs)
 
+    @property
+    def offset_alignment(self) -> int:
+        """Elements: a segment at a multiple of it in a page starts on a block and its views of the values and codes
+        at multiples of ``ADDRESS_ALIGNMENT`` bytes."""
+        return math.lcm(self.alignment, *(codec.address_alignment for codec in self.codecs))
+
+    @property
+    def split_alignment(self) -> int:
+        """Elements: a tensor cut at multiples of it (between pages) has each part's parameter and gradient elements
+        start at a multiple of ``ADDRESS_ALIGNMENT`` bytes, whatever their dtype (1 byte an element or more)."""
+        return math.lcm(self.alignment, ADDRESS_ALIGNMENT)
+
+    @property
+    def chunk_alignment(self) -> int:
+        """Elements: chunks of a segment that start at multiples of it start their parameter, gradient, values and
+        codes aligned."""
+        return math.lcm(self.offset_alignment, self.split_alignment)
+
     def buffer_specs(self, capacity: int) -> list[BufferSpec]:
         """The buffers of a page holding ``capacity`` elements, codec after codec."""
         return [spec for codec in self.codecs for spec in codec.buffer_specs(capacity)]
@@ -328,8 +365,8 @@ class PageFormat:
         return sum(numel * dtype.itemsize for numel, dtype in self.buffer_specs(capacity))
 
     def capacity_for(self, page_bytes: int) -> int:
-        """The most elements, a multiple of the alignment, whose page fits in ``page_bytes``."""
-        return page_bytes // self.nbytes(self.alignment) * self.alignment
+        """The most elements, a multiple of the split alignment, whose page fits in ``page_bytes``."""
+        return page_bytes // self.nbytes(self.split_alignment) * self.split_alignment
 
     def arrays(self, buffers: tuple[torch.Tensor, ...]) -> list[EncodedSegment]:
         """A page's buffers grouped by codec."""

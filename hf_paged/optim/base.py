@@ -21,7 +21,7 @@ import torch
 from torch.optim import Optimizer
 
 from ..budget import AutoBudget
-from ..codecs import QUANTIZED_CODECS, Float32Codec, PageFormat, to_blocks
+from ..codecs import ADDRESS_ALIGNMENT, QUANTIZED_CODECS, Float32Codec, PageFormat, to_blocks
 from ..device import backend_for
 from ..kernels import SegmentKernel, UpdateRule, prepare_scalars, resolve_compiled, runs_compiled, segment_kernel
 from ..memory import probe_for
@@ -182,7 +182,7 @@ class PagedOptimizer(Optimizer):
         self._formats = self._page_formats(block_size)
         for page_format in self._formats.values():
             if page_format.capacity_for(self.page_size) == 0:
-                one_block = page_format.nbytes(page_format.alignment)
+                one_block = page_format.nbytes(page_format.split_alignment)
                 raise ValueError(
                     f"page_size={self.page_size} bytes is smaller than one block of state ({one_block} bytes)"
                 )
@@ -719,7 +719,11 @@ class PagedOptimizer(Optimizer):
     ) -> None:
         """Run ``kernel`` on the elements of a segment that ``progress`` has not reached: its whole blocks in place,
         chunk by chunk (in one call where the kernel allocates nothing), each chunk whole or not at all; a partial
-        last block through padded copies."""
+        last block through padded copies.
+
+        Every tensor the kernel takes starts at a 16-byte boundary: the layout aligns the parameter, gradient, values
+        and codes of each chunk (see :class:`~hf_paged.codecs.PageFormat`), and scales that start elsewhere go
+        through an aligned copy."""
         codecs = page.format.codecs
         alignment = page.format.alignment
         body = segment.length - segment.length % alignment
@@ -731,20 +735,20 @@ class PagedOptimizer(Optimizer):
             end = min(start + chunk, body)
             encoded = [codec.select(array, segment.offset + start, end - start) for codec, array in zip(codecs, arrays)]
             param_chunk, grad_chunk = to_blocks(param[start:end], alignment), to_blocks(grad[start:end], alignment)
-            _update_whole(kernel, param_chunk, grad_chunk, encoded, scalars)
+            _update_aligned(kernel, param_chunk, grad_chunk, encoded, scalars)
             progress.reach(segment, end)
         if body < segment.length:
             tail = segment.length - body
             encoded = [codec.select(array, segment.offset + body, tail) for codec, array in zip(codecs, arrays)]
             padded = to_blocks(param[body:], alignment)
-            _update_whole(kernel, padded, to_blocks(grad[body:], alignment), encoded, scalars)
+            _update_aligned(kernel, padded, to_blocks(grad[body:], alignment), encoded, scalars)
             param[body:].copy_(padded.view(-1)[:tail])
         progress.finish(segment)
 
     def _chunk_elements(self, page_format: PageFormat, compiled: bool) -> int:
         """Elements of a segment updated by one kernel call: ``page_size // 16`` eagerly, ``page_size // 8``
-        compiled, in whole blocks."""
-        alignment = page_format.alignment
+        compiled, a multiple of the chunk alignment (whole blocks, every view 16-byte aligned)."""
+        alignment = page_format.chunk_alignment
         divisor = _PAGE_BYTES_PER_CHUNK_ELEMENT[compiled]
         return max(alignment, self.page_size // divisor // alignment * alignment)
 
@@ -758,7 +762,9 @@ class PagedOptimizer(Optimizer):
             compiled = setting and runs_compiled(self.update_rule(), page_format.codecs)
             per_element = _WORKSPACE_BYTES_PER_ELEMENT[compiled, kind]
             padded_tail = 3 * page_format.alignment * 4  # a partial last block's padded parameter, gradient, zeros
-            workspaces.append(per_element * self._chunk_elements(page_format, compiled) + padded_tail)
+            chunk = self._chunk_elements(page_format, compiled)
+            scale_copies = sum(4 * -(-chunk // codec.alignment) for codec in page_format.codecs if codec.alignment > 1)
+            workspaces.append(per_element * chunk + padded_tail + scale_copies)
         return max(workspaces)
 
     # Copying and pickling -------------------------------------------------------------------------------
@@ -966,6 +972,31 @@ def _update_whole(
         for target, copy_of_target in zip(targets, saved):
             target.copy_(copy_of_target)
         raise
+
+
+def _update_aligned(
+    kernel: SegmentKernel,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    encoded: list[tuple[torch.Tensor, ...]],
+    scalars: dict[str, float | torch.Tensor],
+) -> None:
+    """:func:`_update_whole` with each ``encoded`` array that does not start at a 16-byte boundary (a chunk's scales,
+    4 bytes a block, where the chunk does not start at every fourth block) replaced by an aligned copy, written back
+    once the update succeeded: a compiled kernel assumes aligned inputs."""
+    copies = []
+    aligned = []
+    for arrays in encoded:
+        aligned_arrays = []
+        for array in arrays:
+            if array.data_ptr() % ADDRESS_ALIGNMENT:
+                copies.append((array, array.clone()))
+                array = copies[-1][1]
+            aligned_arrays.append(array)
+        aligned.append(tuple(aligned_arrays))
+    _update_whole(kernel, param, grad, aligned, scalars)
+    for array, copy_of_array in copies:
+        array.copy_(copy_of_array)
 
 
 class _HeldWeakly(weakref.ref):

@@ -6,7 +6,10 @@ ZeRO's flat fp32 partitions), the new tensors get pages of their own size. A ten
 away from the param groups (ZeRO-3 lists its partitions only around ``step()``), and meets them again when it
 comes back; the optimizer frees the pages of a tensor away that nothing else holds. The layout never changes the
 values of state: every segment starts on a block boundary of the tensor's elements, so blocks fall on the same
-elements however tensors are packed into pages.
+elements however tensors are packed into pages. Segments and the cuts between them are aligned so that the views a
+kernel takes of a parameter, its gradient and each state's values or codes start at 16-byte boundaries (the
+optimizer copies a chunk's scales where they do not): compiled kernels assume aligned inputs and otherwise copy them
+in and out at every call, which before torch 2.8 lost the writes (pytorch#152425).
 """
 
 from __future__ import annotations
@@ -51,6 +54,10 @@ class TensorPages:
         return self.shape.numel()
 
 
+def _round_up(elements: int, multiple: int) -> int:
+    return -(-elements // multiple) * multiple
+
+
 class StateLayout:
     """The pages of every tensor that has state, in a :class:`~hf_paged.stores.DeviceStores`.
 
@@ -91,7 +98,12 @@ class StateLayout:
 
     def place(self, tensors: Sequence[tuple[torch.Tensor, str]]) -> None:
         """Give ``(tensor, format name)`` pairs that have no pages yet new pages, packed one after another in one
-        open page per device and format; the last page of each is trimmed to what it holds."""
+        open page per device and format; the last page of each is trimmed to what it holds.
+
+        Each segment starts at a multiple of the format's :attr:`~hf_paged.codecs.PageFormat.offset_alignment` in
+        its page, and a tensor is cut between pages at multiples of its
+        :attr:`~hf_paged.codecs.PageFormat.split_alignment`, so that the views of each segment start at 16-byte
+        boundaries (the padding between segments is less than 16 bytes of each buffer)."""
         open_pages: dict[tuple[str, str], Page] = {}
         used: dict[int, int] = {}
         for tensor, kind in tensors:
@@ -105,15 +117,18 @@ class StateLayout:
             start, numel = 0, local.numel()
             while start < numel:
                 page = open_pages.get((device, kind))
-                if page is None or used[page.index] == page.capacity:
+                offset = 0 if page is None else _round_up(used[page.index], page_format.offset_alignment)
+                room = 0 if page is None else page.capacity - offset
+                left = numel - start
+                length = left if left <= room else room - room % page_format.split_alignment
+                if length <= 0:
                     page = self.store.add_page(page_format, page_format.capacity_for(self.page_size), device)
                     open_pages[device, kind] = page
-                    used[page.index] = 0
-                length = min(numel - start, page.capacity - used[page.index])
-                segment = Segment(owner, start, length, used[page.index])
+                    offset, length = 0, min(left, page.capacity)
+                segment = Segment(owner, start, length, offset)
                 page.segments.append(segment)
                 segments.append((page, segment))
-                used[page.index] += -(-length // page_format.alignment) * page_format.alignment
+                used[page.index] = offset + _round_up(length, page_format.alignment)
                 start += length
             self._pages_of[tensor] = TensorPages(owner, local.shape, device, kind, segments)
             self._tensor_of[owner] = tensor
