@@ -63,7 +63,8 @@ chunk's update writes (its parameter elements and encoded state), taken so that 
 A step's workspace is thus two to three pages, whatever the page and model size."""
 
 WorkItem = tuple[Segment, torch.Tensor, torch.Tensor, float, dict[str, Any]]
-"""One segment's update in a step: the segment, its parameter and gradient elements, the step, the group."""
+"""One segment's update in a step: the segment, its parameter and gradient elements, the step, the group (as the step
+reads it: a copy with a tensor ``lr`` read as a float, once per step)."""
 
 _BETWEEN_STEPS = "hf_paged.optimizer.between_steps"
 """The probe mark automatic budgets set at the end of each step: the forward/backward phase. Every optimizer on a
@@ -448,7 +449,11 @@ class PagedOptimizer(Optimizer):
         progress = _StepProgress(step_counts, torch._foreach_add(step_counts, 1.0))
         by_page: dict[int, list[WorkItem]] = defaultdict(list)
         step_devices: set[tuple[torch.device, float]] = set()
+        step_groups: dict[int, dict[str, Any]] = {}
         for index, (param, grad, group) in enumerate(work):
+            if id(group) not in step_groups:
+                step_groups[id(group)] = _read_once(group)
+            group = step_groups[id(group)]
             step = progress.new_counts[index].item()
             local = local_tensor(param)
             flat_param = flat_elements(local.detach())
@@ -927,6 +932,14 @@ def _store_stats(store: PageStore | DeviceStores) -> dict[str, int | float | Non
         "stall_seconds": stats.stall_seconds,
         "device_budget": store.device_budget,
     }
+
+
+def _read_once(group: dict[str, Any]) -> dict[str, Any]:
+    """``group`` as one step reads it: a tensor ``lr`` (as schedulers keep it for capturable optimizers) read here,
+    once per step, as a float. Reading a device tensor waits for the device; each page reading it would stall the
+    host and stop page copies from overlapping the updates."""
+    lr = group["lr"]
+    return {**group, "lr": float(lr)} if isinstance(lr, torch.Tensor) else group
 
 
 def _has_strided(items: list[WorkItem]) -> bool:
