@@ -16,6 +16,7 @@ import contextlib
 import gc
 import logging
 import random
+import re
 import sys
 import traceback
 from collections.abc import Callable, Iterable, Iterator
@@ -50,6 +51,10 @@ _ALLOCATION_FAILURES = (
 """How device libraries word a failed allocation that PyTorch raises as a ``RuntimeError``, not as
 ``torch.OutOfMemoryError`` (a library handle or workspace that found no memory)."""
 
+_DEVICE_NAMED = re.compile(r"\b(?:GPU|XPU|device) (\d+)\b")
+"""How an allocator's out-of-memory message names its device: "GPU 1 has a total capacity of ..." (CUDA and ROCm
+from torch 2.1, "(GPU 1; ..." before), XPU's likewise."""
+
 
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether ``error`` is a failed device allocation: ``torch.OutOfMemoryError``, or a ``RuntimeError`` in the
@@ -58,6 +63,13 @@ def is_out_of_memory(error: BaseException) -> bool:
         return True
     message = str(error)
     return isinstance(error, RuntimeError) and any(wording in message for wording in _ALLOCATION_FAILURES)
+
+
+def device_out_of_memory(error: BaseException, devices: Iterable[str]) -> str | None:
+    """The one of ``devices`` (``"cuda:1"``) whose index the out-of-memory ``error``'s message names, else ``None``."""
+    named = {int(index) for index in _DEVICE_NAMED.findall(str(error))}
+    matches = [device for device in devices if torch.device(device).index in named]
+    return matches[0] if len(matches) == 1 else None
 
 
 @dataclass
@@ -228,10 +240,11 @@ class OOMRecovery:
         self._grads_at_start = any(param.grad is not None for param in self._params())
         self._accelerators = self._accelerator_kinds()
         self._buffers = _BufferSnapshot(self.model) if self.model is not None and self.retries > 0 else None
-        auto = self.optimizer.auto_budget
-        self._marked = auto is not None and self.retries > 0
+        autos = self.optimizer.auto_budgets
+        self._marked = bool(autos) and self.retries > 0
         if self._marked:
-            auto.probe.mark(_WINDOW_MARK)
+            for auto in autos.values():
+                auto.probe.mark(_WINDOW_MARK)
 
     @contextlib.contextmanager
     def window(self, step: int | None = None) -> Iterator[OOMRecovery]:
@@ -283,14 +296,14 @@ class OOMRecovery:
     def _recover(self, error: RuntimeError) -> None:
         """Free the failed attempt's memory and make room, or raise ``error`` with a note."""
         stats = self.optimizer.paging_stats()
-        state_bytes = stats["device_bytes"]
-        probe = probe_for(self._device)
-        other_bytes = max(0, probe.allocated() - state_bytes)
+        device = self._device_out_of_memory(error, list(stats["devices"]))
+        device_stats = stats["devices"].get(str(device), {"device_bytes": 0, "host_bytes": 0})
+        other_bytes = max(0, probe_for(device).allocated() - device_stats["device_bytes"])
         traceback.clear_frames(error.__traceback__)  # the failed attempt's activations and graph
         self._failures += 1
         if self._failures > self.retries:
             self._micro_batches.clear()
-            error.add_note(self._explain(stats, other_bytes))
+            error.add_note(self._explain(device, device_stats, other_bytes))
             raise error
         if self._grads_at_start:
             self._micro_batches.clear()
@@ -299,7 +312,7 @@ class OOMRecovery:
                 "replay cannot restore them without a copy; clear them with zero_grad(set_to_none=True)"
             )
             raise error
-        self._learn(state_bytes)
+        self._learn(str(device))
         for param in self._params():
             param.grad = None
         if self._buffers is not None:
@@ -330,22 +343,36 @@ class OOMRecovery:
         if self.on_recovery is not None:
             self.on_recovery(recovery)
 
-    def _learn(self, state_bytes: int) -> None:
-        """Tell an automatic budget that the failed attempt needed at least the device's capacity."""
-        auto = self.optimizer.auto_budget
+    def _device_out_of_memory(self, error: RuntimeError, devices: list[str]) -> torch.device:
+        """The device that ran out of memory: the one of the optimizer's ``devices`` that ``error`` names; else, with
+        automatic budgets, the one whose peak since the window opened came closest to its capacity; else the device
+        of the first parameter."""
+        named = device_out_of_memory(error, devices)
+        if named is not None:
+            return torch.device(named)
+        autos = self.optimizer.auto_budgets
+        if self._marked and len(autos) > 1:
+            fullest = max(autos, key=lambda device: autos[device].probe.peak(_WINDOW_MARK) / autos[device].capacity)
+            return torch.device(fullest)
+        return torch.device(next(iter(autos))) if autos else self._device
+
+    def _learn(self, device: str) -> None:
+        """Tell ``device``'s automatic budget that the failed attempt needed at least its capacity besides the
+        optimizer state there (of every optimizer measuring it)."""
+        auto = self.optimizer.auto_budgets.get(device)
         if auto is None:
             return
         peak = auto.probe.peak(_WINDOW_MARK) if self._marked else auto.probe.allocated()
-        auto.observe(max(peak, auto.capacity) - state_bytes)
+        auto.observe(max(peak, auto.capacity) - auto.state_bytes())
 
-    def _explain(self, stats: dict[str, Any], other_bytes: int) -> str:
+    def _explain(self, device: torch.device, stats: dict[str, Any], other_bytes: int) -> str:
         step = f"step {self.step}" if self.step is not None else "one step"
         return (
             f"hf-paged: out of memory in forward/backward of {step} {self._failures} times in a row. After each of "
             f"the first {self.retries} it moved all optimizer state to host memory, freed the cached device "
             f"memory and replayed the step's micro-batches. At the last failure the optimizer state held "
-            f"{format_size(stats['device_bytes'])} on the device ({format_size(stats['host_bytes'])} on the "
-            f"host) and the rest of training {format_size(other_bytes)} (of {format_size(probe_for(self._device).capacity)} "
+            f"{format_size(stats['device_bytes'])} on {device} ({format_size(stats['host_bytes'])} on the "
+            f"host) and the rest of training {format_size(other_bytes)} (of {format_size(probe_for(device).capacity)} "
             f"capacity). {ADVICE}"
         )
 
