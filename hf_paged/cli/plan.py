@@ -626,10 +626,16 @@ def format_report(outcome: PlanReport) -> str:
             )
     lines.append(f"  {'peak':<28}{format_size(forward_backward.peak_bytes):>18}{format_size(step.peak_bytes):>18}")
     lines += [f"  ({note})" for note in result.notes]
+    everything = format_size(result.optimizer_state_bytes)
     if result.paged_state_bytes is not None and result.optimizer_state_bytes > step.by_kind["optimizer_state"]:
         lines.append(
             f"  (optimizer state on device: pages device_budget keeps there or updates, and step counts; all of it: "
-            f"{format_size(result.optimizer_state_bytes)})"
+            f"{everything})"
+        )
+    elif result.paged_state_bytes is not None and result.optimizer_state_bytes < step.by_kind["optimizer_state"]:
+        lines.append(
+            f"  (optimizer state on device, the host here: all of it, {everything}, and copies of the pages "
+            "device_budget keeps)"
         )
     if outcome.optimizer_states is not None:
         lines.append(
