@@ -49,7 +49,13 @@ def test_host_kernels_match_the_eager_kernels_in_every_capability(capability):
     environment = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "HF_PAGED_NATIVE": "1"}
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "test_native_kernels.py")]
     result = subprocess.run(
-        [*command, "-k", COMPARISONS], env=environment, capture_output=True, text=True, timeout=900, cwd=TESTS.parent
+        [*command, "-k", COMPARISONS],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=TESTS.parent,
+        check=False,
     )
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-2000:]
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]

@@ -45,7 +45,9 @@ def test_ieee_sqrt_does_not_depend_on_mkls_code_path():
         "print(int((x.sqrt() != expected).sum()), int((ieee_sqrt(x) != expected).sum()))\n"
     )
     environment = {**os.environ, "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}
-    result = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=120, check=False
+    )
     assert result.returncode == 0, result.stderr
     plain_misses, ieee_misses = map(int, result.stdout.split())
     assert ieee_misses == 0

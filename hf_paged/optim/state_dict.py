@@ -120,12 +120,12 @@ def parse_saved_entry(
     read before the parameter's first step) has step ``None`` and no states. Other keys (that users or libraries
     keep in ``optimizer.state[param]``) come back as they are, or with ``move_others`` as ``torch.optim`` loads
     them: tensors moved to the parameter's device and dtype. Raises ValueError naming the parameter and key at
-    fault.
+    fault (TypeError for an entry that is not a dict).
     """
     load = functools.partial(_like_torch_loads, param) if move_others else _as_it_is
     numel = local_tensor(param).numel()
     if not isinstance(entry, dict):
-        raise ValueError(f"state of parameter {saved_id!r} must be a dict, got {type(entry).__name__}")
+        raise TypeError(f"state of parameter {saved_id!r} must be a dict, got {type(entry).__name__}")
     if "step" not in entry:
         if any(key in entry for name in state_names for key in _saved_keys(name)):
             raise ValueError(f"state of parameter {saved_id!r} has no 'step'")
