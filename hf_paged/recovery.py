@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .memory import probe_for
+from .memory import MemoryProbe, probe_for
 from .sizes import format_size
 
 logger = logging.getLogger(__name__)
@@ -218,7 +218,8 @@ class OOMRecovery:
         self._failures = 0
         self._grads_at_start = False
         self._accelerators: set[str] = set()
-        self._marked = False
+        self._marked: set[MemoryProbe] = set()
+        """The probes whose window mark is set (those of the automatic budgets when the window opened)."""
         self._open = False
 
     def _params(self) -> list[torch.Tensor]:
@@ -240,11 +241,9 @@ class OOMRecovery:
         self._grads_at_start = any(param.grad is not None for param in self._params())
         self._accelerators = self._accelerator_kinds()
         self._buffers = _BufferSnapshot(self.model) if self.model is not None and self.retries > 0 else None
-        autos = self.optimizer.auto_budgets
-        self._marked = bool(autos) and self.retries > 0
-        if self._marked:
-            for auto in autos.values():
-                auto.probe.mark(_WINDOW_MARK)
+        self._marked = {auto.probe for auto in self.optimizer.auto_budgets.values()} if self.retries > 0 else set()
+        for probe in self._marked:
+            probe.mark(_WINDOW_MARK)
 
     @contextlib.contextmanager
     def window(self, step: int | None = None) -> Iterator[OOMRecovery]:
@@ -351,8 +350,9 @@ class OOMRecovery:
         if named is not None:
             return torch.device(named)
         autos = self.optimizer.auto_budgets
-        if self._marked and len(autos) > 1:
-            fullest = max(autos, key=lambda device: autos[device].probe.peak(_WINDOW_MARK) / autos[device].capacity)
+        marked = {device: auto for device, auto in autos.items() if auto.probe in self._marked}
+        if len(marked) > 1:
+            fullest = max(marked, key=lambda device: marked[device].probe.peak(_WINDOW_MARK) / marked[device].capacity)
             return torch.device(fullest)
         return torch.device(next(iter(autos))) if autos else self._device
 
@@ -362,7 +362,7 @@ class OOMRecovery:
         auto = self.optimizer.auto_budgets.get(device)
         if auto is None:
             return
-        peak = auto.probe.peak(_WINDOW_MARK) if self._marked else auto.probe.allocated()
+        peak = auto.probe.peak(_WINDOW_MARK) if auto.probe in self._marked else auto.probe.allocated()
         auto.observe(max(peak, auto.capacity) - auto.state_bytes())
 
     def _explain(self, device: torch.device, stats: dict[str, Any], other_bytes: int) -> str:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import hf_paged
+from hf_paged.budget import AutoBudget
 from hf_paged.memory import MemoryProbe
 from hf_paged.optim.base import PagedOptimizer
 from hf_paged.recovery import device_out_of_memory
@@ -107,3 +108,23 @@ def test_an_out_of_memory_message_names_its_device():
     assert device_out_of_memory(torch.OutOfMemoryError(older), devices) == "cuda:0"
     assert device_out_of_memory(RuntimeError("CUDA error: out of memory"), devices) is None
     assert device_out_of_memory(torch.OutOfMemoryError(NAMED), ["cuda:0"]) is None
+
+
+def test_a_budget_made_after_the_window_opened_learns_from_the_level_now(two_devices):
+    """A device whose automatic budget (and probe) came after the window opened has no window peak: it learns from
+    the allocation now, and the recovery goes on."""
+    model, memories = two_devices
+    optimizer = hf_paged.PagedAdamW8bit(
+        decay_groups(model), **optimizer_kwargs("PagedAdamW8bit", device_budget="auto")
+    )
+    late = AutoBudget(probe=MemoryProbe(SECOND, memory=ScriptedMemory(total=GIB, level=100 * MIB)))
+    held = {}
+
+    def fail():
+        if not held:
+            optimizer.set_device_budget({"cpu": "auto", SECOND: late})
+            held.update(optimizer.paging_stats()["devices"][SECOND])
+        return torch.OutOfMemoryError(NAMED)
+
+    predicted = train_with_recovery(model, optimizer, 4, fail)
+    assert predicted[3][SECOND] == GIB - held["device_bytes"]
