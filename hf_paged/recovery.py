@@ -83,6 +83,8 @@ class Recovery:
     attempt: int
     state_bytes_evicted: int
     other_bytes: int
+    """Bytes allocated on the device that ran out of memory (the one its error names, else the first), besides the
+    optimizer state there."""
     error: RuntimeError
     phase: str = "forward/backward"
     """``"forward/backward"`` (the step's micro-batches were replayed) or ``"optimizer step"`` (the pages left

@@ -22,7 +22,9 @@ from memory_utils import GIB, ScriptedMemory
 
 MIB = 2**20
 SECOND = "cpu:1"
-NAMED = "CUDA out of memory. Tried to allocate 64.00 MiB. GPU 1 has a total capacity of 1.00 GiB of which 0 bytes is free"
+NAMED = (
+    "CUDA out of memory. Tried to allocate 64.00 MiB. GPU 1 has a total capacity of 1.00 GiB of which 0 bytes is free"
+)
 
 
 @pytest.fixture
@@ -69,9 +71,7 @@ def train_with_recovery(model, optimizer, fail_at: int | None, fail) -> list[dic
 @pytest.mark.parametrize("charged_by", ["message", "memory"])
 def test_the_device_that_ran_out_learns_from_its_own_state(two_devices, charged_by):
     model, memories = two_devices
-    optimizer = hf_paged.PagedAdamW8bit(
-        decay_groups(model), **optimizer_kwargs("PagedAdamW8bit", device_budget="auto")
-    )
+    optimizer = hf_paged.PagedAdamW8bit(decay_groups(model), **optimizer_kwargs("PagedAdamW8bit", device_budget="auto"))
     held = {}
 
     def fail():
@@ -114,9 +114,7 @@ def test_a_budget_made_after_the_window_opened_learns_from_the_level_now(two_dev
     """A device whose automatic budget (and probe) came after the window opened has no window peak: it learns from
     the allocation now, and the recovery goes on."""
     model, memories = two_devices
-    optimizer = hf_paged.PagedAdamW8bit(
-        decay_groups(model), **optimizer_kwargs("PagedAdamW8bit", device_budget="auto")
-    )
+    optimizer = hf_paged.PagedAdamW8bit(decay_groups(model), **optimizer_kwargs("PagedAdamW8bit", device_budget="auto"))
     late = AutoBudget(probe=MemoryProbe(SECOND, memory=ScriptedMemory(total=GIB, level=100 * MIB)))
     held = {}
 
@@ -128,3 +126,29 @@ def test_a_budget_made_after_the_window_opened_learns_from_the_level_now(two_dev
 
     predicted = train_with_recovery(model, optimizer, 4, fail)
     assert predicted[3][SECOND] == GIB - held["device_bytes"]
+
+
+def test_an_out_of_memory_error_in_the_step_reports_the_other_bytes_of_the_device_that_ran_out(two_devices):
+    """A recovery inside ``step()`` reports what the device named by the error holds besides its optimizer state
+    (it reported the first device's allocation minus the state of every device)."""
+    model, memories = two_devices
+    memories[SECOND].set_level(300 * MIB)
+    optimizer = hf_paged.PagedAdamW8bit(decay_groups(model), **optimizer_kwargs("PagedAdamW8bit"))
+    reported = []
+    optimizer.on_oom_recovery = reported.append
+    batches = regression_batches(2)
+    for step, (inputs, targets) in enumerate(batches):
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(inputs), targets).backward()
+        if step == 1:
+            stream_pages = optimizer._stream_pages
+
+            def fail_once(*args, **kwargs):
+                optimizer._stream_pages = stream_pages
+                raise torch.OutOfMemoryError(NAMED)
+
+            optimizer._stream_pages = fail_once
+        optimizer.step()
+    (recovery,) = reported
+    assert recovery.phase == "optimizer step"
+    assert recovery.other_bytes == 300 * MIB  # its state went back to the host: all it holds is other memory

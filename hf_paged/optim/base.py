@@ -25,7 +25,7 @@ from ..codecs import ADDRESS_ALIGNMENT, QUANTIZED_CODECS, Float32Codec, PageForm
 from ..device import backend_for
 from ..kernels import SegmentKernel, UpdateRule, prepare_scalars, resolve_compiled, runs_compiled, segment_kernel
 from ..memory import probe_for
-from ..recovery import Recovery, empty_device_cache, is_out_of_memory
+from ..recovery import Recovery, device_out_of_memory, empty_device_cache, is_out_of_memory
 from ..sizes import format_size, parse_size
 from ..store import Page, PageStore, Segment
 from ..stores import DeviceBudget, DeviceStores
@@ -570,14 +570,15 @@ class PagedOptimizer(Optimizer):
             empty_device_cache(torch.device(device))
             budget = held[device] if store.device_budget is None else min(store.device_budget, held[device])
             store.set_budget(store.max_page_bytes if last else max(store.max_page_bytes, budget // 2))
-        first_device = torch.device(next(iter(self._store.stores)))
+        devices = list(self._store.stores)
+        ran_out = device_out_of_memory(error, devices) or devices[0]
         recovery = Recovery(
             step=None,
             micro_batch=None,
             micro_batches_replayed=0,
             attempt=attempt,
             state_bytes_evicted=evicted,
-            other_bytes=max(0, probe_for(first_device).allocated() - self._store.device_bytes),
+            other_bytes=max(0, probe_for(torch.device(ran_out)).allocated() - self._store.stores[ran_out].device_bytes),
             error=error,
             phase="optimizer step",
         )
