@@ -6,15 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import OPTIMIZERS, decay_groups, make_mlp, regression_batches, train
-from test_swapped_tensors import ZeroLike, make_optimizer, sharded_and_full
-
-
-def replace_groups(optimizer: torch.optim.Optimizer, mapping: dict[torch.Tensor, torch.Tensor]) -> list[dict]:
-    """Assign ``param_groups`` new group dicts, each a copy of one listing the tensors ``mapping`` gives; return the
-    groups it held."""
-    groups = optimizer.param_groups
-    optimizer.param_groups = [{**group, "params": [mapping[param] for param in group["params"]]} for group in groups]
-    return groups
+from test_swapped_tensors import ZeroLike, make_optimizer, replace_groups, sharded_and_full
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -46,19 +38,6 @@ def test_group_dicts_replaced_after_a_load_are_checked_too(name):
     replace_groups(optimizer, dict(zip(full.parameters(), sharded.parameters(), strict=True)))
     with pytest.raises(RuntimeError, match=r"parameter 0 of param group 0 is a new tensor of shape \(32, 20\)"):
         train(sharded, optimizer, regression_batches(1))
-
-
-@pytest.mark.parametrize("name", ["torch AdamW", "PagedAdamW"])
-def test_group_dicts_replaced_by_ones_with_tensors_of_the_same_shape_start_afresh_as_in_torch(name):
-    first, second = make_mlp(seed=0), make_mlp(seed=1)
-    optimizer = make_optimizer(name, decay_groups(first))
-    train(first, optimizer, regression_batches(2))
-    replace_groups(optimizer, dict(zip(first.parameters(), second.parameters(), strict=True)))
-    train(second, optimizer, regression_batches(2, seed=3))
-    fresh_model = make_mlp(seed=1)
-    train(fresh_model, make_optimizer(name, decay_groups(fresh_model)), regression_batches(2, seed=3))
-    for param, expected in zip(second.parameters(), fresh_model.parameters(), strict=True):
-        assert torch.equal(param, expected)
 
 
 @pytest.mark.parametrize("name", ["PagedAdamW", "PagedAdamW8bit"])

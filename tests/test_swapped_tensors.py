@@ -37,6 +37,14 @@ def switch_parameters(optimizer: torch.optim.Optimizer, mapping: dict[torch.Tens
         group["params"] = [mapping[param] for param in group["params"]]
 
 
+def replace_groups(optimizer: torch.optim.Optimizer, mapping: dict[torch.Tensor, torch.Tensor]) -> list[dict]:
+    """Assign ``param_groups`` new group dicts, each a copy of one listing the tensors ``mapping`` gives; return the
+    groups it held."""
+    groups = optimizer.param_groups
+    optimizer.param_groups = [{**group, "params": [mapping[param] for param in group["params"]]} for group in groups]
+    return groups
+
+
 def sharded_and_full(seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
     """A "sharded" MLP (hidden 32: each weight a slice of the full one's shape) and the full MLP (hidden 64)."""
     return make_mlp(seed, hidden=32), make_mlp(seed, hidden=64)
@@ -307,13 +315,15 @@ def test_tensors_with_state_swapped_for_tensors_of_another_shape_is_a_clear_erro
         assert all(torch.equal(state[index][key], value) for key, value in entry.items())
 
 
+@pytest.mark.parametrize("swap", [switch_parameters, replace_groups], ids=["group params", "group dicts"])
 @pytest.mark.parametrize("name", ["torch AdamW", "PagedAdamW"])
-def test_tensors_with_state_swapped_for_tensors_of_the_same_shape_start_afresh_as_in_torch(name):
-    """State is keyed by tensor: a new tensor gets new state, as ``torch.optim.AdamW`` gives it."""
+def test_tensors_with_state_swapped_for_tensors_of_the_same_shape_start_afresh_as_in_torch(name, swap):
+    """State is keyed by tensor: a new tensor gets new state, as ``torch.optim.AdamW`` gives it, whether the groups'
+    ``params`` or whole group dicts are replaced."""
     first, second = make_mlp(seed=0), make_mlp(seed=1)
     optimizer = make_optimizer(name, decay_groups(first))
     train(first, optimizer, regression_batches(2))
-    switch_parameters(optimizer, dict(zip(first.parameters(), second.parameters(), strict=True)))
+    swap(optimizer, dict(zip(first.parameters(), second.parameters(), strict=True)))
     train(second, optimizer, regression_batches(2, seed=3))
     fresh_model = make_mlp(seed=1)
     train(fresh_model, make_optimizer(name, decay_groups(fresh_model)), regression_batches(2, seed=3))
