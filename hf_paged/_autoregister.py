@@ -4,7 +4,8 @@
 import transformers. Two transformers modules matter: ``training_args`` (the names) and
 ``trainer_optimizer`` (the factories; it imports ``training_args`` while it loads). For each, if it is
 already loaded its part is registered at once, otherwise an import hook registers it right after the
-module is first loaded.
+module is first loaded. DeepSpeed's ZeRO-3 module, once loaded, gets the same treatment: its optimizer state
+tools learn to read paged state (:mod:`hf_paged.integrations.deepspeed_state`).
 """
 
 from __future__ import annotations
@@ -34,10 +35,17 @@ def _register_resume() -> None:
     register_resume()
 
 
+def _enable_deepspeed_state_tools() -> None:
+    from .integrations.deepspeed_state import enable_deepspeed_state_tools
+
+    enable_deepspeed_state_tools()
+
+
 _TRIGGERS = {
     "transformers.training_args": _register_names,
     "transformers.trainer_optimizer": _register_handlers,
     "transformers.trainer": _register_resume,
+    "deepspeed.runtime.zero.stage3": _enable_deepspeed_state_tools,
 }
 
 

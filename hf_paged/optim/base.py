@@ -38,7 +38,15 @@ from ._params import (
     normalize_param_group,
 )
 from .layout import StateLayout, local_tensor, state_device
-from .state_dict import export_state, import_state, pack_param_groups, parse_saved_entry, sharded_entry
+from .state_dict import (
+    export_state,
+    import_state,
+    pack_param_groups,
+    parse_saved_entry,
+    read_state_values,
+    sharded_entry,
+    write_state_values,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -916,6 +924,28 @@ class PagedOptimizer(Optimizer):
         stats["page_size"] = self.page_size
         stats["devices"] = {device: _store_stats(store) for device, store in self._store.stores.items()}
         return stats
+
+    def get_state_tensor(self, param: torch.Tensor, name: str) -> torch.Tensor:
+        """State ``name`` of ``param`` (e.g. ``"exp_avg"``) as fp32 values, a new CPU tensor shaped like its local
+        tensor: 8-bit and 4-bit codes decoded. Raises KeyError for a parameter without state yet."""
+        self._check_state_tensor(param, name)
+        return read_state_values(self._layout, self.state_names, param, name)
+
+    def set_state_tensor(self, param: torch.Tensor, name: str, value: torch.Tensor) -> None:
+        """Replace state ``name`` of ``param`` with ``value`` (as many elements as its local tensor), encoded as
+        the state is stored: 8-bit and 4-bit state as the codec encodes it in a step."""
+        self._check_state_tensor(param, name)
+        numel = self._layout[param].numel
+        if not isinstance(value, torch.Tensor) or value.numel() != numel:
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"value must be a tensor of {numel} elements, got {got}")
+        write_state_values(self._layout, self.state_names, param, name, value)
+
+    def _check_state_tensor(self, param: torch.Tensor, name: str) -> None:
+        if name not in self.state_names:
+            raise KeyError(f"{type(self).__name__} has no state {name!r}; its states are {list(self.state_names)}")
+        if param not in self._layout:
+            raise KeyError(f"the tensor has no {name!r} state: {type(self).__name__} gives it state at its first step")
 
 
 def _store_stats(store: PageStore | DeviceStores) -> dict[str, int | float | None]:

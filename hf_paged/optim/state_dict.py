@@ -83,6 +83,34 @@ def export_state(layout: StateLayout, state_names: Sequence[str], tensors: Seque
     return exported
 
 
+def read_state_values(layout: StateLayout, state_names: Sequence[str], tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """State ``name`` of ``tensor`` (which has pages) as fp32 values on the CPU, shaped like the tensor's local
+    shape: 8-bit and 4-bit codes decoded as the step decodes them."""
+    pages = layout[tensor]
+    codec = layout.formats[pages.kind].codecs[list(state_names).index(name)]
+    entry = export_state(layout, state_names, [tensor])[0]
+    fields = tuple(entry[key].reshape(-1) for key in state_keys(codec, name))
+    return SavedState(codec, fields, pages.numel).values().view(pages.shape)
+
+
+def write_state_values(
+    layout: StateLayout, state_names: Sequence[str], tensor: torch.Tensor, name: str, values: torch.Tensor
+) -> None:
+    """Replace state ``name`` of ``tensor`` (which has pages) with fp32 ``values`` (as many elements as the
+    tensor's local shape), encoded by the tensor's codec; its other states and the other tensors of its pages
+    stay as they are. Each page written rests in host memory afterwards."""
+    pages = layout[tensor]
+    index = list(state_names).index(name)
+    source = SavedState(Float32Codec(), (values.detach().to("cpu", torch.float32).reshape(-1),), pages.numel)
+    for page, segment in pages.segments:
+        data = layout.store.read(page)
+        if data is None:
+            data = tuple(torch.zeros(numel, dtype=dtype) for numel, dtype in page.specs)
+        codec = page.format.codecs[index]
+        source.write(codec, codec.select(page.format.arrays(data)[index], segment.offset, segment.length), segment)
+        layout.store.write(page, data)
+
+
 def sharded_entry(
     param: torch.Tensor, entry: StateEntry, state_names: Sequence[str], codecs: Sequence[Codec]
 ) -> StateEntry:

@@ -1,0 +1,212 @@
+"""DeepSpeed's optimizer state tools on hf-paged client optimizers under ZeRO-3, in one ``torchrun`` launch.
+
+For each configuration of :data:`CLIENTS` (``torch.optim.AdamW`` as the control, and paged AdamW with 32-bit,
+8-bit and 4-bit state), a small MLP is handed to ``deepspeed.initialize`` with the client optimizer, trained
+:data:`STEPS` steps, and then each rank checks, for every parameter and for ``exp_avg`` and ``exp_avg_sq``:
+
+- ``safe_get_local_optimizer_state`` against this rank's partition of the state that the engine's
+  ``state_dict()`` saves, decoded by the client's codec (8-bit and 4-bit codes and scales);
+- ``safe_get_full_optimizer_state``: its slice of this rank equals the local state;
+- ``safe_set_full_optimizer_state`` of new values, parameter after parameter: afterwards the local and full
+  states equal the rank's partition with each parameter's values written in turn, re-encoded by the codec
+  after each write (the codec's blocks span parameters); ``safe_set_local_optimizer_state`` likewise;
+- the saved state after the writes decodes to what the tools now read, and one more training step, which uses
+  the written state, runs.
+
+Rank 0 writes ``--output`` (``torch.save``, loadable with ``weights_only=True``): per configuration and rank the
+number of parameters answered, the largest differences of each check (0.0 where equal), the full states
+read after training and the full weights after the step that follows the writes, for comparing configurations.
+
+Example: ``python -m torch.distributed.run --standalone --nproc_per_node 2 tests/scripts/deepspeed_state_tools.py
+--output /tmp/state_tools.pt``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch
+from deepspeed_train import full_weights, prepare_process, skip_shm_op_build
+
+import hf_paged  # noqa: F401  (enables the state tools for paged clients once DeepSpeed loads)
+from hf_paged.codecs import Float32Codec, to_blocks
+from hf_paged.optim import PagedAdamW, PagedAdamW4bit, PagedAdamW8bit
+
+STEPS = 3
+KEYS = ("exp_avg", "exp_avg_sq")
+PAGED = {"page_size": "4KiB", "block_size": 64}
+CLIENTS = {
+    "adamw_torch": lambda params: torch.optim.AdamW(params, lr=1e-2),
+    "adamw_32bit": lambda params: PagedAdamW(params, lr=1e-2, page_size="4KiB"),
+    "adamw_8bit": lambda params: PagedAdamW8bit(params, lr=1e-2, min_8bit_size=256, **PAGED),
+    "adamw_4bit": lambda params: PagedAdamW4bit(params, lr=1e-2, min_4bit_size=256, **PAGED),
+}
+"""Configuration name: the client optimizer for the model's parameters (pages of 4 KiB: a partition spans
+several; blocks of 64 elements, which straddle parameters)."""
+
+
+def model() -> torch.nn.Module:
+    """An MLP of six parameters, each with an even number of elements (two ranks split each evenly)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 96), torch.nn.GELU(), torch.nn.Linear(96, 48), torch.nn.GELU(), torch.nn.Linear(48, 8)
+    )
+
+
+def requantized(codec, values: torch.Tensor) -> torch.Tensor:
+    """Flat fp32 ``values`` encoded by ``codec`` and decoded again."""
+    padded = -(-values.numel() // codec.alignment) * codec.alignment
+    fields = tuple(
+        torch.zeros(length, dtype=dtype) for length, dtype in zip(codec.field_lengths(padded), codec.field_dtypes())
+    )
+    encoded = codec.select(fields, 0, padded)
+    codec.encode(to_blocks(values.clone(), codec.alignment), encoded)
+    return codec.decode(encoded).reshape(-1)[: values.numel()].clone()
+
+
+def saved_partition(engine, client, key: str) -> tuple[torch.Tensor, object]:
+    """This rank's flat partition of state ``key`` as the engine's ``state_dict()`` saves it, decoded by the
+    client's codec, and that codec (a :class:`Float32Codec` for ``torch.optim.AdamW``)."""
+    saved = engine.optimizer.state_dict()["optimizer_state_dict"]["state"][0]
+    if key in saved:
+        return saved[key].reshape(-1).float().clone(), Float32Codec()
+    kind = "8bit" if f"{key}_codes" in saved else "4bit"
+    codec = client._formats[kind].codecs[client.state_names.index(key)]
+    fields = tuple(saved[f"{key}_{field}"].reshape(-1) for field in codec.fields)
+    return saved_values(codec, fields, engine.optimizer.fp32_partitioned_groups_flat[0].numel()), codec
+
+
+def saved_values(codec, fields: tuple[torch.Tensor, ...], elements: int) -> torch.Tensor:
+    """The ``elements`` fp32 values of saved ``fields`` (codes and scales), decoded by ``codec``."""
+    padded = -(-elements // codec.alignment) * codec.alignment
+    lengths = codec.field_lengths(padded)
+    fields = tuple(torch.cat([f, f.new_zeros(n - f.numel())]) if n > f.numel() else f for f, n in zip(fields, lengths))
+    return codec.decode(codec.select(fields, 0, padded)).reshape(-1)[:elements].clone()
+
+
+def largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest absolute difference of ``a`` and ``b`` (``inf`` for a shape mismatch, 0.0 where equal)."""
+    a, b = a.reshape(-1).float(), b.reshape(-1).float()
+    if a.shape != b.shape:
+        return float("inf")
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
+def check(name: str, rank: int, world_size: int) -> dict:
+    """Train configuration ``name`` and run every check on this rank; what it found."""
+    import deepspeed
+    from deepspeed.utils import (
+        safe_get_full_optimizer_state,
+        safe_get_local_optimizer_state,
+        safe_set_full_optimizer_state,
+        safe_set_local_optimizer_state,
+    )
+
+    net = model()
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3},
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+    }
+    engine, *_ = deepspeed.initialize(model=net, optimizer=CLIENTS[name](net.parameters()), config=config)
+    client = engine.optimizer.optimizer
+    generator = torch.Generator().manual_seed(rank)
+    inputs, targets = torch.randn(4, 16, generator=generator), torch.randn(4, 8, generator=generator)
+    for _ in range(STEPS):
+        loss = torch.nn.functional.mse_loss(engine(inputs), targets)
+        engine.backward(loss)
+        engine.step()
+    zero = engine.optimizer
+    params = list(engine.module.parameters())
+    record: dict = {"answered": 0, "parameters": len(params), "full": {}, "differences": {}}
+
+    def note(check_name: str, difference: float) -> None:
+        record["differences"][check_name] = max(record["differences"].get(check_name, 0.0), difference)
+
+    def position(param) -> tuple[int, int]:
+        _, offset, elements = zero.grad_position[zero.get_param_id(param)]
+        return offset, elements
+
+    expected = {}
+    for key in KEYS:
+        partition, codec = saved_partition(engine, client, key)
+        expected[key] = (partition, codec)
+        record["full"][key] = []
+        for param in params:
+            try:
+                full = safe_get_full_optimizer_state(param, key)
+                local = safe_get_local_optimizer_state(param, key)
+            except (KeyError, ValueError) as error:
+                record.setdefault("errors", []).append(f"{key}: {type(error).__name__}: {error}")
+                continue
+            record["answered"] += key == KEYS[0]
+            record["full"][key].append(full.reshape(-1).clone())
+            offset, elements = position(param)
+            note("local_vs_saved", largest_difference(local, partition[offset : offset + elements]))
+            note("full_vs_local", largest_difference(full.reshape(-1)[rank * elements : (rank + 1) * elements], local))
+    if "errors" in record:
+        return record
+
+    for key in KEYS:
+        partition, codec = expected[key]
+        written = partition.clone()
+        for index, param in enumerate(params):
+            new_full = safe_get_full_optimizer_state(param, key) * 1.5 + 1e-4
+            offset, elements = position(param)
+            new_local = new_full.reshape(-1)[rank * elements : (rank + 1) * elements]
+            if index % 2:
+                safe_set_local_optimizer_state(param, new_local.clone(), key)
+            else:
+                safe_set_full_optimizer_state(param, new_full, key)
+            written[offset : offset + elements] = new_local
+            written = requantized(codec, written)
+        for param in params:
+            offset, elements = position(param)
+            local = safe_get_local_optimizer_state(param, key)
+            full = safe_get_full_optimizer_state(param, key)
+            note("local_after_set", largest_difference(local, written[offset : offset + elements]))
+            note(
+                "full_after_set",
+                largest_difference(
+                    full.reshape(-1)[rank * elements : (rank + 1) * elements], written[offset : offset + elements]
+                ),
+            )
+        resaved, _ = saved_partition(engine, client, key)
+        note("saved_after_set", largest_difference(resaved, written))
+    record["state_keys"] = sorted(str(key) for entry in client.state.values() for key in entry)
+    loss = torch.nn.functional.mse_loss(engine(inputs), targets)
+    engine.backward(loss)
+    engine.step()
+    record["loss_after_set"] = float(loss.detach())
+    record["weights_after_set"] = full_weights(engine)
+    engine.destroy()
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--configs", nargs="+", default=list(CLIENTS), choices=list(CLIENTS))
+    options = parser.parse_args()
+    prepare_process()
+    skip_shm_op_build()
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    results = {name: check(name, rank, world_size) for name in options.configs}
+    gathered = [None] * world_size
+    torch.distributed.all_gather_object(gathered, results)
+    if rank == 0:
+        torch.save({"world_size": world_size, "ranks": gathered}, options.output)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
