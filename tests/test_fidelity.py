@@ -35,9 +35,10 @@ COLUMNS = [
     "weight deviation from fp32 AdamW",
     "note",
 ]
-OURS_4BIT_QUICK = {"mlp teacher": (1.71, 0.0554), "tiny LM": (2.39, 0.0389), "tiny LoRA": (0.16, 0.1375)}
-"""PagedAdamW4bit's loss gap (percent) and weight deviation per task in the quick run when this test was written;
-the test holds them as upper bounds with a quarter's slack, so a change that loses fidelity fails it."""
+OURS_4BIT_QUICK_BOUNDS = {"mlp teacher": (2.2, 0.07), "tiny LM": (3.0, 0.05), "tiny LoRA": (0.1, 0.075)}
+"""Upper bounds on PagedAdamW4bit's loss gap (percent) and weight deviation per task in the quick run: the figures
+when this test was written (1.71%, 0.0554; 2.39%, 0.0389; 0.02%, 0.0583) with about a quarter's slack, so a
+change that loses fidelity fails the test."""
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 
 
@@ -77,8 +78,8 @@ def test_quick_table_has_the_fp32_reference_and_labels_what_did_not_run(quick_ro
 def test_quick_4bit_meets_issue_29_targets_and_holds_its_figures(quick_rows, task):
     _, gap, deviation = figures(quick_rows[task, "hf-paged PagedAdamW4bit (block scales)"])
     assert gap <= 5.0
-    held_gap, held_deviation = OURS_4BIT_QUICK[task]
-    assert gap <= 1.25 * held_gap and deviation <= 1.25 * held_deviation
+    most_gap, most_deviation = OURS_4BIT_QUICK_BOUNDS[task]
+    assert gap <= most_gap and deviation <= most_deviation
     if HAS_TORCHAO:
         _, their_gap, their_deviation = figures(quick_rows[task, "torchao AdamW4bit"])
         assert gap <= their_gap and deviation <= their_deviation
