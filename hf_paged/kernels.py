@@ -26,6 +26,7 @@ import torch
 
 from .codecs import Blockwise4bitCodec, Blockwise8bitCodec, Codec, EncodedSegment
 from .native import host_kernels_enabled
+from .stochastic_rounding import ElementRounding, stochastic_round_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -40,15 +41,22 @@ def update_segment(
     grad: torch.Tensor,
     encoded: Sequence[EncodedSegment],
     scalars: dict[str, float],
+    rounding: ElementRounding | None = None,
 ) -> None:
-    """Update one segment: ``param`` and ``grad`` are its elements, shaped as the codecs see them."""
+    """Update one segment: ``param`` and ``grad`` are its elements, shaped as the codecs see them.
+
+    With ``rounding``, a bf16 ``param`` takes its new value rounded stochastically (see
+    :mod:`hf_paged.stochastic_rounding`); other dtypes ignore it.
+    """
     param32 = param.float()
     states = [codec.decode(segment) for codec, segment in zip(codecs, encoded)]
     rule(param32, grad.float(), *states, **scalars)
     scales = [codec.block_scales(state) for codec, state in zip(codecs, states)]
     for codec, state, block_scales, segment in zip(codecs, states, scales, encoded):
         codec.encode(state, segment, block_scales)
-    if param32 is not param:
+    if rounding is not None and param.dtype == torch.bfloat16:
+        param.copy_(stochastic_round_bf16(param32, rounding))
+    elif param32 is not param:
         param.copy_(param32)
 
 
@@ -157,11 +165,6 @@ class SegmentKernel:
         """Whether calls run compiled: as made, until a compilation fails."""
         self._compiled_updates: dict[torch.device, Callable[..., None]] = {}
 
-    def _update(
-        self, param: torch.Tensor, grad: torch.Tensor, encoded: Sequence[EncodedSegment], scalars: dict
-    ) -> None:
-        update_segment(self.rule, self.codecs, param, grad, encoded, scalars)
-
     def _compiled_update(self, device: torch.device) -> Callable[..., None]:
         """The compiled update of this kernel's segments on ``device`` (compiled at its first call)."""
         update = self._compiled_updates.get(device)
@@ -192,27 +195,46 @@ class SegmentKernel:
         return False
 
     def __call__(
-        self, param: torch.Tensor, grad: torch.Tensor, encoded: Sequence[EncodedSegment], scalars: dict
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        encoded: Sequence[EncodedSegment],
+        scalars: dict,
+        rounding: ElementRounding | None = None,
     ) -> None:
-        """Update one segment; ``scalars`` come from :func:`prepare_scalars` (0-d CPU tensors or floats)."""
+        """Update one segment; ``scalars`` come from :func:`prepare_scalars` (0-d CPU tensors or floats);
+        ``rounding`` (ints) rounds a bf16 ``param`` stochastically."""
         if self.compiled:
             for tensor in (param, grad, *(array for segment in encoded for array in segment)):
                 if tensor.shape[0] > 1:
                     torch._dynamo.mark_dynamic(tensor, 0)
+            # 0-d tensors: the keys and start change at every step and chunk, and must not cause recompiles.
+            compiled_rounding = (
+                None
+                if rounding is None or param.dtype != torch.bfloat16
+                else ElementRounding(*(torch.tensor(value, dtype=torch.int64) for value in rounding))
+            )
             try:
-                self._compiled_update(param.device)(param, grad, encoded, scalars)
+                self._compiled_update(param.device)(param, grad, encoded, scalars, compiled_rounding)
                 return
             except _compile_failures() as error:
                 self._fall_back(error)
-        self._update(param, grad, encoded, {name: float(value) for name, value in scalars.items()})
+        floats = {name: float(value) for name, value in scalars.items()}
+        update_segment(self.rule, self.codecs, param, grad, encoded, floats, rounding)
 
 
 def _update_function(rule: UpdateRule, codecs: tuple[Codec, ...], name: str) -> Callable[..., None]:
     """:func:`update_segment` of ``rule`` and ``codecs`` as a new function named ``name`` with a code object of its
     own, which Dynamo compiles and caches apart from every other."""
 
-    def update(param: torch.Tensor, grad: torch.Tensor, encoded: Sequence[EncodedSegment], scalars: dict) -> None:
-        update_segment(rule, codecs, param, grad, encoded, scalars)
+    def update(
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        encoded: Sequence[EncodedSegment],
+        scalars: dict,
+        rounding: ElementRounding | None,
+    ) -> None:
+        update_segment(rule, codecs, param, grad, encoded, scalars, rounding)
 
     code = update.__code__.replace(co_name=name)
     return types.FunctionType(code, update.__globals__, name, None, update.__closure__)
@@ -262,16 +284,25 @@ class HostKernel:
         return self.fallback.compiled
 
     def __call__(
-        self, param: torch.Tensor, grad: torch.Tensor, encoded: Sequence[EncodedSegment], scalars: dict
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        encoded: Sequence[EncodedSegment],
+        scalars: dict,
+        rounding: ElementRounding | None = None,
     ) -> None:
         """Update one segment (``param`` and ``grad`` shaped ``(blocks, block_size)``); ``scalars`` as from
-        :func:`prepare_scalars`, floats or 0-d fp32 CPU tensors."""
+        :func:`prepare_scalars`, floats or 0-d fp32 CPU tensors; ``rounding`` rounds a bf16 ``param``
+        stochastically."""
         if param.device.type != "cpu" or param.dtype not in _HOST_DTYPES or grad.dtype not in _HOST_DTYPES:
-            self._fallback_whole(param, grad, encoded, scalars)
+            self._fallback_whole(param, grad, encoded, scalars, rounding)
             return
         arrays = [array for segment in encoded for array in segment]
         values = [float(scalars[name]) for name in self._scalar_names]
-        self._operator(param, grad, *arrays, self.bits, self.block_size, *values)
+        if rounding is None or param.dtype != torch.bfloat16:
+            self._operator(param, grad, *arrays, self.bits, self.block_size, *values)
+        else:
+            self._operator(param, grad, *arrays, self.bits, self.block_size, *values, True, *rounding)
 
     def allocates_nothing(self, param: torch.Tensor, grad: torch.Tensor) -> bool:
         """Whether a call on ``param`` and ``grad`` allocates nothing, so that a segment of any length can be
@@ -279,13 +310,18 @@ class HostKernel:
         return param.device.type == "cpu" and param.dtype in _HOST_DTYPES and grad.dtype in _HOST_DTYPES
 
     def _fallback_whole(
-        self, param: torch.Tensor, grad: torch.Tensor, encoded: Sequence[EncodedSegment], scalars: dict
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        encoded: Sequence[EncodedSegment],
+        scalars: dict,
+        rounding: ElementRounding | None,
     ) -> None:
         """The fallback kernel on a copy of what it writes, put back if it fails (the copies come first)."""
         targets = [param, *(array for segment in encoded for array in segment)]
         saved = [target.clone() for target in targets]
         try:
-            self.fallback(param, grad, encoded, scalars)
+            self.fallback(param, grad, encoded, scalars, *(() if rounding is None else (rounding,)))
         except BaseException:
             for target, copy_of_target in zip(targets, saved):
                 target.copy_(copy_of_target)

@@ -366,16 +366,81 @@ struct LionScalars {
   float lr, decay, direction_weight, avg_weight;
 };
 
+// Stochastic rounding of bf16 parameters (hf_paged/stochastic_rounding.py): the fp32 value's bit pattern plus a
+// 16-bit hash of (keys, element index), truncated to bf16; NaN and infinities as c10::BFloat16 converts them.
+struct Rounding {
+  bool on;
+  uint32_t key_a, key_b;
+  int64_t start;  // the index in its parameter of the segment's first element
+};
+
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352DU;
+  x ^= x >> 15;
+  x *= 0x846CA68BU;
+  return x ^ (x >> 16);
+}
+
+// Writes values[0, size) to p rounded stochastically; `first` is the index in the parameter of values[0].
+inline void round_stochastically(c10::BFloat16* p, const float* values, int64_t size, int64_t first,
+                                 const Rounding& r) {
+  for (int64_t i = 0; i < size; ++i) {
+    const float value = values[i];
+    if (!std::isfinite(value)) {
+      p[i] = c10::BFloat16(value);
+      continue;
+    }
+    const uint64_t index = static_cast<uint64_t>(first + i);
+    const uint32_t hashed =
+        mix32(mix32(static_cast<uint32_t>(index) ^ r.key_a) ^ (static_cast<uint32_t>(index >> 32) ^ r.key_b));
+    uint32_t bits;
+    std::memcpy(&bits, &value, sizeof bits);
+    p[i] = c10::BFloat16(static_cast<uint16_t>((bits + (hashed >> 16)) >> 16), c10::BFloat16::from_bits());
+  }
+}
+
+// Where a block's new parameter values go: straight to the parameter, or (stochastic rounding of bf16) through a
+// block-local fp32 buffer rounded once the block is done.
+template <typename P>
+struct ParamWriter {
+  ParamWriter(P* param, const Rounding&) : param(param) {}
+  void store(int64_t first, int64_t i, F value, float*) const { Vec::store(param + first + i, value); }
+  void finish(int64_t, int64_t, const float*) const {}
+  P* param;
+};
+
+template <>
+struct ParamWriter<c10::BFloat16> {
+  ParamWriter(c10::BFloat16* param, const Rounding& rounding) : param(param), rounding(rounding) {}
+  // Element `i` of the block whose first element is `first`.
+  void store(int64_t first, int64_t i, F value, float* buffer) const {
+    if (rounding.on) {
+      Vec::store(buffer + i, value);
+    } else {
+      Vec::store(param + first + i, value);
+    }
+  }
+  // After the `size` elements of the block whose first element is `first` are stored.
+  void finish(int64_t first, int64_t size, const float* buffer) const {
+    if (rounding.on) round_stochastically(param + first, buffer, size, rounding.start + first, rounding);
+  }
+  c10::BFloat16* param;
+  Rounding rounding;
+};
+
 int64_t grain_blocks(int64_t block_size) { return std::max<int64_t>(1, 32768 / block_size); }
 
 // adamw_update_ on every block: m = lerp(m, g, 1 - b1); v = v b2 + g^2 (1 - b2);
 // p = p (1 - lr wd) - m / (sqrt(v) / sqrt(1 - b2^t) + eps) lr / (1 - b1^t).
 template <class Codes, typename P, typename G>
 void adamw_blocks(P* param, const G* grad, State avg, State avg_sq, int64_t blocks, int64_t size,
-                  const AdamWScalars& s) {
+                  const AdamWScalars& s, const Rounding& rounding) {
+  const ParamWriter<P> writer(param, rounding);
   at::parallel_for(0, blocks, grain_blocks(size), [&](int64_t begin, int64_t end) {
     alignas(64) float moments[kMaxBlockSize];
     alignas(64) float roots[kMaxBlockSize];
+    alignas(64) float updated[kMaxBlockSize];
     const Lerp average(s.avg_weight);
     const F decay = Vec::splat(s.decay), beta2 = Vec::splat(s.beta2), sq_weight = Vec::splat(s.sq_weight),
             eps = Vec::splat(s.eps), step_size = Vec::splat(s.step_size),
@@ -383,8 +448,9 @@ void adamw_blocks(P* param, const G* grad, State avg, State avg_sq, int64_t bloc
     for (int64_t block = begin; block < end; ++block) {
       const typename Codes::SignedDecoder old_moments(avg, block, size);
       const typename Codes::UnsignedDecoder old_seconds(avg_sq, block, size);
-      P* p = param + block * size;
-      const G* g = grad + block * size;
+      const int64_t first = block * size;
+      const P* p = param + first;
+      const G* g = grad + first;
       AbsMax moment_max, second_max;
       for (int64_t i = 0; i < size; i += kWidth) {
         const F gradient = Vec::load(g + i);
@@ -392,13 +458,15 @@ void adamw_blocks(P* param, const G* grad, State avg, State avg_sq, int64_t bloc
         const F second = Vec::add(Vec::mul(old_seconds(i), beta2), Vec::mul(Vec::mul(gradient, gradient), sq_weight));
         const F root = Vec::sqrt(second);
         const F denominator = Vec::add(Vec::mul(root, inv_bias_correction2_sqrt), eps);
-        Vec::store(p + i, Vec::sub(Vec::mul(Vec::load(p + i), decay),
-                                   Vec::mul(Vec::div(moment, denominator), step_size)));
+        writer.store(first, i,
+                     Vec::sub(Vec::mul(Vec::load(p + i), decay), Vec::mul(Vec::div(moment, denominator), step_size)),
+                     updated);
         Vec::store(moments + i, moment);
         Vec::store(roots + i, root);  // the encoding takes sqrt(v)
         moment_max.add(moment);
         second_max.add(second);
       }
+      writer.finish(first, size, updated);
       Codes::encode_signed(avg, block, size, moments, moment_max.value());
       Codes::encode_unsigned_roots(avg_sq, block, size, roots, second_max.value());
     }
@@ -407,25 +475,30 @@ void adamw_blocks(P* param, const G* grad, State avg, State avg_sq, int64_t bloc
 
 // lion_update_ on every block: p = p (1 - lr wd) - lr sign(lerp(m, g, 1 - b1)); m = lerp(m, g, 1 - b2).
 template <class Codes, typename P, typename G>
-void lion_blocks(P* param, const G* grad, State avg, int64_t blocks, int64_t size, const LionScalars& s) {
+void lion_blocks(P* param, const G* grad, State avg, int64_t blocks, int64_t size, const LionScalars& s,
+                 const Rounding& rounding) {
+  const ParamWriter<P> writer(param, rounding);
   at::parallel_for(0, blocks, grain_blocks(size), [&](int64_t begin, int64_t end) {
     alignas(64) float moments[kMaxBlockSize];
+    alignas(64) float updated[kMaxBlockSize];
     const Lerp direction_lerp(s.direction_weight), average(s.avg_weight);
     const F lr = Vec::splat(s.lr), decay = Vec::splat(s.decay);
     for (int64_t block = begin; block < end; ++block) {
       const typename Codes::SignedDecoder old_moments(avg, block, size);
-      P* p = param + block * size;
-      const G* g = grad + block * size;
+      const int64_t first = block * size;
+      const P* p = param + first;
+      const G* g = grad + first;
       AbsMax moment_max;
       for (int64_t i = 0; i < size; i += kWidth) {
         const F gradient = Vec::load(g + i);
         const F previous = old_moments(i);
         const F direction = Vec::sign(direction_lerp(previous, gradient));
-        Vec::store(p + i, Vec::sub(Vec::mul(Vec::load(p + i), decay), Vec::mul(direction, lr)));
+        writer.store(first, i, Vec::sub(Vec::mul(Vec::load(p + i), decay), Vec::mul(direction, lr)), updated);
         const F moment = average(previous, gradient);
         Vec::store(moments + i, moment);
         moment_max.add(moment);
       }
+      writer.finish(first, size, updated);
       Codes::encode_signed(avg, block, size, moments, moment_max.value());
     }
   });
@@ -506,10 +579,20 @@ void dispatch(const at::Tensor& param, const at::Tensor& grad, int64_t bits, con
   });
 }
 
+// The stochastic rounding arguments of an operator, checked: keys are 32-bit, the start an element index.
+Rounding rounding_of(bool on, int64_t key_a, int64_t key_b, int64_t start) {
+  for (const int64_t key : {key_a, key_b}) {
+    TORCH_CHECK(key >= 0 && key <= 0xFFFFFFFFLL, "round_key_a and round_key_b must be in [0, 2**32), got ", key);
+  }
+  TORCH_CHECK(start >= 0, "round_start must be >= 0, got ", start);
+  return {on, static_cast<uint32_t>(key_a), static_cast<uint32_t>(key_b), start};
+}
+
 void adamw_blockwise(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& avg_codes,
                      const at::Tensor& avg_scales, const at::Tensor& avg_sq_codes, const at::Tensor& avg_sq_scales,
                      int64_t bits, int64_t block_size, double decay, double avg_weight, double beta2,
-                     double sq_weight, double eps, double step_size, double inv_bias_correction2_sqrt) {
+                     double sq_weight, double eps, double step_size, double inv_bias_correction2_sqrt,
+                     bool stochastic_round, int64_t round_key_a, int64_t round_key_b, int64_t round_start) {
   const int64_t blocks = check_arguments("adamw_blockwise_", param, grad,
                                          {{&avg_codes, &avg_scales}, {&avg_sq_codes, &avg_sq_scales}},
                                          {true, false}, bits, block_size);
@@ -518,21 +601,24 @@ void adamw_blockwise(const at::Tensor& param, const at::Tensor& grad, const at::
                              static_cast<float>(eps),       static_cast<float>(step_size),
                              static_cast<float>(inv_bias_correction2_sqrt)};
   const State avg = state_of(avg_codes, avg_scales), avg_sq = state_of(avg_sq_codes, avg_sq_scales);
+  const Rounding rounding = rounding_of(stochastic_round, round_key_a, round_key_b, round_start);
   dispatch(param, grad, bits, [&](auto codes, auto* p, const auto* g) {
-    adamw_blocks<decltype(codes)>(p, g, avg, avg_sq, blocks, block_size, scalars);
+    adamw_blocks<decltype(codes)>(p, g, avg, avg_sq, blocks, block_size, scalars, rounding);
   });
 }
 
 void lion_blockwise(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& avg_codes,
                     const at::Tensor& avg_scales, int64_t bits, int64_t block_size, double lr, double decay,
-                    double direction_weight, double avg_weight) {
+                    double direction_weight, double avg_weight, bool stochastic_round, int64_t round_key_a,
+                    int64_t round_key_b, int64_t round_start) {
   const int64_t blocks =
       check_arguments("lion_blockwise_", param, grad, {{&avg_codes, &avg_scales}}, {true}, bits, block_size);
   const LionScalars scalars{static_cast<float>(lr), static_cast<float>(decay), static_cast<float>(direction_weight),
                             static_cast<float>(avg_weight)};
   const State avg = state_of(avg_codes, avg_scales);
+  const Rounding rounding = rounding_of(stochastic_round, round_key_a, round_key_b, round_start);
   dispatch(param, grad, bits, [&](auto codes, auto* p, const auto* g) {
-    lion_blocks<decltype(codes)>(p, g, avg, blocks, block_size, scalars);
+    lion_blocks<decltype(codes)>(p, g, avg, blocks, block_size, scalars, rounding);
   });
 }
 
@@ -545,10 +631,12 @@ TORCH_LIBRARY(hf_paged, m) {
   m.def(
       "adamw_blockwise_(Tensor(a!) param, Tensor grad, Tensor(b!) avg_codes, Tensor(c!) avg_scales, "
       "Tensor(d!) avg_sq_codes, Tensor(e!) avg_sq_scales, int bits, int block_size, float decay, float avg_weight, "
-      "float beta2, float sq_weight, float eps, float step_size, float inv_bias_correction2_sqrt) -> ()");
+      "float beta2, float sq_weight, float eps, float step_size, float inv_bias_correction2_sqrt, "
+      "bool stochastic_round=False, int round_key_a=0, int round_key_b=0, int round_start=0) -> ()");
   m.def(
       "lion_blockwise_(Tensor(a!) param, Tensor grad, Tensor(b!) avg_codes, Tensor(c!) avg_scales, int bits, "
-      "int block_size, float lr, float decay, float direction_weight, float avg_weight) -> ()");
+      "int block_size, float lr, float decay, float direction_weight, float avg_weight, bool stochastic_round=False, "
+      "int round_key_a=0, int round_key_b=0, int round_start=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(hf_paged, CPU, m) {

@@ -26,6 +26,7 @@ import torch
 
 from ..codecs import Float32Codec
 from ..rounding import ieee_sqrt
+from ..stochastic_rounding import check_stochastic_rounding, rounding_defaults
 from ..store import Page
 from .base import DEFAULT_PAGE_SIZE, PagedOptimizer, WorkItem, check_betas, check_eps, check_lr, check_weight_decay
 
@@ -117,6 +118,7 @@ class _PagedAdamWBase(PagedOptimizer):
         check_betas(group["betas"])
         check_eps(group["eps"])
         check_weight_decay(group["weight_decay"])
+        check_stochastic_rounding(group)
 
     @staticmethod
     def update_rule():
@@ -183,6 +185,9 @@ class PagedAdamW(_PagedAdamWBase):
         eps: :math:`\\epsilon` > 0, added to the denominator.
         weight_decay: decoupled weight decay :math:`\\lambda` >= 0.
         page_size, device_budget, prefetch, compiled: paging settings, see :class:`PagedOptimizer`.
+        bf16_stochastic_round: round bf16 parameters' updated values to bf16 stochastically instead of to nearest,
+            so that updates below half a bf16 spacing are kept in expectation (no effect on other dtypes).
+        stochastic_round_seed: seed of the rounding bits, an integer in [0, 2**64); saved in the param groups.
     """
 
     def __init__(
@@ -197,8 +202,11 @@ class PagedAdamW(_PagedAdamWBase):
         device_budget: int | str | None = None,
         prefetch: int = 2,
         compiled: bool | None = None,
+        bf16_stochastic_round: bool = False,
+        stochastic_round_seed: int = 0,
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        defaults.update(rounding_defaults(bf16_stochastic_round, stochastic_round_seed))
         super().__init__(
             params, defaults, page_size=page_size, device_budget=device_budget, prefetch=prefetch, compiled=compiled
         )
@@ -214,6 +222,9 @@ class PagedAdamW8bit(_PagedAdamWBase):
         block_size: elements per quantization block (one fp32 scale each).
         min_8bit_size: tensors with fewer elements keep fp32 state.
         page_size, device_budget, prefetch, compiled: paging settings, see :class:`PagedOptimizer`.
+        bf16_stochastic_round: round bf16 parameters' updated values to bf16 stochastically instead of to nearest,
+            so that updates below half a bf16 spacing are kept in expectation (no effect on other dtypes).
+        stochastic_round_seed: seed of the rounding bits, an integer in [0, 2**64); saved in the param groups.
     """
 
     def __init__(
@@ -230,8 +241,11 @@ class PagedAdamW8bit(_PagedAdamWBase):
         device_budget: int | str | None = None,
         prefetch: int = 2,
         compiled: bool | None = None,
+        bf16_stochastic_round: bool = False,
+        stochastic_round_seed: int = 0,
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        defaults.update(rounding_defaults(bf16_stochastic_round, stochastic_round_seed))
         super().__init__(
             params,
             defaults,
@@ -257,6 +271,9 @@ class PagedAdamW4bit(_PagedAdamWBase):
         block_size: elements per quantization block (one fp32 scale each), a power of two from 16 to 4096.
         min_4bit_size: tensors with fewer elements keep fp32 state.
         page_size, device_budget, prefetch, compiled: paging settings, see :class:`PagedOptimizer`.
+        bf16_stochastic_round: round bf16 parameters' updated values to bf16 stochastically instead of to nearest,
+            so that updates below half a bf16 spacing are kept in expectation (no effect on other dtypes).
+        stochastic_round_seed: seed of the rounding bits, an integer in [0, 2**64); saved in the param groups.
     """
 
     def __init__(
@@ -273,8 +290,11 @@ class PagedAdamW4bit(_PagedAdamWBase):
         device_budget: int | str | None = None,
         prefetch: int = 2,
         compiled: bool | None = None,
+        bf16_stochastic_round: bool = False,
+        stochastic_round_seed: int = 0,
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        defaults.update(rounding_defaults(bf16_stochastic_round, stochastic_round_seed))
         super().__init__(
             params,
             defaults,

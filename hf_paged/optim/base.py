@@ -27,6 +27,7 @@ from ..kernels import SegmentKernel, UpdateRule, prepare_scalars, resolve_compil
 from ..memory import probe_for
 from ..recovery import Recovery, device_out_of_memory, empty_device_cache, is_out_of_memory
 from ..sizes import format_size, parse_size
+from ..stochastic_rounding import ElementRounding, parameter_seed, step_keys
 from ..store import Page, PageStore, Segment
 from ..stores import DeviceBudget, DeviceStores
 from ._params import (
@@ -477,6 +478,7 @@ class PagedOptimizer(Optimizer):
         # Made once per step: a tensor built from a number on a device per page would wait for a host copy.
         step_tensors = {key: torch.full((), key[1], dtype=torch.float32, device=key[0]) for key in step_devices}
         scalars_cache: dict[tuple[int, float], dict[str, float | torch.Tensor]] = {}
+        rounding_keys = _rounding_keys(work, progress.new_counts, self._layout)
         recoveries = 0
         try:
             if self._auto_budgets:
@@ -486,7 +488,7 @@ class PagedOptimizer(Optimizer):
                 if not pages:
                     break
                 try:
-                    self._stream_pages(pages, by_page, progress, step_tensors, compiled, scalars_cache)
+                    self._stream_pages(pages, by_page, progress, step_tensors, compiled, scalars_cache, rounding_keys)
                 except RuntimeError as error:  # torch.OutOfMemoryError is one
                     if not is_out_of_memory(error) or recoveries >= self.oom_retries:
                         error.add_note(progress.describe(len(work), recoveries))
@@ -514,8 +516,11 @@ class PagedOptimizer(Optimizer):
         step_tensors: dict[tuple[torch.device, float], torch.Tensor],
         compiled: bool,
         scalars_cache: dict[tuple[int, float], dict[str, float | torch.Tensor]],
+        rounding_keys: dict[int, tuple[int, int]],
     ) -> None:
-        """Stream ``pages`` through the devices and update them; on an error, no page is left in flight."""
+        """Stream ``pages`` through the devices and update them; on an error, no page is left in flight.
+        ``rounding_keys`` holds the stochastic rounding keys of the segments (by ``id``) of bf16 parameters that
+        round so."""
         with contextlib.closing(self._store.stream(pages)) as batches:
             for batch in batches:
                 # Pages of non-contiguous parameters are updated one at a time: their contiguous copies stay within
@@ -523,7 +528,9 @@ class PagedOptimizer(Optimizer):
                 whole = [page for page in batch if not _has_strided(by_page[page.index])]
                 one_by_one = [[page] for page in batch if _has_strided(by_page[page.index])]
                 for pages_at_once in ([whole] if whole else []) + one_by_one:
-                    self._update_pages(pages_at_once, by_page, progress, step_tensors, compiled, scalars_cache)
+                    self._update_pages(
+                        pages_at_once, by_page, progress, step_tensors, compiled, scalars_cache, rounding_keys
+                    )
 
     def _update_pages(
         self,
@@ -533,6 +540,7 @@ class PagedOptimizer(Optimizer):
         step_tensors: dict[tuple[torch.device, float], torch.Tensor],
         compiled: bool,
         scalars_cache: dict[tuple[int, float], dict[str, float | torch.Tensor]],
+        rounding_keys: dict[int, tuple[int, int]],
     ) -> None:
         """Update the segments of resident ``pages`` that ``progress`` has not finished: a multi-tensor kernel
         where the subclass has one (it allocates nothing, so each of its calls updates its segments whole), else
@@ -561,7 +569,15 @@ class PagedOptimizer(Optimizer):
                     scalars_cache[key] = prepare_scalars(self.rule_scalars(group, step), compiled)
                 try:
                     self._update_segment(
-                        kernel, page, arrays, segment, param_slice, grad_slice, scalars_cache[key], progress
+                        kernel,
+                        page,
+                        arrays,
+                        segment,
+                        param_slice,
+                        grad_slice,
+                        scalars_cache[key],
+                        progress,
+                        rounding_keys.get(id(segment)),
                     )
                 finally:
                     if strided is not None:
@@ -730,10 +746,12 @@ class PagedOptimizer(Optimizer):
         grad: torch.Tensor,
         scalars: dict[str, float | torch.Tensor],
         progress: _StepProgress,
+        keys: tuple[int, int] | None = None,
     ) -> None:
         """Run ``kernel`` on the elements of a segment that ``progress`` has not reached: its whole blocks in place,
         chunk by chunk (in one call where the kernel allocates nothing), each chunk whole or not at all; a partial
-        last block through padded copies.
+        last block through padded copies. With stochastic rounding ``keys``, each chunk rounds its bf16 elements by
+        their index in the parameter.
 
         Every tensor the kernel takes starts at a 16-byte boundary: the layout aligns the parameter, gradient, values
         and codes of each chunk (see :class:`~hf_paged.codecs.PageFormat`), and scales that start elsewhere go
@@ -749,13 +767,15 @@ class PagedOptimizer(Optimizer):
             end = min(start + chunk, body)
             encoded = [codec.select(array, segment.offset + start, end - start) for codec, array in zip(codecs, arrays)]
             param_chunk, grad_chunk = to_blocks(param[start:end], alignment), to_blocks(grad[start:end], alignment)
-            _update_aligned(kernel, param_chunk, grad_chunk, encoded, scalars)
+            rounding = None if keys is None else ElementRounding(*keys, segment.start + start)
+            _update_aligned(kernel, param_chunk, grad_chunk, encoded, scalars, rounding)
             progress.reach(segment, end)
         if body < segment.length:
             tail = segment.length - body
             encoded = [codec.select(array, segment.offset + body, tail) for codec, array in zip(codecs, arrays)]
             padded = to_blocks(param[body:], alignment)
-            _update_aligned(kernel, padded, to_blocks(grad[body:], alignment), encoded, scalars)
+            rounding = None if keys is None else ElementRounding(*keys, segment.start + body)
+            _update_aligned(kernel, padded, to_blocks(grad[body:], alignment), encoded, scalars, rounding)
             param[body:].copy_(padded.view(-1)[:tail])
         progress.finish(segment)
 
@@ -973,6 +993,25 @@ def _read_once(group: dict[str, Any]) -> dict[str, Any]:
     return {**group, "lr": float(lr)} if isinstance(lr, torch.Tensor) else group
 
 
+def _rounding_keys(
+    work: list[tuple[torch.Tensor, Any, dict[str, Any]]], new_counts: list[torch.Tensor], layout: StateLayout
+) -> dict[int, tuple[int, int]]:
+    """The stochastic rounding keys of this step, by ``id`` of each segment of a bf16 parameter whose group sets
+    ``bf16_stochastic_round``: from the group's ``stochastic_round_seed``, the parameter's position in its group and
+    the step (see :mod:`hf_paged.stochastic_rounding`)."""
+    keys: dict[int, tuple[int, int]] = {}
+    positions: dict[int, dict[int, int]] = {}
+    for (param, _, group), count in zip(work, new_counts):
+        if not group.get("bf16_stochastic_round", False) or local_tensor(param).dtype != torch.bfloat16:
+            continue
+        if id(group) not in positions:
+            positions[id(group)] = {id(tensor): position for position, tensor in enumerate(group["params"])}
+        seed = parameter_seed(group.get("stochastic_round_seed", 0), positions[id(group)][id(param)])
+        param_keys = step_keys(seed, int(count.item()))
+        keys.update((id(segment), param_keys) for _, segment in layout[param].segments)
+    return keys
+
+
 def _has_strided(items: list[WorkItem]) -> bool:
     """Whether a page's work items read a non-contiguous parameter or gradient (through a copy)."""
     return any(isinstance(param, StridedRange) or isinstance(grad, StridedRange) for _, param, grad, *_ in items)
@@ -996,6 +1035,7 @@ def _update_whole(
     grad: torch.Tensor,
     encoded: list[tuple[torch.Tensor, ...]],
     scalars: dict[str, float | torch.Tensor],
+    rounding: ElementRounding | None,
 ) -> None:
     """Run ``kernel`` so that it updates ``param`` and the ``encoded`` state whole or not at all.
 
@@ -1005,13 +1045,14 @@ def _update_whole(
     (``writes_after_allocating``), what it writes is copied first and copied back if it fails: the copies are
     allocated before anything is written, and putting them back allocates nothing.
     """
+    rounding_argument = () if rounding is None else (rounding,)  # kernels take it only where it applies
     if getattr(kernel, "writes_after_allocating", False):
-        kernel(param, grad, encoded, scalars)
+        kernel(param, grad, encoded, scalars, *rounding_argument)
         return
     targets = [param, *(array for segment in encoded for array in segment)]
     saved = [target.clone() for target in targets]
     try:
-        kernel(param, grad, encoded, scalars)
+        kernel(param, grad, encoded, scalars, *rounding_argument)
     except BaseException:
         for target, copy_of_target in zip(targets, saved):
             target.copy_(copy_of_target)
@@ -1024,6 +1065,7 @@ def _update_aligned(
     grad: torch.Tensor,
     encoded: list[tuple[torch.Tensor, ...]],
     scalars: dict[str, float | torch.Tensor],
+    rounding: ElementRounding | None,
 ) -> None:
     """:func:`_update_whole` with each ``encoded`` array that does not start at a 16-byte boundary (a chunk's scales,
     4 bytes a block, where the chunk does not start at every fourth block) replaced by an aligned copy, written back
@@ -1038,7 +1080,7 @@ def _update_aligned(
                 array = copies[-1][1]
             aligned_arrays.append(array)
         aligned.append(tuple(aligned_arrays))
-    _update_whole(kernel, param, grad, aligned, scalars)
+    _update_whole(kernel, param, grad, aligned, scalars, rounding)
     for array, copy_of_array in copies:
         array.copy_(copy_of_array)
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..stochastic_rounding import check_stochastic_rounding, rounding_defaults
 from .base import DEFAULT_PAGE_SIZE, PagedOptimizer, check_betas, check_lr, check_weight_decay
 
 
@@ -46,6 +47,7 @@ class _PagedLionBase(PagedOptimizer):
         check_lr(group["lr"])
         check_betas(group["betas"])
         check_weight_decay(group["weight_decay"])
+        check_stochastic_rounding(group)
 
     @staticmethod
     def update_rule():
@@ -71,6 +73,9 @@ class PagedLion(_PagedLionBase):
         betas: :math:`(\\beta_1, \\beta_2)`, each in [0, 1).
         weight_decay: decoupled weight decay :math:`\\lambda` >= 0.
         page_size, device_budget, prefetch, compiled: paging settings, see :class:`PagedOptimizer`.
+        bf16_stochastic_round: round bf16 parameters' updated values to bf16 stochastically instead of to nearest,
+            so that updates below half a bf16 spacing are kept in expectation (no effect on other dtypes).
+        stochastic_round_seed: seed of the rounding bits, an integer in [0, 2**64); saved in the param groups.
     """
 
     def __init__(
@@ -84,8 +89,11 @@ class PagedLion(_PagedLionBase):
         device_budget: int | str | None = None,
         prefetch: int = 2,
         compiled: bool | None = None,
+        bf16_stochastic_round: bool = False,
+        stochastic_round_seed: int = 0,
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
+        defaults.update(rounding_defaults(bf16_stochastic_round, stochastic_round_seed))
         super().__init__(
             params, defaults, page_size=page_size, device_budget=device_budget, prefetch=prefetch, compiled=compiled
         )
@@ -99,6 +107,9 @@ class PagedLion8bit(_PagedLionBase):
         block_size: elements per quantization block (one fp32 scale each).
         min_8bit_size: tensors with fewer elements keep fp32 state.
         page_size, device_budget, prefetch, compiled: paging settings, see :class:`PagedOptimizer`.
+        bf16_stochastic_round: round bf16 parameters' updated values to bf16 stochastically instead of to nearest,
+            so that updates below half a bf16 spacing are kept in expectation (no effect on other dtypes).
+        stochastic_round_seed: seed of the rounding bits, an integer in [0, 2**64); saved in the param groups.
     """
 
     def __init__(
@@ -114,8 +125,11 @@ class PagedLion8bit(_PagedLionBase):
         device_budget: int | str | None = None,
         prefetch: int = 2,
         compiled: bool | None = None,
+        bf16_stochastic_round: bool = False,
+        stochastic_round_seed: int = 0,
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
+        defaults.update(rounding_defaults(bf16_stochastic_round, stochastic_round_seed))
         super().__init__(
             params,
             defaults,
