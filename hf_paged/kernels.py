@@ -26,7 +26,7 @@ import torch
 
 from .codecs import Blockwise4bitCodec, Blockwise8bitCodec, Codec, EncodedSegment
 from .native import host_kernels_enabled
-from .stochastic_rounding import ElementRounding, stochastic_round_bf16
+from .stochastic_rounding import ElementRounding, round_into_bf16_
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ def update_segment(
     for codec, state, block_scales, segment in zip(codecs, states, scales, encoded):
         codec.encode(state, segment, block_scales)
     if rounding is not None and param.dtype == torch.bfloat16:
-        param.copy_(stochastic_round_bf16(param32, rounding))
+        del states, scales  # free the decoded state before the rounding's temporaries
+        round_into_bf16_(param, param32, rounding)
     elif param32 is not param:
         param.copy_(param32)
 

@@ -83,6 +83,27 @@ def stochastic_round_bf16(values: torch.Tensor, rounding: ElementRounding) -> to
     return torch.where(torch.isfinite(values), rounded, values)
 
 
+ROUNDING_SLICE_ELEMENTS = 2**14
+"""Elements an eager kernel rounds at a time, bounding the integer temporaries of the hash."""
+
+ROUNDING_BYTES_PER_ELEMENT = 40
+"""Bytes of temporaries per element of a slice that eager stochastic rounding adds to a step's peak (int64 indices
+and hashes, the fp32 result, the finiteness mask): 32 measured (tests/test_stochastic_rounding.py), rounded up."""
+
+
+def round_into_bf16_(param: torch.Tensor, values: torch.Tensor, rounding: ElementRounding) -> None:
+    """Write fp32 ``values`` rounded stochastically into the bf16 ``param`` of the same shape (both contiguous):
+    eagerly :data:`ROUNDING_SLICE_ELEMENTS` at a time, in one expression where ``torch.compile`` fuses it."""
+    if torch.compiler.is_compiling():
+        param.copy_(stochastic_round_bf16(values, rounding))
+        return
+    flat_param, flat_values = param.view(-1), values.view(-1)
+    for begin in range(0, flat_values.numel(), ROUNDING_SLICE_ELEMENTS):
+        end = begin + ROUNDING_SLICE_ELEMENTS
+        sliced = rounding._replace(start=rounding.start + begin)
+        flat_param[begin:end].copy_(stochastic_round_bf16(flat_values[begin:end], sliced))
+
+
 def check_stochastic_rounding(group: dict) -> None:
     """Raise ValueError for a bad ``bf16_stochastic_round`` or ``stochastic_round_seed`` of a param group."""
     enabled = group.get("bf16_stochastic_round", False)

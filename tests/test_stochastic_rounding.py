@@ -220,3 +220,47 @@ def test_compiled_kernels_round_as_the_eager_kernels_without_recompiling():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     differing = sum((got != want).sum().item() for got, want in zip(parameters_of(model), eager, strict=True))
     assert differing <= 0.001 * sum(param.numel() for param in eager)
+
+
+@pytest.mark.parametrize("name", ["PagedAdamW", "PagedLion8bit"])
+def test_long_chunks_round_in_slices_with_the_bits_of_short_ones(name, monkeypatch):
+    """An eager chunk of the default page size (2**18 elements) is rounded 2**14 elements at a time; the bits follow
+    the element, as in chunks of 1024 elements (page_size=16KiB) and the host kernel's single call."""
+    monkeypatch.setenv("HF_PAGED_NATIVE", "0")
+
+    def trained(**settings) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(0)
+        param = torch.nn.Parameter(torch.randn(300, 1000, generator=generator).bfloat16())
+        optimizer = OPTIMIZERS[name]([param], lr=1e-3, bf16_stochastic_round=True, compiled=False, **settings)
+        for _ in range(2):
+            param.grad = torch.randn(300, 1000, generator=generator).bfloat16()
+            optimizer.step()
+        return param.detach().clone()
+
+    long_chunks = trained()
+    short_chunks = trained(page_size="16KiB")
+    assert torch.equal(long_chunks.view(torch.int16), short_chunks.view(torch.int16))
+    if name in NATIVE:
+        monkeypatch.setenv("HF_PAGED_NATIVE", "1")
+        assert torch.equal(trained().view(torch.int16), long_chunks.view(torch.int16))
+
+
+@pytest.mark.parametrize("page_size", [32 * 2**10, 2**20])
+def test_eager_rounding_temporaries_fit_the_reserved_workspace(optimizer_name, page_size, monkeypatch):
+    from test_workspace import PeakAllocation
+
+    monkeypatch.setenv("HF_PAGED_NATIVE", "0")
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(size, generator=generator).bfloat16()) for size in (page_size, 1061, 5)]
+    kwargs = {"page_size": page_size, "compiled": False, "bf16_stochastic_round": True}
+    optimizer = OPTIMIZERS[optimizer_name](params, **kwargs)
+    for _ in range(2):
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=generator).bfloat16()
+        with PeakAllocation() as allocation:
+            optimizer.step()
+    assert allocation.live == 0
+    assert allocation.peak <= optimizer.step_workspace, (allocation.peak / page_size, "pages")
+    # A chunk is page_size // 16 elements, hashed 2**14 at a time at 40 bytes each: 2.5 pages more for small pages,
+    # 640 KiB more for large ones.
+    assert optimizer.step_workspace <= (5 if page_size < 2**20 else 3) * page_size

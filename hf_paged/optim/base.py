@@ -27,7 +27,13 @@ from ..kernels import SegmentKernel, UpdateRule, prepare_scalars, resolve_compil
 from ..memory import probe_for
 from ..recovery import Recovery, device_out_of_memory, empty_device_cache, is_out_of_memory
 from ..sizes import format_size, parse_size
-from ..stochastic_rounding import ElementRounding, parameter_seed, step_keys
+from ..stochastic_rounding import (
+    ROUNDING_BYTES_PER_ELEMENT,
+    ROUNDING_SLICE_ELEMENTS,
+    ElementRounding,
+    parameter_seed,
+    step_keys,
+)
 from ..store import Page, PageStore, Segment
 from ..stores import DeviceBudget, DeviceStores
 from ._params import (
@@ -792,13 +798,16 @@ class PagedOptimizer(Optimizer):
         kernels that run: eager ones where compilation is off or failed."""
         workspaces = []
         setting = self.compiled
+        rounds = any(group.get("bf16_stochastic_round", False) for group in self.param_groups)
         for kind, page_format in self._formats.items():
             compiled = setting and runs_compiled(self.update_rule(), page_format.codecs)
             per_element = _WORKSPACE_BYTES_PER_ELEMENT[compiled, kind]
             padded_tail = 3 * page_format.alignment * 4  # a partial last block's padded parameter, gradient, zeros
             chunk = self._chunk_elements(page_format, compiled)
             scale_copies = sum(4 * -(-chunk // codec.alignment) for codec in page_format.codecs if codec.alignment > 1)
-            workspaces.append(per_element * chunk + padded_tail + scale_copies)
+            # stochastic rounding of bf16 parameters hashes a slice of a chunk at a time
+            rounding = ROUNDING_BYTES_PER_ELEMENT * min(chunk, ROUNDING_SLICE_ELEMENTS) if rounds else 0
+            workspaces.append(per_element * chunk + padded_tail + scale_copies + rounding)
         return max(workspaces)
 
     # Copying and pickling -------------------------------------------------------------------------------
