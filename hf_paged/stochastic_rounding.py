@@ -5,9 +5,10 @@ lower one over their spacing, so the rounded value equals ``x`` in expectation a
 spacing are not lost on average. It adds a 16-bit random integer ``r`` to the low 16 bits of ``x``'s fp32 bit
 pattern and truncates them: ``bits = (fp32_bits + r) & 0xFFFF0000``. NaN and infinities are kept as they are.
 
-``r`` is a hash of the parameter's seed, the step and the element's row-major index in its parameter: the same in
-every kernel family (eager and compiled PyTorch, the C++ host kernels of ``hf_paged/native/host_kernels.cpp``), for
-any page size, budget, chunking or thread count. The hash works on unsigned 32-bit integers; the PyTorch version
+``r`` is a hash of the parameter's seed, the step and the element's row-major index ``i`` in its parameter,
+``mix32(low(i) ^ key_a ^ mix32(high(i) ^ key_b)) >> 16`` with the two keys of (seed, step) and the 32-bit words of
+``i``: the same in every kernel family (eager and compiled PyTorch, the C++ host kernels of
+``hf_paged/native/host_kernels.cpp``), for any page size, budget, chunking or thread count. The hash works on unsigned 32-bit integers; the PyTorch version
 holds them in int64 tensors and splits each product so that no intermediate exceeds 2**49 (no overflow).
 """
 
@@ -71,8 +72,10 @@ def step_keys(seed: int, step: int) -> tuple[int, int]:
 def random_bits(shape: torch.Size, device: torch.device, rounding: ElementRounding) -> torch.Tensor:
     """The 16-bit random integers (int64) of the elements of a chunk of ``shape`` (row-major, from ``start``)."""
     index = torch.arange(shape.numel(), dtype=torch.int64, device=device).view(shape) + rounding.start
-    hashed = mix32(mix32((index & MASK32) ^ rounding.key_a) ^ ((index >> 32) ^ rounding.key_b))
-    return hashed >> 16
+    if isinstance(rounding.start, int) and rounding.start + shape.numel() <= 2**32:
+        # Every index below 2**32 (an eager chunk of a parameter of fewer elements): the high word's key is one int.
+        return mix32(index ^ (rounding.key_a ^ mix32_int(rounding.key_b))) >> 16
+    return mix32((index & MASK32) ^ rounding.key_a ^ mix32((index >> 32) ^ rounding.key_b)) >> 16
 
 
 def stochastic_round_bf16(values: torch.Tensor, rounding: ElementRounding) -> torch.Tensor:

@@ -385,6 +385,8 @@ inline uint32_t mix32(uint32_t x) {
 // Writes values[0, size) to p rounded stochastically; `first` is the index in the parameter of values[0].
 inline void round_stochastically(c10::BFloat16* p, const float* values, int64_t size, int64_t first,
                                  const Rounding& r) {
+  uint32_t high = 0;
+  uint32_t high_key = r.key_a ^ mix32(r.key_b);  // the key of the indices' high word, while it stays `high`
   for (int64_t i = 0; i < size; ++i) {
     const float value = values[i];
     if (!std::isfinite(value)) {
@@ -392,8 +394,11 @@ inline void round_stochastically(c10::BFloat16* p, const float* values, int64_t 
       continue;
     }
     const uint64_t index = static_cast<uint64_t>(first + i);
-    const uint32_t hashed =
-        mix32(mix32(static_cast<uint32_t>(index) ^ r.key_a) ^ (static_cast<uint32_t>(index >> 32) ^ r.key_b));
+    if (static_cast<uint32_t>(index >> 32) != high) {
+      high = static_cast<uint32_t>(index >> 32);
+      high_key = r.key_a ^ mix32(high ^ r.key_b);
+    }
+    const uint32_t hashed = mix32(static_cast<uint32_t>(index) ^ high_key);
     uint32_t bits;
     std::memcpy(&bits, &value, sizeof bits);
     p[i] = c10::BFloat16(static_cast<uint16_t>((bits + (hashed >> 16)) >> 16), c10::BFloat16::from_bits());
