@@ -1,21 +1,23 @@
-"""DeepSpeed's optimizer state tools on hf-paged client optimizers under ZeRO-3, in one ``torchrun`` launch.
+"""DeepSpeed's optimizer state tools on hf-paged client optimizers under ZeRO 3, 2 and 1, in one ``torchrun`` launch.
 
-For each configuration of :data:`CLIENTS` (``torch.optim.AdamW`` as the control, and paged AdamW with 32-bit,
-8-bit and 4-bit state), a small MLP is handed to ``deepspeed.initialize`` with the client optimizer, trained
-:data:`STEPS` steps, and then each rank checks, for every parameter and for ``exp_avg`` and ``exp_avg_sq``:
+For each ZeRO stage of ``--stages`` and each configuration of :data:`CLIENTS` (``torch.optim.AdamW`` as the
+control, and paged AdamW with 32-bit, 8-bit and 4-bit state), a small MLP is handed to ``deepspeed.initialize``
+with the client optimizer, trained :data:`STEPS` steps, and then each rank checks, for every parameter and for
+``exp_avg`` and ``exp_avg_sq``:
 
-- ``safe_get_local_optimizer_state`` against this rank's partition of the state that the engine's
-  ``state_dict()`` saves, decoded by the client's codec (8-bit and 4-bit codes and scales);
-- ``safe_get_full_optimizer_state``: its slice of this rank equals the local state;
-- ``safe_set_full_optimizer_state`` of new values, parameter after parameter: afterwards the local and full
-  states equal the rank's partition with each parameter's values written in turn, re-encoded by the codec
-  after each write (the codec's blocks span parameters); ``safe_set_local_optimizer_state`` likewise;
-- the saved state after the writes decodes to what the tools now read, and one more training step, which uses
-  the written state, runs.
+- ``safe_get_full_optimizer_state``: the piece of this rank's partition equals that partition of the state that
+  the client's ``state_dict()`` saves, decoded by the client's codec (8-bit and 4-bit codes and scales); under
+  ZeRO-3 ``safe_get_local_optimizer_state`` too;
+- ``safe_set_full_optimizer_state`` of new values (under ZeRO-3 every other parameter through
+  ``safe_set_local_optimizer_state``), parameter after parameter: afterwards the states read equal the rank's
+  partition with each parameter's values written in turn, re-encoded by the codec after each write (the codec's
+  blocks span parameters), and so does the saved state;
+- one more training step, which uses the written state, runs.
 
-Rank 0 writes ``--output`` (``torch.save``, loadable with ``weights_only=True``): per configuration and rank the
-number of parameters answered, the largest differences of each check (0.0 where equal), the full states
-read after training and the full weights after the step that follows the writes, for comparing configurations.
+Rank 0 writes ``--output`` (``torch.save``, loadable with ``weights_only=True``): per rank and ``zero<stage>/<name>``
+the number of parameters answered, the largest differences of each check (0.0 where equal), the keys left in
+``optimizer.state`` and in the ZeRO-1/2 fragment mappings, the full states read after training and the full
+weights after the step that follows the writes, for comparing configurations.
 
 Example: ``python -m torch.distributed.run --standalone --nproc_per_node 2 tests/scripts/deepspeed_state_tools.py
 --output /tmp/state_tools.pt``
@@ -69,15 +71,20 @@ def requantized(codec, values: torch.Tensor) -> torch.Tensor:
 
 
 def saved_partition(engine, client, key: str) -> tuple[torch.Tensor, object]:
-    """This rank's flat partition of state ``key`` as the engine's ``state_dict()`` saves it, decoded by the
-    client's codec, and that codec (a :class:`Float32Codec` for ``torch.optim.AdamW``)."""
-    saved = engine.optimizer.state_dict()["optimizer_state_dict"]["state"][0]
+    """This rank's flat partition of state ``key`` as the client's ``state_dict()`` saves it (under ZeRO-3, within
+    the engine's, which lists the partitions for it), decoded by the client's codec, and that codec (a
+    :class:`Float32Codec` for ``torch.optim.AdamW``)."""
+    zero = engine.optimizer
+    if engine.zero_optimization_stage() == 3:
+        saved, partition = zero.state_dict()["optimizer_state_dict"]["state"][0], zero.fp32_partitioned_groups_flat[0]
+    else:
+        saved, partition = client.state_dict()["state"][0], zero.single_partition_of_fp32_groups[0]
     if key in saved:
         return saved[key].reshape(-1).float().clone(), Float32Codec()
     kind = "8bit" if f"{key}_codes" in saved else "4bit"
     codec = client._formats[kind].codecs[client.state_names.index(key)]
     fields = tuple(saved[f"{key}_{field}"].reshape(-1) for field in codec.fields)
-    return saved_values(codec, fields, engine.optimizer.fp32_partitioned_groups_flat[0].numel()), codec
+    return saved_values(codec, fields, partition.numel()), codec
 
 
 def saved_values(codec, fields: tuple[torch.Tensor, ...], elements: int) -> torch.Tensor:
@@ -96,8 +103,8 @@ def largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) if a.numel() else 0.0
 
 
-def check(name: str, rank: int, world_size: int) -> dict:
-    """Train configuration ``name`` and run every check on this rank; what it found."""
+def check(stage: int, name: str, rank: int) -> dict:
+    """Train configuration ``name`` under ZeRO ``stage`` and run every check on this rank; what it found."""
     import deepspeed
     from deepspeed.utils import (
         safe_get_full_optimizer_state,
@@ -110,7 +117,7 @@ def check(name: str, rank: int, world_size: int) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 3},
+        "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
     }
@@ -129,9 +136,19 @@ def check(name: str, rank: int, world_size: int) -> dict:
     def note(check_name: str, difference: float) -> None:
         record["differences"][check_name] = max(record["differences"].get(check_name, 0.0), difference)
 
-    def position(param) -> tuple[int, int]:
-        _, offset, elements = zero.grad_position[zero.get_param_id(param)]
-        return offset, elements
+    def position(param) -> tuple[int, int, int] | None:
+        """Where this rank's piece of ``param`` is: its offset in the flat partition, its elements and its offset
+        in the whole parameter (``None``: not in this rank's partition)."""
+        if stage == 3:
+            _, offset, elements = zero.grad_position[zero.get_param_id(param)]
+            return offset, elements, rank * elements
+        mapping = param._hp_mapping
+        if mapping is None:
+            return None
+        return mapping.hp_fragment_address.start, mapping.hp_fragment_address.numel, mapping.lp_fragment_address.start
+
+    def piece(tensor: torch.Tensor, where: tuple[int, int, int]) -> torch.Tensor:
+        return tensor.reshape(-1)[where[2] : where[2] + where[1]]
 
     expected = {}
     for key in KEYS:
@@ -141,15 +158,19 @@ def check(name: str, rank: int, world_size: int) -> dict:
         for param in params:
             try:
                 full = safe_get_full_optimizer_state(param, key)
-                local = safe_get_local_optimizer_state(param, key)
+                local = safe_get_local_optimizer_state(param, key) if stage == 3 else None
             except (KeyError, ValueError) as error:
                 record.setdefault("errors", []).append(f"{key}: {type(error).__name__}: {error}")
                 continue
             record["answered"] += key == KEYS[0]
             record["full"][key].append(full.reshape(-1).clone())
-            offset, elements = position(param)
-            note("local_vs_saved", largest_difference(local, partition[offset : offset + elements]))
-            note("full_vs_local", largest_difference(full.reshape(-1)[rank * elements : (rank + 1) * elements], local))
+            where = position(param)
+            if where is None:
+                continue
+            offset, elements, _ = where
+            note("full_vs_saved", largest_difference(piece(full, where), partition[offset : offset + elements]))
+            if stage == 3:
+                note("local_vs_saved", largest_difference(local, partition[offset : offset + elements]))
     if "errors" in record:
         return record
 
@@ -158,32 +179,34 @@ def check(name: str, rank: int, world_size: int) -> dict:
         written = partition.clone()
         for index, param in enumerate(params):
             new_full = safe_get_full_optimizer_state(param, key) * 1.5 + 1e-4
-            offset, elements = position(param)
-            new_local = new_full.reshape(-1)[rank * elements : (rank + 1) * elements]
-            if index % 2:
-                safe_set_local_optimizer_state(param, new_local.clone(), key)
+            where = position(param)
+            if stage == 3 and index % 2:
+                safe_set_local_optimizer_state(param, piece(new_full, where).clone(), key)
             else:
                 safe_set_full_optimizer_state(param, new_full, key)
-            written[offset : offset + elements] = new_local
-            written = requantized(codec, written)
+            if where is not None:
+                offset, elements, _ = where
+                written[offset : offset + elements] = piece(new_full, where)
+                written = requantized(codec, written)
         for param in params:
-            offset, elements = position(param)
-            local = safe_get_local_optimizer_state(param, key)
             full = safe_get_full_optimizer_state(param, key)
-            note("local_after_set", largest_difference(local, written[offset : offset + elements]))
-            note(
-                "full_after_set",
-                largest_difference(
-                    full.reshape(-1)[rank * elements : (rank + 1) * elements], written[offset : offset + elements]
-                ),
-            )
+            where = position(param)
+            if where is None:
+                continue
+            offset, elements, _ = where
+            note("full_after_set", largest_difference(piece(full, where), written[offset : offset + elements]))
+            if stage == 3:
+                local = safe_get_local_optimizer_state(param, key)
+                note("local_after_set", largest_difference(local, written[offset : offset + elements]))
         resaved, _ = saved_partition(engine, client, key)
         note("saved_after_set", largest_difference(resaved, written))
     record["state_keys"] = sorted(str(key) for entry in client.state.values() for key in entry)
+    record["fragment_keys"] = sorted(
+        {key for param in params if getattr(param, "_hp_mapping", None) for key in param._hp_mapping.optim_fragment}
+    )
     loss = torch.nn.functional.mse_loss(engine(inputs), targets)
     engine.backward(loss)
     engine.step()
-    record["loss_after_set"] = float(loss.detach())
     record["weights_after_set"] = full_weights(engine)
     engine.destroy()
     return record
@@ -192,6 +215,7 @@ def check(name: str, rank: int, world_size: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", required=True)
+    parser.add_argument("--stages", nargs="+", type=int, default=[3, 2, 1], choices=[1, 2, 3])
     parser.add_argument("--configs", nargs="+", default=list(CLIENTS), choices=list(CLIENTS))
     options = parser.parse_args()
     prepare_process()
@@ -200,7 +224,7 @@ def main() -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    results = {name: check(name, rank, world_size) for name in options.configs}
+    results = {f"zero{stage}/{name}": check(stage, name, rank) for stage in options.stages for name in options.configs}
     gathered = [None] * world_size
     torch.distributed.all_gather_object(gathered, results)
     if rank == 0:
