@@ -103,8 +103,19 @@ def test_the_build_targets_the_cpu_capability(built):
     """The extension is built for the capability PyTorch runs (``ATEN_CPU_CAPABILITY`` chooses it): eight lanes of
     AVX2 code for AVX2 and AVX512, one scalar lane for DEFAULT."""
     capability = torch.backends.cpu.get_cpu_capability()
-    assert native.build_name() == f"hf_paged_host_kernels_{capability.lower()}"
+    assert native.build_name().startswith(f"hf_paged_host_kernels_{capability.lower()}_")
     assert torch.ops.hf_paged.vector_lanes() == (8 if capability in ("AVX2", "AVX512") else 1)
+
+
+def test_another_version_of_the_source_builds_under_another_name(tmp_path, monkeypatch):
+    """Checkouts of other versions sharing the extension cache (a worktree of an older commit) must not load each
+    other's build: one without an operator argument of this version would fail at its first call."""
+    name = native.build_name()
+    other = tmp_path / "host_kernels.cpp"
+    other.write_bytes(native.SOURCE.read_bytes() + b"// another version\n")
+    monkeypatch.setattr(native, "SOURCE", other)
+    assert native.build_name() != name
+    assert native.build_name().rsplit("_", 1)[0] == name.rsplit("_", 1)[0]
 
 
 def test_host_kernel_takes_compiled_scalars(built):

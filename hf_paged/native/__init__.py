@@ -2,8 +2,9 @@
 
 :func:`host_kernels` builds the extension once per process with :func:`torch.utils.cpp_extension.load` (ninja and a
 C++ compiler; the build lands in PyTorch's extension cache, ``TORCH_EXTENSIONS_DIR`` or
-``~/.cache/torch_extensions``, so later processes load it in well under a second) and registers its operators as
-``torch.ops.hf_paged.adamw_blockwise_`` and ``torch.ops.hf_paged.lion_blockwise_``. Where it cannot be built the
+``~/.cache/torch_extensions``, under a name of the capability and the source's version, :func:`build_name`, so later
+processes load it in well under a second) and registers its operators as ``torch.ops.hf_paged.adamw_blockwise_``
+and ``torch.ops.hf_paged.lion_blockwise_``. Where it cannot be built the
 optimizers keep PyTorch's kernels; the reason is logged once.
 
 ``HF_PAGED_NATIVE`` chooses: ``0`` never uses the host kernels, ``1`` requires them (a failed build raises), unset
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -74,9 +76,12 @@ def host_kernels_enabled() -> bool:
 
 
 def build_name() -> str:
-    """The extension's name for the CPU capability PyTorch runs now (``ATEN_CPU_CAPABILITY`` can lower it): one
-    build per capability, ``hf_paged_host_kernels_default``, ``..._avx2`` or ``..._avx512``."""
-    return f"hf_paged_host_kernels_{torch.backends.cpu.get_cpu_capability().lower()}"
+    """The extension's name for the CPU capability PyTorch runs now (``ATEN_CPU_CAPABILITY`` can lower it) and this
+    source: one build per capability (``hf_paged_host_kernels_default_...``, ``..._avx2_...`` or ``..._avx512_...``)
+    and version of ``host_kernels.cpp`` (the first 12 hex digits of its SHA-256), so that installs or checkouts of
+    other versions sharing the extension cache never load each other's build."""
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    return f"hf_paged_host_kernels_{torch.backends.cpu.get_cpu_capability().lower()}_{digest}"
 
 
 def _compile_flags() -> list[str]:
