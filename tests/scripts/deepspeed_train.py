@@ -8,7 +8,8 @@ uninterrupted run); a second Trainer then resumes from that checkpoint and train
 run).
 
 Rank 0 writes ``--output`` (a ``torch.save`` file, loadable with ``weights_only=True``): per setup and
-configuration, for both runs the logged losses and gradient norms, the full fp32 weights (one flat tensor),
+configuration, for both runs the logged losses and gradient norms, the full fp32 weights (one flat tensor) and,
+for a paged client, the first moments as DeepSpeed's ``safe_get_full_optimizer_state`` reads them,
 what DeepSpeed reports (engine, ZeRO stage, offload, bf16, the optimizer chain), the shapes of the tensors in the
 client optimizer's ``param_groups`` when training begins and at each of its steps, and its paging statistics;
 the files of the checkpoint; and the error that stopped the configuration, if any (the others still run).
@@ -40,6 +41,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import hf_paged  # noqa: F401  (registers the hf_paged_* optimizer names)
+from hf_paged.optim import PagedOptimizer
 
 from trainer_utils import tiny_llama, token_dataset
 
@@ -184,6 +186,18 @@ def full_weights(engine) -> torch.Tensor:
     return torch.cat([safe_get_full_fp32_param(param).reshape(-1).clone() for param in engine.module.parameters()])
 
 
+def full_first_moments(engine) -> torch.Tensor | str:
+    """Every parameter's ``exp_avg`` as ``deepspeed.utils.safe_get_full_optimizer_state`` reads it (8-bit and 4-bit
+    state decoded), as one flat tensor; or the error DeepSpeed raised (with bf16 parameters under ZeRO-1)."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    try:
+        moments = [safe_get_full_optimizer_state(param, "exp_avg") for param in engine.module.parameters()]
+    except ValueError as error:
+        return f"{type(error).__name__}: {error}"
+    return torch.cat([moment.reshape(-1).clone() for moment in moments])
+
+
 def train(record: dict, name: str, folder: str, setup: str, options: argparse.Namespace, resume: bool) -> None:
     """One run of configuration ``name`` into ``record``: from scratch, or resumed from the uninterrupted run's
     checkpoint (``record`` keeps what was logged before an error)."""
@@ -217,6 +231,8 @@ def train(record: dict, name: str, folder: str, setup: str, options: argparse.Na
     trainer.train(resume_from_checkpoint=os.path.join(folder, "full", f"checkpoint-{save_at}") if resume else None)
     client = trainer.model_wrapped.optimizer.optimizer
     record["weights"] = full_weights(trainer.model_wrapped)
+    if isinstance(client, PagedOptimizer):  # torch's AdamW: DeepSpeed's own tool raises on some ranks after a resume
+        record["first_moments"] = full_first_moments(trainer.model_wrapped)
     record["paging"] = client.paging_stats() if hasattr(client, "paging_stats") else None
 
 
