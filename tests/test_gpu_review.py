@@ -1,18 +1,20 @@
-"""CUDA checks of issue 30, points 1, 3 and 4: aligned kernel inputs, out-of-memory learning per device, one read of
-a tensor learning rate per step.
+"""CUDA checks of issue 30, points 1 to 4: aligned kernel inputs, one compiled function per rule and format,
+out-of-memory learning per device, one read of a tensor learning rate per step.
 
 Each runs where a CUDA device exists (the two-device test where two do); the CPU tests of the same points are
-tests/test_alignment.py, tests/test_oom_devices.py and tests/test_tensor_lr.py.
+tests/test_alignment.py, tests/test_compiled.py, tests/test_oom_devices.py and tests/test_tensor_lr.py.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 
 import pytest
 import torch
 from conftest import OPTIMIZERS, make_mlp, optimizer_kwargs, regression_batches
 from test_alignment import ALIGNMENT, odd_kwargs, odd_model
+from test_compiled import _Recompiles, fresh_kernels  # noqa: F401 (a fixture)
 from test_tensor_lr import ScalarReads, groups
 
 import hf_paged
@@ -187,3 +189,18 @@ def test_a_cuda_tensor_lr_is_read_once_per_group_and_step(optimizer_name):
         results.append([param.detach().cpu() for param in model.parameters()])
     for with_tensor, with_float in zip(*results):
         assert torch.equal(with_tensor, with_float)
+
+
+def test_every_rule_format_and_dtype_stays_compiled_on_cuda(fresh_kernels, caplog):  # noqa: F811
+    """Point 2: 8-bit AdamW, 8-bit Lion and 4-bit AdamW on fp32 and bf16 parameters in one process (with their fp32
+    pages of small tensors, ten variants) compile a function per rule, format and device, each recompiled at most
+    once (for the second dtype); one function shared by all recompiled for every variant and, past Dynamo's
+    recompile limit (8), ran eagerly with the compiled chunks and workspace, without a word."""
+    with _Recompiles() as recompiles, caplog.at_level(logging.WARNING, logger="hf_paged.kernels"):
+        for name in ("PagedAdamW8bit", "PagedLion8bit", "PagedAdamW4bit"):
+            for dtype in (torch.float32, torch.bfloat16):
+                model = make_mlp(dtype=dtype).to(DEVICE)
+                optimizer = getattr(hf_paged, name)(model.parameters(), compiled=True, **optimizer_kwargs(name))
+                _train(model, optimizer, 3, dtype)
+    assert not [record for record in caplog.records if "torch.compile failed" in record.getMessage()]
+    assert max(Counter(recompiles.functions).values(), default=0) <= 1, Counter(recompiles.functions)
