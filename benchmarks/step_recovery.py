@@ -97,8 +97,8 @@ def fail_middle_page_allocation(optimizer) -> Callable[[], None]:
     return step
 
 
-def plain_update(kernel, param, grad, encoded, scalars) -> None:
-    kernel(param, grad, encoded, scalars)
+def plain_update(kernel, param, grad, encoded, scalars, rounding=None) -> None:
+    kernel(param, grad, encoded, scalars, *(() if rounding is None else (rounding,)))
 
 
 def main() -> None:

@@ -80,6 +80,7 @@ def test_host_kernels_round_as_the_eager_kernels(name, monkeypatch):
 @pytest.mark.skipif(not compile_available(torch.device("cpu")), reason="no C++ compiler for torch.compile")
 def test_compiled_rounding_draws_the_eager_bits_without_recompiling():
     torch._dynamo.reset()
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # counted since the process started
     rounding = torch.compile(stochastic_round_bf16, dynamic=True)
     values = torch.randn(5000, dtype=torch.float64).float()
     for step, start in ((1, 0), (2, 7000)):
@@ -88,7 +89,7 @@ def test_compiled_rounding_draws_the_eager_bits_without_recompiling():
         assert torch.equal(
             rounding(values, tensors).view(torch.int32), stochastic_round_bf16(values, keys).view(torch.int32)
         )
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before == 1
 
 
 def test_python_and_tensor_hashes_agree():
