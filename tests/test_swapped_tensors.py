@@ -296,23 +296,27 @@ def test_oom_recovery_follows_switched_tensors():
         assert torch.equal(param, expected)
 
 
+@pytest.mark.parametrize("swap", [switch_parameters, replace_groups], ids=["group params", "group dicts"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_tensors_with_state_swapped_for_tensors_of_another_shape_is_a_clear_error(name):
+def test_tensors_with_state_swapped_for_tensors_of_another_shape_is_a_clear_error(name, swap):
+    """Whether the groups' ``params`` or whole group dicts are replaced; swapped back, the tensors keep their state
+    and train on."""
     sharded, full = sharded_and_full()
     optimizer = make_optimizer(name, decay_groups(full))
     train(full, optimizer, regression_batches(1))
     saved = optimizer.state_dict()
-    switch_parameters(optimizer, dict(zip(full.parameters(), sharded.parameters(), strict=True)))
+    swap(optimizer, dict(zip(full.parameters(), sharded.parameters(), strict=True)))
     before = [param.detach().clone() for param in sharded.parameters()]
     message = r"parameter 0 of param group 0 is a new tensor of shape \(32, 20\) in place of one whose state has shape"
     with pytest.raises(RuntimeError, match=message):
         train(sharded, optimizer, regression_batches(1))
     for param, expected in zip(sharded.parameters(), before, strict=True):
         assert torch.equal(param, expected)
-    switch_parameters(optimizer, dict(zip(sharded.parameters(), full.parameters(), strict=True)))
+    swap(optimizer, dict(zip(sharded.parameters(), full.parameters(), strict=True)))
     state = optimizer.state_dict()["state"]
     for index, entry in saved["state"].items():
         assert all(torch.equal(state[index][key], value) for key, value in entry.items())
+    train(full, optimizer, regression_batches(1))
 
 
 @pytest.mark.parametrize("swap", [switch_parameters, replace_groups], ids=["group params", "group dicts"])
