@@ -20,6 +20,17 @@ OPTIMIZERS = {
 }
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests marked ``slow`` unless ``HF_PAGED_SLOW=1`` or a ``-m`` expression asks for them."""
+    markexpr = config.getoption("markexpr") or ""
+    if os.environ.get("HF_PAGED_SLOW") == "1" or ("slow" in markexpr and "not slow" not in markexpr):
+        return
+    skip = pytest.mark.skip(reason="slow: run with HF_PAGED_SLOW=1 or -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 def make_mlp(seed: int = 0, hidden: int = 64, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """A small MLP (20 -> hidden -> hidden -> 3) with deterministic weights."""
     torch.manual_seed(seed)
