@@ -19,13 +19,13 @@ def test_compile_available_on_cuda_follows_torch_triton_check(monkeypatch, caplo
     monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: has_triton)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.delenv("HF_PAGED_COMPILE", raising=False)
-    kernels._log_eager_fallback.cache_clear()
+    kernels.pytorch._log_eager_fallback.cache_clear()
     cuda = torch.device("cuda", 0)
-    with caplog.at_level(logging.WARNING, logger="hf_paged.kernels"):
+    with caplog.at_level(logging.WARNING, logger="hf_paged.kernels.pytorch"):
         for _ in range(3):
             assert kernels.compile_available(cuda) is expected
             assert kernels.resolve_compiled(None, cuda, kernels.COMPILE_MIN_ELEMENTS) is expected
-    fallbacks = [record for record in caplog.records if record.name == "hf_paged.kernels"]
+    fallbacks = [record for record in caplog.records if record.name == "hf_paged.kernels.pytorch"]
     assert len(fallbacks) == (0 if expected else 1)
     if not expected:
         assert "eagerly" in fallbacks[0].getMessage()

@@ -146,9 +146,9 @@ def test_a_compilation_that_fails_falls_back_to_eager_logs_once_and_sizes_chunks
         return model, optimizer
 
     eager_model, eager = run(compiled=False)
-    with torch._dynamo.config.patch(recompile_limit=0), caplog.at_level(logging.WARNING, logger="hf_paged.kernels"):
+    with torch._dynamo.config.patch(recompile_limit=0), caplog.at_level(logging.WARNING, logger="hf_paged.kernels.pytorch"):
         model, optimizer = run(compiled=True)
-    fallbacks = [record for record in caplog.records if record.name == "hf_paged.kernels"]
+    fallbacks = [record for record in caplog.records if record.name == "hf_paged.kernels.pytorch"]
     assert len(fallbacks) == 1 and "update eagerly from now on" in fallbacks[0].getMessage()
     assert "lion_update_" in fallbacks[0].getMessage() and "recompile limit" in fallbacks[0].getMessage()
     for param, expected in zip(model.parameters(), eager_model.parameters(), strict=True):

@@ -196,7 +196,7 @@ def test_every_rule_format_and_dtype_stays_compiled_on_cuda(fresh_kernels, caplo
     pages of small tensors, ten variants) compile a function per rule, format and device, each recompiled at most
     once (for the second dtype); one function shared by all recompiled for every variant and, past Dynamo's
     recompile limit (8), ran eagerly with the compiled chunks and workspace, without a word."""
-    with _Recompiles() as recompiles, caplog.at_level(logging.WARNING, logger="hf_paged.kernels"):
+    with _Recompiles() as recompiles, caplog.at_level(logging.WARNING, logger="hf_paged.kernels.pytorch"):
         for name in ("PagedAdamW8bit", "PagedLion8bit", "PagedAdamW4bit"):
             for dtype in (torch.float32, torch.bfloat16):
                 model = make_mlp(dtype=dtype).to(DEVICE)

@@ -18,25 +18,9 @@ from typing import Any
 
 import torch
 
+from ..kernels.rules import lion_update_
 from ..stochastic_rounding import check_stochastic_rounding, rounding_defaults
 from .base import DEFAULT_PAGE_SIZE, PagedOptimizer, check_betas, check_lr, check_weight_decay
-
-
-def lion_update_(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    *,
-    lr: float,
-    decay: float,
-    direction_weight: float,
-    avg_weight: float,
-) -> None:
-    """One Lion update of fp32 tensors in place; ``decay`` is :math:`1 - \\gamma \\lambda`,
-    ``direction_weight`` and ``avg_weight`` are :math:`1 - \\beta_1` and :math:`1 - \\beta_2`."""
-    direction = exp_avg.lerp(grad, direction_weight).sign_()
-    param.mul_(decay).sub_(direction * lr)
-    exp_avg.lerp_(grad, avg_weight)
 
 
 class _PagedLionBase(PagedOptimizer):

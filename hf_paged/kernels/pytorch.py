@@ -1,4 +1,4 @@
-"""Per-segment update kernels: decode the state, apply an update rule in fp32, encode, write the parameter.
+"""The PyTorch kernels: decode a segment's state, apply an update rule in fp32, encode, write the parameter.
 
 The composition is plain PyTorch, so it runs eagerly on every device. With ``compiled=True`` it is
 handed to :func:`torch.compile`, which fuses decode, update and encode into one kernel per segment
@@ -6,11 +6,6 @@ shape family (segment lengths and the per-step scalars do not cause recompiles).
 device gets a compiled function of its own, so that only dtypes and block counts add entries to its cache, far
 below Dynamo's recompile limit; where compilation fails all the same, the kernel updates eagerly from then on,
 which is logged once.
-
-CPU segments of AdamW's and Lion's 8-bit and 4-bit states take a hand-written C++ kernel instead
-(:class:`HostKernel`, built at first use by :mod:`hf_paged.native`), whether ``compiled`` is set or not: one pass
-over each block, the eager kernel's arithmetic. ``HF_PAGED_NATIVE=0`` turns it off; where it cannot be built, the
-kernels above remain, and the reason is logged once.
 """
 
 from __future__ import annotations
@@ -24,14 +19,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .codecs import Blockwise4bitCodec, Blockwise8bitCodec, Codec, EncodedSegment
-from .native import host_kernels_enabled
-from .stochastic_rounding import ElementRounding, round_into_bf16_
+from ..codecs import Codec, EncodedSegment
+from ..stochastic_rounding import ElementRounding, round_into_bf16_
+from .rules import UpdateRule
 
 logger = logging.getLogger(__name__)
-
-UpdateRule = Callable[..., None]
-"""An update rule: ``rule(param, grad, *states, **scalars)`` updating fp32 tensors in place."""
 
 
 def update_segment(
@@ -250,147 +242,3 @@ def prepare_scalars(scalars: dict[str, float], compiled: bool) -> dict[str, floa
     if not compiled:
         return scalars
     return {name: torch.tensor(value, dtype=torch.float32, device="cpu") for name, value in scalars.items()}
-
-
-class HostKernel:
-    """The C++ host kernel of ``hf_paged/native/host_kernels.cpp`` for a rule's CPU segments of 8-bit or 4-bit
-    state; segments elsewhere (another device, fp64 tensors) go to ``fallback``, a :class:`SegmentKernel`.
-
-    One pass per block of ``block_size`` elements: the codes and scale of each state are read and decoded, the rule
-    runs in fp32 with the eager kernel's formulas, the parameter is written once and the state encoded with the
-    block's new largest magnitude as its scale. Results do not depend on the number of threads or on chunking.
-
-    It writes the parameter and the state in place and allocates nothing: every argument is checked before the
-    first write, so an error leaves the segment as it was. Segments it hands to ``fallback`` are copied first and
-    restored if the fallback fails, so that every call updates its segment whole or not at all.
-    """
-
-    writes_after_allocating = True
-    """Every allocation of a call comes before its first write (here: none on the CPU), so the optimizer's step
-    needs no copy of the segment to undo a failed call."""
-
-    def __init__(self, rule_name: str, codecs: tuple[Codec, ...], fallback: SegmentKernel) -> None:
-        self.rule_name = rule_name
-        self.codecs = codecs
-        self.fallback = fallback
-        first = codecs[0]
-        self.bits = 8 if isinstance(first, Blockwise8bitCodec) else 4
-        self.block_size = first.block_size
-        self._scalar_names = _HOST_RULES[rule_name][1]
-        self._operator = getattr(torch.ops.hf_paged, f"{rule_name}_blockwise_")
-
-    @property
-    def compiled(self) -> bool:
-        """Whether the fallback runs compiled, which also sizes the chunks the optimizer hands over."""
-        return self.fallback.compiled
-
-    def __call__(
-        self,
-        param: torch.Tensor,
-        grad: torch.Tensor,
-        encoded: Sequence[EncodedSegment],
-        scalars: dict,
-        rounding: ElementRounding | None = None,
-    ) -> None:
-        """Update one segment (``param`` and ``grad`` shaped ``(blocks, block_size)``); ``scalars`` as from
-        :func:`prepare_scalars`, floats or 0-d fp32 CPU tensors; ``rounding`` rounds a bf16 ``param``
-        stochastically."""
-        if param.device.type != "cpu" or param.dtype not in _HOST_DTYPES or grad.dtype not in _HOST_DTYPES:
-            self._fallback_whole(param, grad, encoded, scalars, rounding)
-            return
-        arrays = [array for segment in encoded for array in segment]
-        values = [float(scalars[name]) for name in self._scalar_names]
-        if rounding is None or param.dtype != torch.bfloat16:
-            self._operator(param, grad, *arrays, self.bits, self.block_size, *values)
-        else:
-            self._operator(param, grad, *arrays, self.bits, self.block_size, *values, True, *rounding)
-
-    def allocates_nothing(self, param: torch.Tensor, grad: torch.Tensor) -> bool:
-        """Whether a call on ``param`` and ``grad`` allocates nothing, so that a segment of any length can be
-        updated in one call: on the CPU in a dtype the C++ kernel takes (elsewhere the fallback decodes)."""
-        return param.device.type == "cpu" and param.dtype in _HOST_DTYPES and grad.dtype in _HOST_DTYPES
-
-    def _fallback_whole(
-        self,
-        param: torch.Tensor,
-        grad: torch.Tensor,
-        encoded: Sequence[EncodedSegment],
-        scalars: dict,
-        rounding: ElementRounding | None,
-    ) -> None:
-        """The fallback kernel on a copy of what it writes, put back if it fails (the copies come first)."""
-        targets = [param, *(array for segment in encoded for array in segment)]
-        saved = [target.clone() for target in targets]
-        try:
-            self.fallback(param, grad, encoded, scalars, *(() if rounding is None else (rounding,)))
-        except BaseException:
-            for target, copy_of_target in zip(targets, saved):
-                target.copy_(copy_of_target)
-            raise
-
-
-_HOST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-_HOST_RULES: dict[str, tuple[tuple[bool, ...], tuple[str, ...]]] = {
-    "adamw": (
-        (True, False),
-        ("decay", "avg_weight", "beta2", "sq_weight", "eps", "step_size", "inv_bias_correction2_sqrt"),
-    ),
-    "lion": ((True,), ("lr", "decay", "direction_weight", "avg_weight")),
-}
-"""The rules with a host kernel: the signedness of their states, and their scalars in the operator's order."""
-
-
-@functools.cache
-def _host_rule_names() -> dict[UpdateRule, str]:
-    """The update rules that have a host kernel, by function (imported here: the rules live above this layer)."""
-    from .optim.adamw import adamw_update_
-    from .optim.lion import lion_update_
-
-    return {adamw_update_: "adamw", lion_update_: "lion"}
-
-
-def host_rule_name(rule: UpdateRule, codecs: tuple[Codec, ...]) -> str | None:
-    """The host kernel's name for ``rule`` on ``codecs`` (``"adamw"`` or ``"lion"``), or ``None`` where it has
-    none: a rule other than AdamW's and Lion's, or states that are not all 8-bit or all 4-bit of one block size."""
-    name = _host_rule_names().get(rule)
-    if name is None or not codecs:
-        return None
-    kind = type(codecs[0])
-    if kind not in (Blockwise8bitCodec, Blockwise4bitCodec) or any(
-        type(codec) is not kind or codec.block_size != codecs[0].block_size for codec in codecs
-    ):
-        return None
-    if tuple(codec.signed for codec in codecs) != _HOST_RULES[name][0]:
-        return None
-    return name
-
-
-def segment_kernel(
-    rule: UpdateRule, codecs: tuple[Codec, ...], compiled: bool, device: torch.device
-) -> SegmentKernel | HostKernel:
-    """The kernel of ``rule`` for ``codecs`` on pages of ``device``, made once per process.
-
-    For CPU pages of AdamW's and Lion's 8-bit and 4-bit states it is a :class:`HostKernel` while the host kernels
-    are enabled (``HF_PAGED_NATIVE``, read at each call; see :mod:`hf_paged.native`), whatever ``compiled`` says:
-    CPU segments take the C++ kernel, others the :class:`SegmentKernel` that ``compiled`` chooses. Otherwise (pages
-    on another device, which never build the host kernels, or where they cannot be built) the
-    :class:`SegmentKernel`.
-    """
-    native = device.type == "cpu" and host_rule_name(rule, codecs) is not None and host_kernels_enabled()
-    return _segment_kernel(rule, codecs, compiled, native)
-
-
-@functools.cache
-def _segment_kernel(
-    rule: UpdateRule, codecs: tuple[Codec, ...], compiled: bool, native: bool
-) -> SegmentKernel | HostKernel:
-    if not native:
-        return SegmentKernel(rule, codecs, compiled)
-    return HostKernel(host_rule_name(rule, codecs), codecs, _segment_kernel(rule, codecs, compiled, False))
-
-
-def runs_compiled(rule: UpdateRule, codecs: tuple[Codec, ...]) -> bool:
-    """Whether the compiled PyTorch kernel of ``rule`` for ``codecs`` still compiles in this process: ``False`` once
-    its compilation failed (it then updates eagerly, with an eager kernel's chunks and temporaries)."""
-    return _segment_kernel(rule, codecs, True, False).compiled

@@ -1,0 +1,113 @@
+"""The update rules: one optimizer step of fp32 tensors in place, written in PyTorch operations.
+
+The kernels of every family (PyTorch, host, Triton) compute these formulas; the optimizers in
+:mod:`hf_paged.optim` choose a rule and the scalars it reads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..rounding import ieee_sqrt
+
+UpdateRule = Callable[..., None]
+"""An update rule: ``rule(param, grad, *states, **scalars)`` updating fp32 tensors in place."""
+
+
+def adamw_update_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    decay: float,
+    avg_weight: float,
+    beta2: float,
+    sq_weight: float,
+    eps: float,
+    step_size: float,
+    inv_bias_correction2_sqrt: float,
+) -> None:
+    """One AdamW update of fp32 tensors in place; the scalars come from :func:`adamw_scalars`.
+
+    Scalars enter only tensor arithmetic, so that ``torch.compile`` keeps them symbolic. The parameter is
+    written once, at the end, so that a compiled kernel updates it in the same pass as the state.
+    """
+    exp_avg.lerp_(grad, avg_weight)
+    exp_avg_sq.mul_(beta2).add_(grad * grad * sq_weight)
+    denom = (ieee_sqrt(exp_avg_sq) * inv_bias_correction2_sqrt).add_(eps)
+    param.mul_(decay).sub_(exp_avg / denom * step_size)
+
+
+def adamw_scalars(group: dict[str, Any], step: float) -> dict[str, float]:
+    """The scalar arguments of :func:`adamw_update_` for ``group``'s hyperparameters at ``step``.
+
+    ``decay`` is :math:`1 - \\gamma \\lambda`, ``avg_weight`` and ``sq_weight`` are :math:`1 - \\beta_1` and
+    :math:`1 - \\beta_2`, ``step_size`` is :math:`\\gamma / (1 - \\beta_1^t)`.
+    """
+    lr = float(group["lr"])
+    beta1, beta2 = group["betas"]
+    return {
+        "decay": 1 - lr * group["weight_decay"],
+        "avg_weight": 1 - beta1,
+        "beta2": beta2,
+        "sq_weight": 1 - beta2,
+        "eps": group["eps"],
+        "step_size": lr / (1 - beta1**step),
+        "inv_bias_correction2_sqrt": 1 / math.sqrt(1 - beta2**step),
+    }
+
+
+def adamw_update_multi_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    *,
+    lr: float,
+    weight_decay: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+) -> None:
+    """:func:`adamw_update_` on lists of fp32 tensors in one call of PyTorch's fused AdamW kernel.
+
+    ``steps`` are the step counts (fp32 scalar tensors on the tensors' device) after this update.
+    """
+    torch._fused_adamw_(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        steps,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=weight_decay,
+        eps=eps,
+        amsgrad=False,
+        maximize=False,
+    )
+
+
+def lion_update_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    *,
+    lr: float,
+    decay: float,
+    direction_weight: float,
+    avg_weight: float,
+) -> None:
+    """One Lion update of fp32 tensors in place; ``decay`` is :math:`1 - \\gamma \\lambda`,
+    ``direction_weight`` and ``avg_weight`` are :math:`1 - \\beta_1` and :math:`1 - \\beta_2`."""
+    direction = exp_avg.lerp(grad, direction_weight).sign_()
+    param.mul_(decay).sub_(direction * lr)
+    exp_avg.lerp_(grad, avg_weight)
