@@ -13,6 +13,15 @@ integrations, which may rename them: TensorBoard shows ``train/memory/...``) and
 ``memory_timeline.jsonl`` and ``memory_timeline.png`` in the output directory at each save and at the end of
 training. A resume reads the rows back and rebuilds the spike detector from them.
 
+In several processes (one node or several) every process measures its own device and host memory, and at each
+training log the processes' ``memory/`` metrics are gathered once (one ``all_gather_object``); global rank 0 alone
+adds them to the logs: each is the maximum over the job's processes (the device nearest its limit), except
+``memory/capacity_gib``, the smallest device's, and ``memory/host_resident_gib``, the largest sum over the processes
+of one node (they share its host memory). Across several nodes, ``memory/node_<n>/<name>`` gives the same for node
+``n`` alone (nodes numbered by their lowest global rank, as torchrun's ``--node-rank``) for the peaks, allocated,
+reserved and host resident memory. The timeline holds the measurements of the process that writes it: global rank 0,
+and with ``save_on_each_node`` also each node's first process, in its node's output directory.
+
 Given a plan (:func:`hf_paged.plan`, ``hf-paged train --plan``), the callback hands it to an automatic budget
 (which then starts from the planned peak, see :meth:`hf_paged.budget.AutoBudget.expect`) and compares the measured
 peaks of the first steps with it.
@@ -22,7 +31,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+import socket
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from transformers import TrainerCallback
@@ -61,6 +71,15 @@ _MOVED = ("bytes_to_device", "bytes_to_host", "page_ins", "page_outs", "stall_se
 TRAINING_LOG_KEY = "loss"
 """The key that marks the Trainer's training logs, the only ones the ``memory/`` metrics join (its evaluation
 entries carry ``eval_*`` keys, its end-of-training summary ``train_runtime`` and ``train_loss``)."""
+
+NODE_METRICS = (
+    "memory/forward_backward_peak_gib",
+    "memory/optimizer_step_peak_gib",
+    "memory/allocated_gib",
+    "memory/reserved_gib",
+    "memory/host_resident_gib",
+)
+"""The metrics also logged per node (``memory/node_<n>/...``) when the job spans several nodes."""
 
 _PAGING_METRICS = (
     "memory/optimizer_device_bytes, memory/device_budget_bytes, memory/moved_to_device_gib, "
@@ -303,10 +322,12 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
 
     def on_log(self, args, state, control, logs=None, **kwargs) -> None:
         new_rows = self.rows[self._logged_rows :]
-        if logs is None or TRAINING_LOG_KEY not in logs or not new_rows or not state.is_world_process_zero:
+        if logs is None or TRAINING_LOG_KEY not in logs or not new_rows:
             return
         self._logged_rows = len(self.rows)
-        metrics = self._metrics(new_rows)
+        metrics = _across_processes(self._metrics(new_rows))  # every process logs the same steps: all take part
+        if not state.is_world_process_zero:
+            return
         logs.update(metrics)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(metrics)
@@ -493,8 +514,10 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
         )
 
     def _write(self, args, state) -> None:
-        """Write the timeline (and its plot) into the output directory, on the main process only."""
-        if not state.is_world_process_zero or not self.rows:
+        """Write the timeline (and its plot) into the output directory, on the processes that save checkpoints:
+        global rank 0, and with ``save_on_each_node`` each node's first process (a resume on that node reads it)."""
+        on_each_node = getattr(args, "save_on_each_node", False)
+        if not (state.is_world_process_zero or (on_each_node and state.is_local_process_zero)) or not self.rows:
             return
         os.makedirs(args.output_dir, exist_ok=True)
         self.timeline_path = os.path.join(args.output_dir, TIMELINE_NAME)
@@ -521,3 +544,46 @@ def _planned_peaks(plan: MemoryPlan | Mapping[str, int | str] | None) -> tuple[d
     if set(plan) != set(PHASES):
         raise ValueError(f"plan must give bytes for exactly the phases {', '.join(map(repr, PHASES))}, got {plan!r}")
     return {phase: parse_size(plan[phase], f"plan[{phase!r}]") for phase in PHASES}, PLANNED_STEPS
+
+
+def node_key() -> tuple[str, str]:
+    """What tells this process's node from the others: the host name, and the launcher's node rank (torchrun's
+    ``GROUP_RANK``, which ``accelerate launch`` sets too), which tells apart nodes started on one host."""
+    return socket.gethostname(), os.environ.get("GROUP_RANK", "")
+
+
+def combine_metrics(processes: Sequence[tuple[tuple[str, str], dict[str, float | int]]]) -> dict[str, float | int]:
+    """The job's ``memory/`` metrics from every process's ``(node key, metrics)``, in global rank order: each the
+    maximum over the processes, ``memory/capacity_gib`` the minimum, ``memory/host_resident_gib`` the largest sum
+    over one node's processes; with several nodes also :data:`NODE_METRICS` per node, as
+    ``memory/node_<n>/<name>`` (nodes numbered in the order of their lowest global rank)."""
+    nodes: dict[tuple[str, str], list[dict[str, float | int]]] = {}
+    for key, metrics in processes:
+        nodes.setdefault(key, []).append(metrics)
+    per_node = [_combine_node(members) for members in nodes.values()]
+    combined = {
+        name: (min if name == "memory/capacity_gib" else max)(node[name] for node in per_node) for name in per_node[0]
+    }
+    if len(per_node) > 1:
+        for index, node in enumerate(per_node):
+            combined.update({f"memory/node_{index}/{name[len('memory/'):]}": node[name] for name in NODE_METRICS})
+    return combined
+
+
+def _combine_node(members: list[dict[str, float | int]]) -> dict[str, float | int]:
+    """One node's metrics from its processes': host resident memory summed, capacity the minimum, the rest the
+    maximum."""
+    reduce = {"memory/host_resident_gib": sum, "memory/capacity_gib": min}
+    return {name: reduce.get(name, max)(metrics[name] for metrics in members) for name in members[0]}
+
+
+def _across_processes(metrics: dict[str, float | int]) -> dict[str, float | int]:
+    """``metrics`` combined over every process of the job (:func:`combine_metrics`); as they are in one process.
+    A collective: every process of the default group must call it."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return metrics
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (node_key(), metrics))
+    return combine_metrics(gathered)

@@ -229,6 +229,45 @@ def restore_callback_states_in_place(keeps_instance: Callable[[Any], bool]) -> N
     trainer_cls._load_callback_state = _load_callback_state
 
 
+def save_weights_on_each_node() -> None:
+    """Make the Trainer write the model's weights on every node's first process with ``save_on_each_node``
+    (idempotent).
+
+    ``Trainer._save`` calls ``save_pretrained(is_main_process=args.should_save)``, which that setting makes true on
+    each node's first process, but ``PreTrainedModel.should_save_on_this_rank`` (transformers 5) also requires
+    global rank 0: the other nodes' checkpoints get the optimizer, scheduler and trainer state but no weights, and
+    resuming there fails ("Can't find a valid checkpoint"). Within ``Trainer._save`` of a model that transformers
+    did not shard itself, the Trainer's choice of writer then decides; everything else is unchanged.
+    """
+    module = importlib.import_module("transformers.trainer")
+    trainer_cls = getattr(module, "Trainer", None)
+    original = getattr(trainer_cls, "_save", None)
+    if getattr(original, "hf_paged_original", None) is not None:
+        return
+    if original is None:
+        raise _fail(
+            "Trainer._save",
+            action="write the model's weights on every node with save_on_each_node",
+            instead="train with the output directory on storage all nodes share, save_on_each_node off",
+        )
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        args = self.args
+        other_node = args.save_on_each_node and args.should_save and args.process_index != 0
+        if not other_node or getattr(self, "is_distributed_loading_by_transformers", False):
+            return original(self, output_dir, state_dict=state_dict)
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        model.should_save_on_this_rank = lambda is_main_process: is_main_process
+        try:
+            return original(self, output_dir, state_dict=state_dict)
+        finally:
+            del model.should_save_on_this_rank
+
+    _save.hf_paged_original = original
+    _save.__doc__ = original.__doc__
+    trainer_cls._save = _save
+
+
 def calling_trainer(max_depth: int = 8) -> Any | None:
     """The ``Trainer`` whose training loop is running the caller's event method, if one is.
 

@@ -206,9 +206,10 @@ def _keeps_its_instance(callback: Any) -> bool:
 def register_resume() -> None:
     """Make the Trainer load our optimizers' state from a checkpoint to the CPU, under any world size, and hand
     ``MemorySpikeCallback``'s saved state to the callback it was given (``restore_callback_states_from_checkpoint``)
-    instead of replacing it with a new one."""
+    instead of replacing it with a new one; with ``save_on_each_node``, write the model's weights on every node."""
     internals.load_optimizer_state_on_cpu(is_paged)
     internals.restore_callback_states_in_place(_keeps_its_instance)
+    internals.save_weights_on_each_node()
 
 
 def register(replace_bitsandbytes: bool | None = None) -> None:
