@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from transformers import TrainerCallback
@@ -176,6 +176,7 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
         self._stats_at_begin: dict[str, Any] | None = None
         self._stats_before_step: dict[str, Any] | None = None
         self._trainer: Any | None = None
+        self._job_peaks: dict[str, Any] | None = None
 
     # Resume -------------------------------------------------------------------------------------------
 
@@ -222,6 +223,7 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
 
     def on_train_begin(self, args, state, control, **kwargs) -> None:
         self._run_before_integrations()
+        self._job_peaks = None
         self._probe = probe_for(args.device)
         self._probe.reset_peaks = True
         keep_trainer_memory_metrics(args)
@@ -342,18 +344,26 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
             disable_oom_recovery(self._trainer)
             self._trainer = None
         self._write(args, state)
+        self._job_peaks = _peaks_across_processes(self._own_peaks())  # every process ends training: all take part
 
     # Results --------------------------------------------------------------------------------------------
 
     def summary(self) -> dict[str, Any]:
         """Steps measured, the highest peak of each phase and the last optimizer device bytes (bytes),
         the spike and out-of-memory recovery counts, and the paths of the timeline and the plot (``None``
-        where not written)."""
+        where not written).
+
+        After training in several processes, the peaks are the highest of the job's processes, and ``node_peaks``
+        gives each node's (one entry per node, in the order of their lowest global rank; one entry in one process);
+        the other values are this process's.
+        """
         last_state = self.rows[-1]["state_bytes_after_step"] if self.rows else None
+        peaks = self._job_peaks if self._job_peaks is not None else _peaks_across_processes(self._own_peaks(), False)
         return {
             "steps": len(self.rows),
-            "forward_backward_peak_bytes": max((row["forward_backward_peak"] for row in self.rows), default=None),
-            "optimizer_step_peak_bytes": max((row["optimizer_step_peak"] for row in self.rows), default=None),
+            "forward_backward_peak_bytes": peaks["forward_backward_peak_bytes"],
+            "optimizer_step_peak_bytes": peaks["optimizer_step_peak_bytes"],
+            "node_peaks": peaks["node_peaks"],
             "optimizer_device_bytes": last_state,
             "spikes": len(self.detector.spikes),
             "oom_recoveries": self.oom_recoveries,
@@ -363,6 +373,13 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
         }
 
     # Internals ------------------------------------------------------------------------------------------
+
+    def _own_peaks(self) -> dict[str, int | None]:
+        """This process's highest peak of each phase (bytes; ``None`` before a step was measured)."""
+        return {
+            "forward_backward_peak_bytes": max((row["forward_backward_peak"] for row in self.rows), default=None),
+            "optimizer_step_peak_bytes": max((row["optimizer_step_peak"] for row in self.rows), default=None),
+        }
 
     def _enable_recovery(self) -> None:
         """Wrap the calling trainer's training step in out-of-memory recovery and set its optimizer's (called from
@@ -577,13 +594,35 @@ def _combine_node(members: list[dict[str, float | int]]) -> dict[str, float | in
     return {name: reduce.get(name, max)(metrics[name] for metrics in members) for name in members[0]}
 
 
-def _across_processes(metrics: dict[str, float | int]) -> dict[str, float | int]:
-    """``metrics`` combined over every process of the job (:func:`combine_metrics`); as they are in one process.
-    A collective: every process of the default group must call it."""
+def _gather(value: Any) -> list[Any] | None:
+    """``(node key, value)`` of every process of the default group, in global rank order; ``None`` in one process.
+    A collective: every process of the group must call it."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return metrics
+        return None
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (node_key(), metrics))
-    return combine_metrics(gathered)
+    dist.all_gather_object(gathered, (node_key(), value))
+    return gathered
+
+
+def _across_processes(metrics: dict[str, float | int]) -> dict[str, float | int]:
+    """``metrics`` combined over every process of the job (:func:`combine_metrics`); as they are in one process."""
+    gathered = _gather(metrics)
+    return metrics if gathered is None else combine_metrics(gathered)
+
+
+def _peaks_across_processes(peaks: dict[str, int | None], gather: bool = True) -> dict[str, Any]:
+    """The highest of each peak over the job's processes (``gather``, a collective) or this one's, and ``node_peaks``:
+    the highest over each node's processes, one dictionary per node in the order of their lowest global rank."""
+    gathered = (_gather(peaks) if gather else None) or [(node_key(), peaks)]
+    nodes: dict[tuple[str, str], list[dict[str, int | None]]] = {}
+    for key, process_peaks in gathered:
+        nodes.setdefault(key, []).append(process_peaks)
+    per_node = [{name: _highest(member[name] for member in members) for name in peaks} for members in nodes.values()]
+    return {**{name: _highest(node[name] for node in per_node) for name in peaks}, "node_peaks": per_node}
+
+
+def _highest(values: Iterable[int | None]) -> int | None:
+    """The largest of the values that are not ``None``; ``None`` if none is."""
+    return max((value for value in values if value is not None), default=None)

@@ -38,9 +38,11 @@ def free_port() -> int:
         return free.getsockname()[1]
 
 
-def node_launchers(launcher: str, per_node: int, port: int, config: str = "ddp.yaml") -> list[list[str]]:
+def node_launchers(
+    launcher: str, per_node: int, port: int, config: str = "ddp.yaml", *accelerate_options: str
+) -> list[list[str]]:
     """The command line that starts each node's processes, with ``launcher`` ``"torchrun"`` or ``"accelerate"``
-    (``config``: the file of ``configs/accelerate`` it reads)."""
+    (``config``: the file of ``configs/accelerate`` it reads, ``accelerate_options`` more of its options)."""
     if launcher == "torchrun":
         return [
             [
@@ -54,7 +56,7 @@ def node_launchers(launcher: str, per_node: int, port: int, config: str = "ddp.y
             sys.executable, "-m", "accelerate.commands.launch",
             "--config_file", os.path.join(REPO, "configs", "accelerate", config),
             "--num_machines", str(NODES), "--machine_rank", str(node), "--num_processes", str(NODES * per_node),
-            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *accelerate_options,
         ]
         for node in range(NODES)
     ]
@@ -166,7 +168,8 @@ def check_memory_metrics(runs: list[dict], per_node: int, kind: str) -> None:
     measured = [{row["step"]: row for row in run["rows"]} for run in runs]
     steps = sorted(measured[0])
     assert steps and steps[-1] == DDP_STEPS, (kind, steps)
-    for step in steps:
+    first = DDP_SAVE_AT + 1 if kind == "resumed" else 1  # rows before it are read back from a timeline
+    for step in range(first, DDP_STEPS + 1):
         entry = logged[step]
         nodes = [measured[node * per_node : (node + 1) * per_node] for node in range(NODES)]
         for node, members in enumerate(nodes):
@@ -181,6 +184,14 @@ def check_memory_metrics(runs: list[dict], per_node: int, kind: str) -> None:
             entry[f"memory/node_{node}/host_resident_gib"] for node in range(NODES)
         )
         assert not any(key.startswith(f"memory/node_{NODES}/") for key in entry), entry
+    for run in runs:  # after training, every process's summary has the job's peaks and each node's
+        for phase in ("forward_backward", "optimizer_step"):
+            nodes = [measured[node * per_node : (node + 1) * per_node] for node in range(NODES)]
+            node_peaks = [
+                max(row[f"{phase}_peak"] for member in members for row in member.values()) for members in nodes
+            ]
+            assert [node[f"{phase}_peak_bytes"] for node in run["summary"]["node_peaks"]] == node_peaks, (kind, phase)
+            assert run["summary"][f"{phase}_peak_bytes"] == max(node_peaks), (kind, phase)
 
 
 def test_ddp_two_nodes_torchrun_directory_per_node(tmp_path):
@@ -199,3 +210,109 @@ def test_ddp_two_nodes(tmp_path, launcher, per_node, save_on_each_node):
     if (launcher, per_node, save_on_each_node) == ("torchrun", 1, True):
         pytest.skip("the default run's test_ddp_two_nodes_torchrun_directory_per_node")
     check_ddp(ddp_results(tmp_path, launcher, per_node, save_on_each_node), per_node, save_on_each_node)
+
+
+# FSDP2 --------------------------------------------------------------------------------------------------------------
+
+FSDP2_OPTIMS = ["adamw_torch", "hf_paged_adamw_8bit"]
+FSDP2_STEPS, FSDP2_SAVE_AT = 4, 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+@pytest.mark.parametrize("per_node", [1, 2])
+@pytest.mark.parametrize("save_on_each_node", [False, True], ids=["shared-directory", "directory-per-node"])
+def test_fsdp2_two_nodes(tmp_path, launcher, per_node, save_on_each_node):
+    """FSDP2 through the Trainer (``tests/scripts/fsdp2_trainer.py``) across two nodes: the model is sharded over
+    every process of both, each rank's shards resume bitwise from its node's (sharded, DCP) checkpoint. With a
+    directory per node, DCP writes the checkpoint's ``.metadata`` on node 0 only (its coordinator, global rank 0)
+    and each replicated tensor in one rank's file: the nodes resume once their DCP files are copied between them, as
+    the README says."""
+    arguments = [
+        os.path.join(SCRIPTS, "fsdp2_trainer.py"), "--optim", *FSDP2_OPTIMS, "--output-dir", str(tmp_path),
+        "--steps", str(FSDP2_STEPS), "--save-at", str(FSDP2_SAVE_AT),
+    ]
+    if save_on_each_node:
+        arguments.append("--save-on-each-node")
+    launchers = node_launchers(launcher, per_node, free_port(), "fsdp2.yaml", "--mixed_precision", "no")
+    wall = launch_nodes(launchers, arguments, tmp_path)
+    print(f"FSDP2, {launcher}, {NODES} nodes x {per_node}, save_on_each_node={save_on_each_node}: {wall:.1f} s")
+    results = torch.load(tmp_path / "results.pt", weights_only=True)
+    world = NODES * per_node
+    for optim in FSDP2_OPTIMS:
+        ranks = results[optim]["ranks"]
+        assert len(ranks) == world
+        for rank, result in enumerate(ranks):
+            for kind in ("uninterrupted", "resumed"):
+                run = result[kind]
+                assert run["error"] is None, f"{optim}, rank {rank}, {kind} run:\n{run['error']}"
+                facts = run["fsdp"]
+                assert facts["is_fsdp2"] and facts["params_are_sharded_dtensors"], facts
+                assert facts["world_size"] == world and world * facts["local_elements"] == facts["full_elements"]
+            uninterrupted, resumed = result["uninterrupted"], result["resumed"]
+            steps = sorted(uninterrupted["losses"])
+            assert steps == list(range(1, FSDP2_STEPS + 1)), uninterrupted["losses"]
+            after = steps[FSDP2_SAVE_AT:]
+            assert [resumed["losses"][step] for step in after] == [uninterrupted["losses"][step] for step in after]
+            assert resumed["weights"].keys() == uninterrupted["weights"].keys()
+            for name, weight in uninterrupted["weights"].items():
+                assert torch.equal(resumed["weights"][name], weight), f"{optim}, rank {rank}: {name}"
+            files = results[optim]["checkpoints"][rank]  # as saved: before the nodes' files are copied
+            node_ranks = range(rank - rank % per_node, rank - rank % per_node + per_node)
+            writers = node_ranks if save_on_each_node else range(world)
+            for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
+                assert {f"__{other}_0.distcp" for other in writers} <= set(files[folder]), (rank, files)
+                assert (".metadata" in files[folder]) == (rank < per_node or not save_on_each_node), (rank, files)
+        losses = ranks[0]["uninterrupted"]["losses"]
+        assert losses[FSDP2_STEPS] < losses[1], losses
+
+
+# DeepSpeed ZeRO-3 ---------------------------------------------------------------------------------------------------
+
+DEEPSPEED_CONFIGS = ["adamw_torch", "adamw_8bit"]
+DEEPSPEED_STEPS, DEEPSPEED_SAVE_AT = 4, 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+@pytest.mark.parametrize("per_node", [1, 2])
+@pytest.mark.parametrize("save_on_each_node", [False, True], ids=["shared-directory", "directory-per-node"])
+def test_deepspeed_zero3_two_nodes(tmp_path, launcher, per_node, save_on_each_node):
+    """DeepSpeed ZeRO-3 through the Trainer (``tests/scripts/deepspeed_train.py``) across two nodes, each rank's
+    client holding its partitions: resumed from the checkpoint, the full weights and the losses are bitwise those of
+    the uninterrupted run. With a directory per node each node holds its own ranks' files; DeepSpeed writes the
+    ``latest`` tag file on global rank 0 alone, which the script copies to the other node, as the README says. Under accelerate, ``configs/accelerate/zero3.yaml`` (bf16) with DeepSpeed's
+    ``standard`` multi-node launcher (torchrun on each node, not pdsh)."""
+    setup = "zero3" if launcher == "torchrun" else "accelerate"
+    arguments = [
+        os.path.join(SCRIPTS, "deepspeed_train.py"), "--setups", setup, "--configs", *DEEPSPEED_CONFIGS,
+        "--folder", str(tmp_path / "runs"), "--output", str(tmp_path / "result.pt"),
+        "--steps", str(DEEPSPEED_STEPS), "--save-at", str(DEEPSPEED_SAVE_AT),
+    ]
+    if save_on_each_node:
+        arguments.append("--save-on-each-node")
+    options = ("--deepspeed_multinode_launcher", "standard")
+    wall = launch_nodes(node_launchers(launcher, per_node, free_port(), "zero3.yaml", *options), arguments, tmp_path)
+    print(f"ZeRO-3, {launcher}, {NODES} nodes x {per_node}, save_on_each_node={save_on_each_node}: {wall:.1f} s")
+    summary = torch.load(tmp_path / "result.pt", weights_only=True)
+    world = NODES * per_node
+    assert summary["world_size"] == world
+    for name in DEEPSPEED_CONFIGS:
+        result = summary["results"][setup][name]
+        assert result["error"] is None, f"{name}: {result['error']}"
+        full, resumed = result["full"], result["resumed"]
+        assert full["zero_stage"] == 3 and full["engine"] == "DeepSpeedEngine", full
+        assert full["steps"] == list(range(1, DEEPSPEED_STEPS + 1)) and full["losses"][-1] < full["losses"][0]
+        assert resumed["steps"] == list(range(DEEPSPEED_SAVE_AT + 1, DEEPSPEED_STEPS + 1))
+        assert resumed["losses"] == full["losses"][DEEPSPEED_SAVE_AT:]
+        assert resumed["grad_norms"] == full["grad_norms"][DEEPSPEED_SAVE_AT:]
+        assert torch.equal(resumed["weights"], full["weights"])
+        for node in range(NODES if save_on_each_node else 1):
+            folder = tmp_path / "runs" / (f"node{node}" if save_on_each_node else "") / setup / name / "full"
+            checkpoint = folder / f"checkpoint-{DEEPSPEED_SAVE_AT}" / f"global_step{DEEPSPEED_SAVE_AT}"
+            ranks = range(node * per_node, (node + 1) * per_node) if save_on_each_node else range(world)
+            partitions = {
+                f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt" for rank in ranks for kind in ("model", "optim")
+            }
+            assert partitions <= set(os.listdir(checkpoint)), (node, sorted(os.listdir(checkpoint)))

@@ -218,6 +218,7 @@ def train(record: dict, name: str, folder: str, setup: str, options: argparse.Na
         logging_steps=1,
         save_strategy="no" if resume else "steps",
         save_steps=save_at,
+        save_on_each_node=options.save_on_each_node,
         seed=0,
         use_cpu=True,
         report_to=[],
@@ -243,13 +244,34 @@ def checkpoint_files(folder: str) -> list[str]:
     )
 
 
+def copy_latest_from_node_zero(checkpoint: str) -> None:
+    """Write node 0's ``latest`` file of ``checkpoint`` (the tag of its DeepSpeed checkpoint) into the other nodes'
+    copies, as a user copies it between machines: with ``save_on_each_node`` (DeepSpeed's node-local storage) each
+    node writes its own partitions and model states, but DeepSpeed writes ``latest`` on global rank 0 alone, and
+    without it the other nodes' resume fails."""
+    import torch.distributed as dist
+
+    tag = [None]
+    if dist.get_rank() == 0:
+        with open(os.path.join(checkpoint, "latest")) as file:
+            tag[0] = file.read()
+    dist.broadcast_object_list(tag, src=0)
+    if int(os.environ["LOCAL_RANK"]) == 0 and not os.path.exists(os.path.join(checkpoint, "latest")):
+        with open(os.path.join(checkpoint, "latest"), "w") as file:
+            file.write(tag[0])
+    dist.barrier()
+
+
 def run_config(name: str, folder: str, setup: str, options: argparse.Namespace) -> dict:
     """The uninterrupted and the resumed run of ``name``, and what stopped them, if anything did."""
     result: dict = {"optim": CONFIGS[name][0], "optim_args": CONFIGS[name][1], "full": {}, "error": None}
     start = time.perf_counter()
     try:
         train(result["full"], name, folder, setup, options, resume=False)
-        result["checkpoint_files"] = checkpoint_files(os.path.join(folder, "full", f"checkpoint-{options.save_at}"))
+        checkpoint = os.path.join(folder, "full", f"checkpoint-{options.save_at}")
+        result["checkpoint_files"] = checkpoint_files(checkpoint)
+        if options.save_on_each_node:
+            copy_latest_from_node_zero(checkpoint)
         result["resumed"] = {}
         train(result["resumed"], name, folder, setup, options, resume=True)
     except Exception as error:  # noqa: BLE001  (recorded, so that the other configurations still run)
@@ -271,7 +293,14 @@ def main() -> None:
     parser.add_argument("--folder", required=True, help="where the Trainers write their checkpoints")
     parser.add_argument("--output", required=True)
     parser.add_argument("--shm-op", action="store_true", help="let DeepSpeed build its shared-memory comm op")
+    parser.add_argument(
+        "--save-on-each-node",
+        action="store_true",
+        help="each node saves into FOLDER/node<N> (N: its node rank); node 0's 'latest' file is copied to the others",
+    )
     options = parser.parse_args()
+    if options.save_on_each_node:
+        options.folder = os.path.join(options.folder, f"node{os.environ['GROUP_RANK']}")
 
     prepare_process()
     if not options.shm_op:

@@ -22,7 +22,10 @@ For each ``--optim`` name: a run of ``--steps`` steps that saves a checkpoint at
 uninterrupted run), then a fresh model and Trainer that resume from that checkpoint and train to ``--steps``
 (the resumed run). Rank 0 writes ``results.pt`` in ``--output-dir``: per name, both runs' logged losses, what
 shows that FSDP2 was in effect, every rank's optimizer pages (and those of the same optimizer built on the
-full model), every rank's final local shards of both runs, and the error of a run that failed.
+full model), every rank's final local shards of both runs, the files of the checkpoint (rank 0's, and the one each
+rank resumed from), and the error of a run that failed. With ``--save-on-each-node`` (for launches of several nodes) each node saves into
+``--output-dir/node<N>`` (``N``: the launcher's node rank), as machines without shared storage would, and before
+resuming copies the checkpoint's DCP files between the nodes (the checkpoint listing is from before the copy).
 """
 
 from __future__ import annotations
@@ -111,7 +114,7 @@ def sharded_llama() -> LlamaForCausalLM:
     return tiny_llama(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=1)
 
 
-def training_args(optim: str, output_dir: str, steps: int, save_at: int) -> TrainingArguments:
+def training_args(optim: str, output_dir: str, steps: int, save_at: int, on_each_node: bool) -> TrainingArguments:
     return TrainingArguments(
         output_dir=output_dir,
         optim=optim,
@@ -122,6 +125,7 @@ def training_args(optim: str, output_dir: str, steps: int, save_at: int) -> Trai
         per_device_train_batch_size=BATCH,
         save_strategy="steps",
         save_steps=save_at,
+        save_on_each_node=on_each_node,
         logging_steps=1,
         use_cpu=True,
         report_to=[],
@@ -166,7 +170,8 @@ def fsdp_facts(trainer: Trainer) -> dict:
         "backend": dist.get_backend(),
         "fsdp_modules": sum(isinstance(module, FSDPModule) for module in model.modules()),
         "params_are_sharded_dtensors": all(
-            isinstance(param, DTensor) and param.placements == (Shard(0),) and param.device_mesh.size() == 2
+            isinstance(param, DTensor) and param.placements == (Shard(0),)
+            and param.device_mesh.size() == dist.get_world_size()
             for param in params
         ),
         "optimizer_holds_the_sharded_params": {id(param) for param in grouped} == {id(param) for param in params},
@@ -187,9 +192,11 @@ def listing(folder: str) -> dict[str, list[str]]:
     return {os.path.relpath(root, folder): sorted(files) for root, _, files in sorted(os.walk(folder))}
 
 
-def train(optim: str, output_dir: str, steps: int, save_at: int, resume_from: str | None = None) -> dict:
+def train(
+    optim: str, output_dir: str, steps: int, save_at: int, on_each_node: bool, resume_from: str | None = None
+) -> dict:
     """One Trainer run of a fresh model; what this rank saw, and the error if it failed."""
-    args = training_args(optim, output_dir, steps, save_at)
+    args = training_args(optim, output_dir, steps, save_at, on_each_node)
     trainer = Trainer(model=sharded_llama(), args=args, train_dataset=token_dataset(2 * BATCH * steps))
     run: dict = {"error": None, "unsharded_pages": unsharded_pages(trainer)}
     try:
@@ -204,21 +211,50 @@ def train(optim: str, output_dir: str, steps: int, save_at: int, resume_from: st
     return run
 
 
-def run_optimizer(optim: str, output_dir: str, steps: int, save_at: int) -> dict:
-    """The uninterrupted and the resumed run of ``optim``: every rank's results, gathered."""
+def share_sharded_checkpoint(checkpoint: str) -> None:
+    """Copy the DCP folders of ``checkpoint`` (the model's and the optimizer's) between the nodes' copies of it, as a
+    user copies them between machines: each node's directory holds its own ranks' shards, but DCP writes the
+    ``.metadata`` file on node 0 alone (its coordinator, global rank 0) and each replicated tensor once, in one
+    rank's file, and a rank loads from both."""
+    files = {}
+    if int(os.environ["LOCAL_RANK"]) == 0:
+        for folder in os.listdir(checkpoint):
+            if os.path.isdir(os.path.join(checkpoint, folder)):
+                for name in os.listdir(os.path.join(checkpoint, folder)):
+                    with open(os.path.join(checkpoint, folder, name), "rb") as file:
+                        files[os.path.join(folder, name)] = file.read()
+    nodes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, files)
+    if int(os.environ["LOCAL_RANK"]) == 0:
+        for node_files in nodes:
+            for path, data in node_files.items():
+                if not os.path.exists(os.path.join(checkpoint, path)):
+                    with open(os.path.join(checkpoint, path), "wb") as file:
+                        file.write(data)
+    dist.barrier()
+
+
+def run_optimizer(optim: str, output_dir: str, steps: int, save_at: int, on_each_node: bool = False) -> dict:
+    """The uninterrupted and the resumed run of ``optim``: every rank's results, gathered (``on_each_node``: each
+    node saves into ``output_dir/node<N>``, ``N`` the launcher's node rank, and resumes from there once the nodes'
+    DCP files are copied between them)."""
+    if on_each_node:
+        output_dir = os.path.join(output_dir, f"node{os.environ['GROUP_RANK']}")
     folder = os.path.join(output_dir, optim)
-    uninterrupted = train(optim, os.path.join(folder, "uninterrupted"), steps, save_at)
+    uninterrupted = train(optim, os.path.join(folder, "uninterrupted"), steps, save_at, on_each_node)
     checkpoint = os.path.join(folder, "uninterrupted", f"checkpoint-{save_at}")
+    files = listing(checkpoint) if os.path.isdir(checkpoint) else None
     ranks: list = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, uninterrupted["error"])
     resumed = {"error": "not run: the uninterrupted run failed", "losses": {}}
     if not any(ranks):
-        resumed = train(optim, os.path.join(folder, "resumed"), steps, save_at, resume_from=checkpoint)
+        if on_each_node:
+            share_sharded_checkpoint(checkpoint)
+        resumed = train(optim, os.path.join(folder, "resumed"), steps, save_at, on_each_node, resume_from=checkpoint)
     dist.all_gather_object(ranks, {"uninterrupted": uninterrupted, "resumed": resumed})
-    return {
-        "ranks": ranks,
-        "checkpoint": listing(checkpoint) if os.path.isdir(checkpoint) else None,
-    }
+    checkpoints: list = [None] * dist.get_world_size()
+    dist.all_gather_object(checkpoints, files)
+    return {"ranks": ranks, "checkpoint": files, "checkpoints": checkpoints}
 
 
 def main() -> None:
@@ -227,6 +263,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--save-at", type=int, default=3)
     parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--save-on-each-node", action="store_true", help="a directory per node, each node saving")
     args = parser.parse_args()
     for key, value in FSDP2_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
@@ -234,7 +271,10 @@ def main() -> None:
     # accelerate would create this group (gloo, from the torchrun variables) with a 30-minute timeout; a
     # run that fails on one rank only then ends in minutes rather than hanging.
     dist.init_process_group("gloo", timeout=timedelta(minutes=2))
-    results = {optim: run_optimizer(optim, args.output_dir, args.steps, args.save_at) for optim in args.optim}
+    results = {
+        optim: run_optimizer(optim, args.output_dir, args.steps, args.save_at, args.save_on_each_node)
+        for optim in args.optim
+    }
     if dist.get_rank() == 0:
         torch.save(results, os.path.join(args.output_dir, "results.pt"))
         for optim, result in results.items():

@@ -14,7 +14,7 @@ Trainer that resume from the checkpoint of step ``--save-at`` in the same output
 the launcher's node rank, ``GROUP_RANK``), as machines without shared storage would, and resumes from it.
 
 Rank 0 writes ``results.pt`` in ``DIR``: per name, every rank's runs (the ranks as the Trainer and the launcher
-number them, logged losses, the full log history, the memory callback's rows, the final weights as one flat
+number them, logged losses, the full log history, the memory callback's rows and summary, the final weights as one flat
 tensor, the error of a run that failed) and the files of each node's checkpoint.
 """
 
@@ -96,6 +96,7 @@ def train(optim: str, output_dir: str, options: argparse.Namespace, resume_from:
     run["losses"] = {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
     run["log_history"] = trainer.state.log_history
     run["rows"] = callback.rows
+    run["summary"] = callback.summary()
     return run
 
 
