@@ -4,7 +4,7 @@
 import transformers. Two transformers modules matter: ``training_args`` (the names) and
 ``trainer_optimizer`` (the factories; it imports ``training_args`` while it loads). For each, if it is
 already loaded its part is registered at once, otherwise an import hook registers it right after the
-module is first loaded. DeepSpeed's ZeRO modules (stage 3, stages 1 and 2), once loaded, get the same
+module is first loaded. DeepSpeed's ZeRO modules (stage 3, stages 1 and 2, BF16_Optimizer), once loaded, get the same
 treatment: their optimizer state tools learn to read paged state (:mod:`hf_paged.integrations.deepspeed_state`).
 """
 
@@ -47,6 +47,7 @@ _TRIGGERS = {
     "transformers.trainer": _register_resume,
     "deepspeed.runtime.zero.stage3": _enable_deepspeed_state_tools,
     "deepspeed.runtime.zero.stage_1_and_2": _enable_deepspeed_state_tools,
+    "deepspeed.runtime.bf16_optimizer": _enable_deepspeed_state_tools,
 }
 
 

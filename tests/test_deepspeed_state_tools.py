@@ -1,12 +1,12 @@
 """DeepSpeed's ``safe_get_full_optimizer_state``, ``safe_set_full_optimizer_state``,
 ``safe_get_local_optimizer_state`` and ``safe_set_local_optimizer_state`` on paged client optimizers under ZeRO 3,
-2 and 1.
+2 and 1, and ZeRO-1 with bf16 parameters (DeepSpeed's ``BF16_Optimizer``).
 
 One two-process launch (``torchrun``, gloo on the CPU) of ``tests/scripts/deepspeed_state_tools.py`` runs every
-check under both stages for ``torch.optim.AdamW`` (the control) and paged AdamW with 32-bit, 8-bit and 4-bit
+check under every stage for ``torch.optim.AdamW`` (the control) and paged AdamW with 32-bit, 8-bit and 4-bit
 state; the tests read what each rank found. Before hf-paged served these tools, they raised ``KeyError:
 'exp_avg'`` (ZeRO-3) or ``ValueError: exp_avg not found in optimizer state fragment`` (ZeRO-1 and 2) for a paged
-client.
+client; under ``BF16_Optimizer`` they still raised the latter until hf-paged wrapped its parameter links too.
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed (pip install deepspeed)"
 )
 
-STAGES = ["zero3", "zero2", "zero1"]
+STAGES = ["zero3", "zero2", "zero1", "zero1_bf16"]
 CONFIGS = ["adamw_torch", "adamw_32bit", "adamw_8bit", "adamw_4bit"]
 CHECKS = {
     "zero3": ["full_vs_saved", "local_vs_saved", "full_after_set", "local_after_set", "saved_after_set"],
     "zero2": ["full_vs_saved", "full_after_set", "saved_after_set"],
     "zero1": ["full_vs_saved", "full_after_set", "saved_after_set"],
+    "zero1_bf16": ["full_vs_saved", "full_after_set", "saved_after_set"],
 }
 """The checks of each stage (DeepSpeed's local tools are for ZeRO-3 only)."""
 

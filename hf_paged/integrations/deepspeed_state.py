@@ -8,6 +8,15 @@ scales. :func:`enable_deepspeed_state_tools` wraps the methods behind these tool
 :class:`~hf_paged.optim.base.PagedOptimizer` client, the partition's state is decoded to fp32 for the length of
 the call (into ``optimizer.state[partition]``, or the fragment mapping), and a call that sets it encodes the
 result back into the pages (as a step encodes it). Other clients and keys go to DeepSpeed's methods unchanged.
+
+DeepSpeed's universal checkpoints take the same path for the optimizer's moments: ``ds_to_universal`` reads
+``exp_avg`` and ``exp_avg_sq`` from each rank's saved client state, and ``load_universal`` writes the moments of
+the new partitions into ``optimizer.state[partition]``. So a paged client's state that a ZeRO optimizer saves holds
+its states as fp32 values, decoded from 8-bit and 4-bit codes and scales (as FSDP2's sharded state dicts do); a
+checkpoint loaded on the same number of ranks encodes them again into the same codes and scales. After a universal
+load, the fp32 moments DeepSpeed placed in ``optimizer.state[partition]`` are encoded into the client's pages for
+the new partitions, and only ``step`` stays there.
+
 ``import hf_paged`` enables it once DeepSpeed's ZeRO modules load.
 """
 
@@ -23,6 +32,7 @@ from typing import Any
 import torch
 
 from ..optim.base import PagedOptimizer
+from ..optim.state_dict import pack_param_groups, parse_saved_entry
 
 _READS = ("get_full_hp_param", "get_local_fp32_param")
 """ZeRO-3 optimizer methods ``(param, optim_state_key)`` that read a state."""
@@ -36,10 +46,18 @@ LINKED_OPTIMIZERS = {
         "bit16_groups",
         "single_partition_of_fp32_groups",
     ),
+    "deepspeed.runtime.bf16_optimizer": ("BF16_Optimizer", "bf16_groups", "fp32_groups_flat_partition"),
 }
-"""DeepSpeed's optimizers that link each parameter to its fragment of a flat fp32 partition (ZeRO-1 and 2; not yet
+"""DeepSpeed's optimizers that link each parameter to its fragment of a flat fp32 partition (ZeRO-1 and 2, and
 ``BF16_Optimizer``, ZeRO-1 with bf16 parameters): module, class, and the attributes with each group's parameters
 and partition."""
+
+ZERO_OPTIMIZERS = {
+    **{module: class_name for module, (class_name, _, _) in LINKED_OPTIMIZERS.items()},
+    "deepspeed.runtime.zero.stage3": "DeepSpeedZeroOptimizer_Stage3",
+}
+"""DeepSpeed's optimizers whose checkpoints save their client's ``state_dict()`` and load universal checkpoints:
+module and class."""
 
 
 def enable_deepspeed_state_tools() -> None:
@@ -58,6 +76,13 @@ def enable_deepspeed_state_tools() -> None:
             link = owner._link_all_hp_params
             if not getattr(link, "_hf_paged_wrapped", False):
                 owner._link_all_hp_params = _wrap_link(link, params_attribute, partitions_attribute)
+    for module, class_name in ZERO_OPTIMIZERS.items():
+        if module in sys.modules:
+            owner = getattr(sys.modules[module], class_name)
+            if not getattr(owner.state_dict, "_hf_paged_wrapped", False):
+                owner.state_dict = _wrap_state_dict(owner.state_dict)
+            if not getattr(owner._load_universal_checkpoint, "_hf_paged_wrapped", False):
+                owner._load_universal_checkpoint = _wrap_universal_load(owner._load_universal_checkpoint)
 
 
 def _wrap(method: Callable[..., Any], *, write_back: bool) -> Callable[..., Any]:
@@ -161,3 +186,85 @@ def _decoded_fragment(
             client.set_state_tensor(partition, key, values)
     finally:
         mapping.optim_fragment = saved
+
+
+def _wrap_state_dict(state_dict: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a ZeRO optimizer's ``state_dict``: a paged client's state it holds has fp32 states
+    (:func:`_decode_saved_states`)."""
+
+    @functools.wraps(state_dict)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        client = self.optimizer
+        if not isinstance(client, PagedOptimizer):
+            return state_dict(self, *args, **kwargs)
+        handle = client.register_state_dict_post_hook(_decode_saved_states)
+        try:
+            return state_dict(self, *args, **kwargs)
+        finally:
+            handle.remove()
+
+    wrapped._hf_paged_wrapped = True  # type: ignore[attr-defined]
+    return wrapped
+
+
+def _decode_saved_states(client: PagedOptimizer, saved: dict[str, Any]) -> None:
+    """State dict post hook: each state of ``client``'s ``saved`` state dict as fp32 values shaped like its tensor
+    (``exp_avg``), in place of its 8-bit or 4-bit codes and scales, as DeepSpeed's checkpoint tools read it."""
+    _, index_of = pack_param_groups(client.param_groups)
+    listed = {index_of[id(param)]: (param, group) for group in client.param_groups for param in group["params"]}
+    for index, entry in saved["state"].items():
+        if index not in listed or not isinstance(entry, dict) or "step" not in entry:
+            continue
+        param, group = listed[index]
+        block_size = group.get("block_size", client.defaults.get("block_size"))
+        _, states, others = parse_saved_entry(
+            param, index, entry, block_size, client.state_names, client.signed_states, move_others=False
+        )
+        values = {name: state.values().view(param.shape) for name, state in states.items()}
+        saved["state"][index] = {"step": entry["step"], **values, **others}
+
+
+def _wrap_universal_load(load: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a ZeRO optimizer's ``_load_universal_checkpoint``: the fp32 states it leaves in a paged client's
+    ``optimizer.state[partition]`` are encoded into the client's pages (:func:`_encode_loaded_states`)."""
+
+    @functools.wraps(load)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = load(self, *args, **kwargs)
+        if isinstance(self.optimizer, PagedOptimizer):
+            _encode_loaded_states(self)
+        return result
+
+    wrapped._hf_paged_wrapped = True  # type: ignore[attr-defined]
+    return wrapped
+
+
+def _encode_loaded_states(zero_optimizer: Any) -> None:
+    """Load the step and fp32 states that a universal checkpoint load put in the paged client's
+    ``optimizer.state[partition]`` through the client's ``load_state_dict`` (new pages, 8-bit and 4-bit state
+    encoded), and drop the copies DeepSpeed keeps in the parameters' fragment mappings (ZeRO-1 and 2)."""
+    client = zero_optimizer.optimizer
+    listed = any(group["params"] for group in client.param_groups)
+    if not listed:  # ZeRO-3 lists its partitions in the client's groups only around its calls
+        zero_optimizer._set_fp32_optimizer_param_groups()
+    try:
+        groups, index_of = pack_param_groups(client.param_groups)
+        state = {
+            index_of[id(tensor)]: dict(entry)
+            for tensor, entry in client.state.items()
+            if isinstance(tensor, torch.Tensor)
+            and id(tensor) in index_of
+            and any(n in entry for n in client.state_names)
+        }
+        client.load_state_dict({"state": state, "param_groups": groups})
+    finally:
+        if not listed:
+            zero_optimizer._clear_fp32_optimizer_param_groups()
+    for name in ("bit16_groups", "bf16_groups"):
+        for params in getattr(zero_optimizer, name, ()):
+            for param in params:
+                mapping = getattr(param, "_hp_mapping", None)
+                if mapping is not None and mapping.optim_fragment:
+                    mapping.optim_fragment = {
+                        key: value for key, value in mapping.optim_fragment.items() if key not in client.state_names
+                    }

@@ -1,6 +1,7 @@
 """DeepSpeed's optimizer state tools on hf-paged client optimizers under ZeRO 3, 2 and 1, in one ``torchrun`` launch.
 
-For each ZeRO stage of ``--stages`` and each configuration of :data:`CLIENTS` (``torch.optim.AdamW`` as the
+For each ZeRO stage of ``--stages`` (``1_bf16``: ZeRO-1 with bf16 parameters and fp32 gradient accumulation, which
+DeepSpeed runs with its ``BF16_Optimizer``) and each configuration of :data:`CLIENTS` (``torch.optim.AdamW`` as the
 control, and paged AdamW with 32-bit, 8-bit and 4-bit state), a small MLP is handed to ``deepspeed.initialize``
 with the client optimizer, trained :data:`STEPS` steps, and then each rank checks, for every parameter and for
 ``exp_avg`` and ``exp_avg_sq``:
@@ -36,7 +37,7 @@ from deepspeed_train import full_weights, prepare_process, skip_shm_op_build
 
 import hf_paged  # noqa: F401  (enables the state tools for paged clients once DeepSpeed loads)
 from hf_paged.codecs import Float32Codec, to_blocks
-from hf_paged.optim import PagedAdamW, PagedAdamW4bit, PagedAdamW8bit
+from hf_paged.optim import PagedAdamW, PagedAdamW4bit, PagedAdamW8bit, PagedOptimizer
 
 STEPS = 3
 KEYS = ("exp_avg", "exp_avg_sq")
@@ -72,19 +73,30 @@ def requantized(codec, values: torch.Tensor) -> torch.Tensor:
 
 def saved_partition(engine, client, key: str) -> tuple[torch.Tensor, object]:
     """This rank's flat partition of state ``key`` as the client's ``state_dict()`` saves it (under ZeRO-3, within
-    the engine's, which lists the partitions for it), decoded by the client's codec, and that codec (a
-    :class:`Float32Codec` for ``torch.optim.AdamW``)."""
+    the engine's, which lists the partitions for it and holds a paged client's states as fp32 values), decoded by
+    the client's codec, and that codec (a :class:`Float32Codec` for ``torch.optim.AdamW``)."""
     zero = engine.optimizer
     if engine.zero_optimization_stage() == 3:
         saved, partition = zero.state_dict()["optimizer_state_dict"]["state"][0], zero.fp32_partitioned_groups_flat[0]
     else:
-        saved, partition = client.state_dict()["state"][0], zero.single_partition_of_fp32_groups[0]
-    if key in saved:
-        return saved[key].reshape(-1).float().clone(), Float32Codec()
+        saved, partition = client.state_dict()["state"][0], flat_partitions(zero)[0]
+    if key in saved:  # fp32 values: torch.optim.AdamW's, or a paged client's decoded in DeepSpeed's state dict
+        codec = Float32Codec()
+        if isinstance(client, PagedOptimizer):
+            codec = client._formats[client._layout[partition].kind].codecs[client.state_names.index(key)]
+        return saved[key].reshape(-1).float().clone(), codec
     kind = "8bit" if f"{key}_codes" in saved else "4bit"
     codec = client._formats[kind].codecs[client.state_names.index(key)]
     fields = tuple(saved[f"{key}_{field}"].reshape(-1) for field in codec.fields)
     return saved_values(codec, fields, partition.numel()), codec
+
+
+def flat_partitions(zero) -> list[torch.Tensor]:
+    """This rank's flat fp32 partition of each param group of a ZeRO-1/2 optimizer (``DeepSpeedZeroOptimizer`` or
+    ``BF16_Optimizer``)."""
+    if hasattr(zero, "fp32_groups_flat_partition"):
+        return zero.fp32_groups_flat_partition
+    return zero.single_partition_of_fp32_groups
 
 
 def saved_values(codec, fields: tuple[torch.Tensor, ...], elements: int) -> torch.Tensor:
@@ -103,8 +115,9 @@ def largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) if a.numel() else 0.0
 
 
-def check(stage: int, name: str, rank: int) -> dict:
-    """Train configuration ``name`` under ZeRO ``stage`` and run every check on this rank; what it found."""
+def check(setup: str, name: str, rank: int) -> dict:
+    """Train configuration ``name`` under ZeRO ``setup`` (a stage, or ``1_bf16``) and run every check on this rank;
+    what it found."""
     import deepspeed
     from deepspeed.utils import (
         safe_get_full_optimizer_state,
@@ -113,6 +126,7 @@ def check(stage: int, name: str, rank: int) -> dict:
         safe_set_local_optimizer_state,
     )
 
+    stage = int(setup[0])
     net = model()
     config = {
         "train_micro_batch_size_per_gpu": 4,
@@ -121,12 +135,16 @@ def check(stage: int, name: str, rank: int) -> dict:
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
     }
+    dtype = torch.float32
+    if setup == "1_bf16":
+        config.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
+        dtype = torch.bfloat16
     engine, *_ = deepspeed.initialize(model=net, optimizer=CLIENTS[name](net.parameters()), config=config)
     client = engine.optimizer.optimizer
     generator = torch.Generator().manual_seed(rank)
-    inputs, targets = torch.randn(4, 16, generator=generator), torch.randn(4, 8, generator=generator)
+    inputs, targets = torch.randn(4, 16, generator=generator).to(dtype), torch.randn(4, 8, generator=generator)
     for _ in range(STEPS):
-        loss = torch.nn.functional.mse_loss(engine(inputs), targets)
+        loss = torch.nn.functional.mse_loss(engine(inputs).float(), targets)
         engine.backward(loss)
         engine.step()
     zero = engine.optimizer
@@ -204,7 +222,7 @@ def check(stage: int, name: str, rank: int) -> dict:
     record["fragment_keys"] = sorted(
         {key for param in params if getattr(param, "_hp_mapping", None) for key in param._hp_mapping.optim_fragment}
     )
-    loss = torch.nn.functional.mse_loss(engine(inputs), targets)
+    loss = torch.nn.functional.mse_loss(engine(inputs).float(), targets)
     engine.backward(loss)
     engine.step()
     record["weights_after_set"] = full_weights(engine)
@@ -215,7 +233,7 @@ def check(stage: int, name: str, rank: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", required=True)
-    parser.add_argument("--stages", nargs="+", type=int, default=[3, 2, 1], choices=[1, 2, 3])
+    parser.add_argument("--stages", nargs="+", default=["3", "2", "1", "1_bf16"], choices=["1", "2", "3", "1_bf16"])
     parser.add_argument("--configs", nargs="+", default=list(CLIENTS), choices=list(CLIENTS))
     options = parser.parse_args()
     prepare_process()
