@@ -327,7 +327,9 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
         if logs is None or TRAINING_LOG_KEY not in logs or not new_rows:
             return
         self._logged_rows = len(self.rows)
-        metrics = _across_processes(self._metrics(new_rows))  # every process logs the same steps: all take part
+        metrics = self._metrics(new_rows)
+        if getattr(args, "world_size", 1) > 1:  # the Trainer's processes all log the same steps: all take part
+            metrics = _across_processes(metrics)
         if not state.is_world_process_zero:
             return
         logs.update(metrics)
@@ -344,7 +346,8 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
             disable_oom_recovery(self._trainer)
             self._trainer = None
         self._write(args, state)
-        self._job_peaks = _peaks_across_processes(self._own_peaks())  # every process ends training: all take part
+        several = getattr(args, "world_size", 1) > 1  # the Trainer's processes all end training: all take part
+        self._job_peaks = _peaks_across_processes(self._own_peaks(), gather=several)
 
     # Results --------------------------------------------------------------------------------------------
 
@@ -358,7 +361,9 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
         the other values are this process's.
         """
         last_state = self.rows[-1]["state_bytes_after_step"] if self.rows else None
-        peaks = self._job_peaks if self._job_peaks is not None else _peaks_across_processes(self._own_peaks(), False)
+        peaks = self._job_peaks
+        if peaks is None:  # before the end of training: this process's
+            peaks = _peaks_across_processes(self._own_peaks(), gather=False)
         return {
             "steps": len(self.rows),
             "forward_backward_peak_bytes": peaks["forward_backward_peak_bytes"],
@@ -595,7 +600,7 @@ def _combine_node(members: list[dict[str, float | int]]) -> dict[str, float | in
 
 
 def _gather(value: Any) -> list[Any] | None:
-    """``(node key, value)`` of every process of the default group, in global rank order; ``None`` in one process.
+    """``(node key, value)`` of every process of the default group, in global rank order; ``None`` without one.
     A collective: every process of the group must call it."""
     import torch.distributed as dist
 
@@ -612,7 +617,7 @@ def _across_processes(metrics: dict[str, float | int]) -> dict[str, float | int]
     return metrics if gathered is None else combine_metrics(gathered)
 
 
-def _peaks_across_processes(peaks: dict[str, int | None], gather: bool = True) -> dict[str, Any]:
+def _peaks_across_processes(peaks: dict[str, int | None], gather: bool) -> dict[str, Any]:
     """The highest of each peak over the job's processes (``gather``, a collective) or this one's, and ``node_peaks``:
     the highest over each node's processes, one dictionary per node in the order of their lowest global rank."""
     gathered = (_gather(peaks) if gather else None) or [(node_key(), peaks)]

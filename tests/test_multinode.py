@@ -11,6 +11,7 @@ directory per node (and MemorySpikeCallback's per-node metrics); the rest is mar
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import socket
 import subprocess
@@ -162,13 +163,14 @@ def check_ddp(results: dict, per_node: int, save_on_each_node: bool) -> None:
 def check_memory_metrics(runs: list[dict], per_node: int, kind: str) -> None:
     """Global rank 0 alone logged the ``memory/`` metrics, at every step it measured: each the maximum over the
     job's processes of what they measured (host resident memory: the largest node's sum), and per node."""
+    first = DDP_SAVE_AT + 1 if kind == "resumed" else 1  # earlier rows and logs are read back from the checkpoint
     for rank, run in enumerate(runs[1:], start=1):
-        assert not any(key.startswith("memory/") for entry in run["log_history"] for key in entry), (kind, rank)
+        entries = [entry for entry in run["log_history"] if entry["step"] >= first]
+        assert not any(key.startswith("memory/") for entry in entries for key in entry), (kind, rank)
     logged = {entry["step"]: entry for entry in runs[0]["log_history"] if "loss" in entry}
     measured = [{row["step"]: row for row in run["rows"]} for run in runs]
     steps = sorted(measured[0])
     assert steps and steps[-1] == DDP_STEPS, (kind, steps)
-    first = DDP_SAVE_AT + 1 if kind == "resumed" else 1  # rows before it are read back from a timeline
     for step in range(first, DDP_STEPS + 1):
         entry = logged[step]
         nodes = [measured[node * per_node : (node + 1) * per_node] for node in range(NODES)]
@@ -282,8 +284,9 @@ def test_deepspeed_zero3_two_nodes(tmp_path, launcher, per_node, save_on_each_no
     """DeepSpeed ZeRO-3 through the Trainer (``tests/scripts/deepspeed_train.py``) across two nodes, each rank's
     client holding its partitions: resumed from the checkpoint, the full weights and the losses are bitwise those of
     the uninterrupted run. With a directory per node each node holds its own ranks' files; DeepSpeed writes the
-    ``latest`` tag file on global rank 0 alone, which the script copies to the other node, as the README says. Under accelerate, ``configs/accelerate/zero3.yaml`` (bf16) with DeepSpeed's
-    ``standard`` multi-node launcher (torchrun on each node, not pdsh)."""
+    ``latest`` tag file on global rank 0 alone, which the script copies to the other node, as the README says.
+    Under accelerate, ``configs/accelerate/zero3.yaml`` (bf16) with DeepSpeed's ``standard`` multi-node launcher
+    (torchrun on each node, not pdsh)."""
     setup = "zero3" if launcher == "torchrun" else "accelerate"
     arguments = [
         os.path.join(SCRIPTS, "deepspeed_train.py"), "--setups", setup, "--configs", *DEEPSPEED_CONFIGS,
@@ -316,3 +319,51 @@ def test_deepspeed_zero3_two_nodes(tmp_path, launcher, per_node, save_on_each_no
                 f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt" for rank in ranks for kind in ("model", "optim")
             }
             assert partitions <= set(os.listdir(checkpoint)), (node, sorted(os.listdir(checkpoint)))
+
+
+# hf-paged train -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_cli_two_nodes_prints_once_and_summarizes_the_job(tmp_path):
+    """``hf-paged train`` under two torchrun launchers, each node with its own output directory and
+    ``save_on_each_node``: global rank 0 alone prints the progress and the summary, and the summary's
+    forward/backward peak is the job's, the highest of both nodes' timelines."""
+    overrides = [
+        "training.max_steps=3", "training.per_device_train_batch_size=4", "training.logging_steps=1",
+        "training.disable_tqdm=true", "training.save_on_each_node=true", "data.max_samples=32", "memory.plot=false",
+        "training.optim_args=device_budget=auto,page_size=64KiB,min_8bit_size=1024,compiled=false",
+    ]
+    launchers = node_launchers("torchrun", 1, free_port())
+    environment = {
+        **os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "datasets-cache"), "CUDA_VISIBLE_DEVICES": "",
+    }
+    started = time.perf_counter()
+    processes = [
+        subprocess.Popen(
+            [*launcher, "-m", "hf_paged.cli", "train", *(f"--set={item}" for item in overrides),
+             "--output-dir", str(tmp_path / f"node{node}")],
+            cwd=tmp_path, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for node, launcher in enumerate(launchers)
+    ]  # fmt: skip
+    try:
+        outputs = [process.communicate(timeout=LAUNCH_TIMEOUT) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    print(f"hf-paged train, torchrun, {NODES} nodes x 1: {time.perf_counter() - started:.1f} s")
+    assert [process.returncode for process in processes] == [0, 0], [error[-3000:] for _, error in outputs]
+    (first_out, first_err), (second_out, second_err) = outputs
+    assert first_out.count("hf-paged train summary") == 1 and "2 processes" in first_out
+    assert not [line for line in (second_out + second_err).splitlines() if line.startswith("hf-paged")]
+    summary = json.loads((tmp_path / "node0" / "summary.json").read_text())
+    assert summary["processes"] == NODES and not (tmp_path / "node1" / "summary.json").exists()
+    peaks = []
+    for node in range(NODES):
+        timeline = (tmp_path / f"node{node}" / "memory_timeline.jsonl").read_text()
+        rows = [json.loads(line) for line in timeline.splitlines()]
+        assert [row["step"] for row in rows] == [1, 2, 3]
+        peaks.append(max(row["forward_backward_peak"] for row in rows))
+    assert summary["forward_backward_peak_bytes"] == max(peaks)
