@@ -182,7 +182,7 @@ class OOMRecovery:
     resets the gradients to ``None`` and replays the step's micro-batches so far, each from its recorded
     generator state; an automatic budget is told that the step needed at least the whole device. After
     ``retries`` failures within one step the error is raised again with a note on what was tried, what the
-    memory held and what to change. Not for several processes (their collectives would diverge).
+    memory held and what to change. Under several processes a replay must run no collective (``can_replay``).
 
     It also covers the optimizer's step: it sets the optimizer's ``oom_retries`` to ``retries`` and reports the
     step's recoveries (``phase="optimizer step"``) to ``on_recovery`` and in :attr:`recoveries` too.
@@ -194,6 +194,8 @@ class OOMRecovery:
         model: the model the micro-batches run; its buffers (which forward may change, as BatchNorm's
             running statistics) are copied when each window opens and put back before a replay, so the
             replayed micro-batches count once. ``None``: buffers are not restored.
+        can_replay: asked at each failure whether a replay is exact here (under several processes: whether it
+            would run no collective); where it answers no, the error is raised with a note. ``None``: always.
     """
 
     def __init__(
@@ -202,6 +204,7 @@ class OOMRecovery:
         retries: int = 2,
         on_recovery: Callable[[Recovery], None] | None = None,
         model: torch.nn.Module | None = None,
+        can_replay: Callable[[], bool] | None = None,
     ) -> None:
         if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
             raise ValueError(f"retries must be an integer >= 0, got {retries!r}")
@@ -211,6 +214,7 @@ class OOMRecovery:
         self.optimizer.oom_retries = retries
         self.optimizer.on_oom_recovery = self._recovered_in_step
         self.model = model
+        self.can_replay = can_replay
         self._buffers: _BufferSnapshot | None = None
         self.recoveries = 0
         self.step: int | None = None
@@ -246,6 +250,12 @@ class OOMRecovery:
         self._marked = {auto.probe for auto in self.optimizer.auto_budgets.values()} if self.retries > 0 else set()
         for probe in self._marked:
             probe.mark(_WINDOW_MARK)
+
+    def snapshot_buffers(self) -> None:
+        """Take the model's buffers again as a replay is to restore them (an engine that changes them before the
+        window's first forward runs, as DDP's broadcast of rank 0's, calls it then)."""
+        if self.model is not None and self.retries > 0:
+            self._buffers = _BufferSnapshot(self.model)
 
     @contextlib.contextmanager
     def window(self, step: int | None = None) -> Iterator[OOMRecovery]:
@@ -305,6 +315,13 @@ class OOMRecovery:
         if self._failures > self.retries:
             self._micro_batches.clear()
             error.add_note(self._explain(device, device_stats, other_bytes))
+            raise error
+        if self.can_replay is not None and not self.can_replay():
+            self._micro_batches.clear()
+            error.add_note(
+                "hf-paged could not recover: a replay would not be exact here (the other processes wait in a "
+                "collective of this step; a replay is exact only where none is pending, as inside DDP's no_sync)"
+            )
             raise error
         if self._grads_at_start:
             self._micro_batches.clear()

@@ -5,20 +5,33 @@ micro-batch, the documented place to customise a step) in an :class:`~hf_paged.r
 window of micro-batches starts whenever the trainer's ``global_step`` has moved on, which happens after every
 optimizer step, skipped ones included. Metrics that a trainer accumulates per micro-batch during its loss
 (TRL's token counts, entropy and accuracy) are rewound before a replay, so logs match a run without the error.
+
+Under several processes a replay is exact only where it runs no collective: a micro-batch of DDP's gradient
+accumulation inside ``no_sync``. An error anywhere else in forward, backward or the optimizer's step is published to
+every rank of the job (:mod:`hf_paged.rank_failure`), whose watchers end their processes within seconds with a note on
+which rank failed, at which step, and what to change.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
+
+from ..rank_failure import RankFailure, RankFailureWatcher
 from ..recovery import OOMRecovery, Recovery, paged_optimizer_of
 from . import _transformers_internals as internals
 
 logger = logging.getLogger(__name__)
 
 _ATTRIBUTE = "_hf_paged_oom_recovery"
+_FAILURES_ATTRIBUTE = "_hf_paged_rank_failures"
 
 
 def enable_oom_recovery(
@@ -27,20 +40,25 @@ def enable_oom_recovery(
     on_recovery: Callable[[Recovery], None] | None = None,
 ) -> OOMRecovery | None:
     """Make ``trainer``'s training steps survive out-of-memory errors in forward and backward, and in the
-    optimizer's step.
+    optimizer's step; under several processes, make a failure on one rank end every rank within seconds.
 
     Call it once the trainer's optimizer exists (in ``on_train_begin``, as ``MemorySpikeCallback`` does).
 
     Args:
         trainer: a ``transformers.Trainer`` (or subclass) whose optimizer is, or wraps, an hf-paged one.
         retries: recoveries allowed per optimizer step, in forward/backward and in the optimizer's step (its
-            ``oom_retries``); 0 leaves the training step as it is and the optimizer's step unprotected.
+            ``oom_retries``); 0 leaves the training step without recovery and the optimizer's step unprotected.
         on_recovery: called with each :class:`~hf_paged.recovery.Recovery`, before the replay or the rest of the
             optimizer's step.
 
+    Under several processes, a micro-batch is replayed only inside DDP's ``no_sync`` (gradient accumulation before
+    the last micro-batch of a step), where a replay runs no collective; any other error in forward, backward or the
+    optimizer's step is published to every rank, and a :class:`~hf_paged.rank_failure.RankFailureWatcher` on each
+    rank ends the job (see :mod:`hf_paged.rank_failure`) until training ends.
+
     Returns:
-        The recovery (its ``recoveries`` counts them), or ``None`` where none was installed: ``retries`` is
-        0, the optimizer is not an hf-paged one, or training runs in several processes.
+        The recovery (its ``recoveries`` counts them), or ``None`` where none was installed: ``retries`` is 0 or
+        the optimizer is not an hf-paged one.
     """
     disable_oom_recovery(trainer)
     try:
@@ -49,17 +67,16 @@ def enable_oom_recovery(
         return None
     optimizer.oom_retries = retries  # the optimizer's own step recovers in any number of processes
     optimizer.on_oom_recovery = on_recovery
-    if retries == 0:
-        return None
-    if trainer.args.world_size > 1:
+    failures = _RankFailures(trainer, optimizer) if trainer.args.world_size > 1 else None
+    if failures is not None:
+        setattr(trainer, _FAILURES_ATTRIBUTE, failures)
         if trainer.is_world_process_zero():  # once for the launch, not once per process
             logger.warning(
-                "hf-paged: out-of-memory recovery in forward and backward is off: it replays micro-batches in one "
-                "process, and with %d processes their gradient collectives would diverge (the optimizer step still "
-                "recovers)",
+                "hf-paged: with %d processes, out-of-memory recovery in forward and backward replays only micro-batches "
+                "inside no_sync (DDP's gradient accumulation), where no collective is pending; a failure elsewhere on "
+                "one rank ends every rank with a note (the optimizer step still recovers)",
                 trainer.args.world_size,
             )
-        return None
     internals.trainer_metric_marks(trainer)  # fails now, not at a recovery, if a trainer's metrics moved
     marks: dict[str, Any] = {}
 
@@ -69,7 +86,16 @@ def enable_oom_recovery(
         if on_recovery is not None:
             on_recovery(recovery)
 
-    recovery = OOMRecovery(optimizer, retries=retries, on_recovery=rewind_and_report, model=trainer.model)
+    running: list[Any] = [None]
+    recovery = OOMRecovery(
+        optimizer,
+        retries=retries,
+        on_recovery=rewind_and_report,
+        model=trainer.model,
+        can_replay=None if failures is None else lambda: _replay_is_local(running[0]),
+    )
+    if retries == 0 and failures is None:
+        return None
     original = trainer.training_step
     window_step: list[int | None] = [None]
 
@@ -80,19 +106,127 @@ def enable_oom_recovery(
             recovery.start_window(step + 1)
             marks.clear()
             marks.update(internals.trainer_metric_marks(trainer))
-        return recovery.run(original, model, inputs, *args, **kwargs)
+            if failures is not None:
+                failures.snapshot_buffers_after_broadcast(model, recovery)
+        running[0] = model
+        if failures is None:
+            return recovery.run(original, model, inputs, *args, **kwargs)
+        with failures.publishing("forward/backward"):
+            return recovery.run(original, model, inputs, *args, **kwargs)
 
     trainer.training_step = training_step
     setattr(trainer, _ATTRIBUTE, recovery)
-    return recovery
+    return recovery if retries else None
 
 
 def disable_oom_recovery(trainer: Any) -> None:
-    """Give ``trainer`` back its own ``training_step`` (nothing happens if recovery is not enabled)."""
+    """Give ``trainer`` back its own ``training_step`` and stop watching for failures on other ranks (nothing
+    happens if recovery is not enabled)."""
+    failures = getattr(trainer, _FAILURES_ATTRIBUTE, None)
+    if failures is not None:
+        failures.close()
+        delattr(trainer, _FAILURES_ATTRIBUTE)
     if getattr(trainer, _ATTRIBUTE, None) is None:
         return
     del trainer.training_step
     delattr(trainer, _ATTRIBUTE)
+
+
+def _replay_is_local(model: Any) -> bool:
+    """Whether replaying the step's micro-batches so far runs no collective: ``model`` is DDP's, inside ``no_sync``,
+    and its next forward broadcasts no buffers."""
+    return (
+        isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        and not model.require_backward_grad_sync
+        and not model.require_forward_param_sync
+    )
+
+
+class _RankFailures(TrainerCallback):
+    """Under several processes: publishes an error of this rank's forward, backward or optimizer step in the job's
+    store, watches for the other ranks' (a :class:`~hf_paged.rank_failure.RankFailureWatcher`), and holds off the
+    end of this process while a checkpoint is being written. Added to the trainer's callbacks; stops at the end of
+    training (and is left in the callbacks, inert: removing it while the trainer calls them would skip another)."""
+
+    def __init__(self, trainer: Any, optimizer: Any) -> None:
+        self.trainer = trainer
+        self.optimizer = optimizer
+        self.rank = trainer.args.process_index
+        self.watcher = RankFailureWatcher(rank=self.rank).start()
+        self._saving = contextlib.ExitStack()
+        self._closed = False
+        self._snapshot_hook: torch.utils.hooks.RemovableHandle | None = None
+        self._own_step = optimizer.__dict__.get("step")
+        step = optimizer.step
+
+        def guarded_step(*args: Any, **kwargs: Any) -> Any:
+            with self.publishing("optimizer step"):
+                return step(*args, **kwargs)
+
+        optimizer.step = guarded_step
+        trainer.add_callback(self)
+
+    def snapshot_buffers_after_broadcast(self, model: Any, recovery: OOMRecovery) -> None:
+        """Under DDP, take the buffers a replay restores once the window's first forward has broadcast rank 0's (a
+        forward pre-hook of the wrapped module runs after DDP's broadcast), so that a replay on another rank starts
+        from the buffers its first attempt had."""
+        if self._snapshot_hook is not None:  # a window whose first forward never ran
+            self._snapshot_hook.remove()
+            self._snapshot_hook = None
+        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return
+
+        def snapshot(module: torch.nn.Module, args: Any) -> None:
+            self._snapshot_hook.remove()
+            self._snapshot_hook = None
+            recovery.snapshot_buffers()
+
+        self._snapshot_hook = model.module.register_forward_pre_hook(snapshot)
+
+    @contextlib.contextmanager
+    def publishing(self, phase: str):
+        """Publish an error raised inside (once), and note it on the error."""
+        try:
+            yield
+        except Exception as error:
+            if not getattr(error, "_hf_paged_rank_failure", False):
+                error._hf_paged_rank_failure = True
+                self._publish(error, phase)
+            raise
+
+    def _publish(self, error: Exception, phase: str) -> None:
+        output_dir = self.trainer.args.output_dir
+        checkpoint = get_last_checkpoint(output_dir) if output_dir and os.path.isdir(output_dir) else None
+        failure = RankFailure.of(error, self.rank, self.trainer.state.global_step + 1, phase, checkpoint)
+        self.watcher.publish(failure)
+        error.add_note(f"hf-paged: {failure.describe()} Every other rank of the job ends within seconds.")
+
+    def close(self) -> None:
+        """Stop watching and give the optimizer its own step back (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.watcher.stop()
+        self._saving.close()
+        if self._snapshot_hook is not None:
+            self._snapshot_hook.remove()
+        if self._own_step is None:
+            self.optimizer.__dict__.pop("step", None)
+        else:
+            self.optimizer.step = self._own_step
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        self._saving.close()
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if control.should_save and not self._closed:
+            self._saving.enter_context(self.watcher.checkpointing())
+
+    def on_save(self, args, state, control, **kwargs) -> None:
+        self._saving.close()
+
+    def on_train_end(self, args, state, control, **kwargs) -> None:
+        self.close()  # a watcher left running would end this process once the job's store goes away
 
 
 def oom_recovery_of(trainer: Any) -> OOMRecovery | None:

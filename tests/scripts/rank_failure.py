@@ -1,0 +1,203 @@
+"""A Trainer run of several processes in which one rank fails: an out-of-memory error injected on that rank only.
+
+Launched with ``torchrun`` (one node, or two ``--nnodes 2 --node-rank 0|1`` launchers), on the CPU (gloo)::
+
+    torchrun --standalone --nproc-per-node 2 tests/scripts/rank_failure.py --engine ddp --output-dir DIR \\
+        --fail-rank 1 --fail-step 3 --fail-in backward
+
+``--engine`` picks DDP, FSDP2 (accelerate's, through the Trainer) or DeepSpeed ZeRO-3. The model is the tests' tiny
+Llama, the optimizer ``hf_paged_adamw_8bit`` under a budget (its pages stream at every step) and
+``MemorySpikeCallback`` (which turns on hf-paged's handling of errors). On rank ``--fail-rank`` at optimizer step
+``--fail-step`` (from 1), ``--fail-in`` picks where ``torch.OutOfMemoryError`` is raised, ``--fail-times`` times
+each, in the first attempt of a job only (``TORCHELASTIC_RESTART_COUNT`` 0):
+
+- ``backward``: a gradient hook on the first decoder layer's MLP output, at the ``--fail-micro-batch``-th backward of
+  the step (from 0, replays counted);
+- ``optimizer``: the optimizer's first page allocations of the step;
+- ``none``: nowhere.
+
+``--resume-from auto`` resumes from the last checkpoint in ``--output-dir`` when torchrun restarted the job.
+
+With ``--linger S`` the failing rank catches the error and keeps its process (and its connections) for ``S``
+seconds before raising it again: its peers then wait in the collective it never joins, as they would on NCCL
+after it ended.
+
+Each rank that finishes writes ``rank<R>.json`` in ``--output-dir`` (its logged losses, the sum and norm of its
+parameters, the recoveries counted); the failing rank writes ``failure.json`` (the time it raised, the note on its
+error) before it raises.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+import hf_paged  # noqa: F401  (registers the hf_paged_* optimizer names)
+from callbacks import MemorySpikeCallback
+from hf_paged.recovery import paged_optimizer_of
+
+from trainer_utils import tiny_llama, token_dataset
+
+BATCH = 2
+OPTIM_ARGS = "page_size=4KiB,device_budget=16KiB,block_size=64,min_8bit_size=256"
+
+
+class Injector(TrainerCallback):
+    """Raises ``torch.OutOfMemoryError`` on one rank at one optimizer step, in backward or in the optimizer step."""
+
+    def __init__(self, model: torch.nn.Module, options: argparse.Namespace, rank: int) -> None:
+        self.options = options
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        self.armed = rank == options.fail_rank and first_attempt
+        self.left = {where: options.fail_times for where in options.fail_in}
+        self.backwards = 0
+        self.step = 0
+        model.model.layers[0].mlp.register_forward_hook(self._forward)
+
+    def _forward(self, module, args, output):
+        if torch.is_grad_enabled() and output.requires_grad:
+            output.register_hook(self._backward)
+
+    def _backward(self, grad):
+        calls, self.backwards = self.backwards, self.backwards + 1
+        if self._now("backward") and calls == self.options.fail_micro_batch:
+            self.left["backward"] -= 1
+            raise torch.OutOfMemoryError("injected in backward")
+
+    def _now(self, where: str) -> bool:
+        return self.armed and self.step == self.options.fail_step and self.left.get(where, 0) > 0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.step, self.backwards = state.global_step + 1, 0
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        if not self._now("optimizer"):
+            return
+        (store,) = paged_optimizer_of(optimizer)._store.stores.values()
+        allocate = store.backend.empty_device
+
+        def failing(specs):
+            self.left["optimizer"] -= 1
+            if self.left["optimizer"] == 0:
+                store.backend.empty_device = allocate
+            raise torch.OutOfMemoryError("injected in the optimizer step")
+
+        store.backend.empty_device = failing
+
+
+def training_args(options: argparse.Namespace) -> TrainingArguments:
+    deepspeed = None
+    if options.engine == "deepspeed":
+        deepspeed = {
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+            "zero_optimization": {"stage": 3},
+            "zero_force_ds_cpu_optimizer": False,
+        }
+    return TrainingArguments(
+        output_dir=options.output_dir,
+        optim="hf_paged_adamw_8bit",
+        optim_args=OPTIM_ARGS,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        max_steps=options.steps,
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=options.grad_accum,
+        save_strategy="steps",
+        save_steps=options.save_steps,
+        logging_steps=1,
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+        ddp_timeout=options.pg_timeout,
+        deepspeed=deepspeed,
+    )
+
+
+def prepare_engine(options: argparse.Namespace) -> None:
+    """What FSDP2 and DeepSpeed need on the CPU (see tests/scripts/fsdp2_trainer.py and deepspeed_train.py)."""
+    if options.engine == "fsdp2":
+        from fsdp2_trainer import FSDP2_ENVIRONMENT, enable_fsdp_on_cpu
+
+        for key, value in FSDP2_ENVIRONMENT.items():
+            os.environ.setdefault(key, value)
+        enable_fsdp_on_cpu()
+    elif options.engine == "deepspeed":
+        from deepspeed_train import skip_shm_op_build
+
+        skip_shm_op_build()
+
+
+def parameters_checksum(model: torch.nn.Module) -> tuple[float, float]:
+    local = [getattr(param, "_local_tensor", param) for param in model.parameters()]
+    flat = torch.cat([param.detach().double().reshape(-1) for param in local])
+    return flat.sum().item(), flat.norm().item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", choices=["ddp", "fsdp2", "deepspeed"], default="ddp")
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--save-steps", type=int, default=2)
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--fail-rank", type=int, default=1)
+    parser.add_argument("--fail-step", type=int, default=3)
+    parser.add_argument("--fail-in", nargs="+", choices=["backward", "optimizer", "none"], default=["backward"])
+    parser.add_argument("--fail-micro-batch", type=int, default=0)
+    parser.add_argument("--fail-times", type=int, default=1000)
+    parser.add_argument("--linger", type=float, default=0.0)
+    parser.add_argument("--pg-timeout", type=int, default=600, help="seconds a collective may wait")
+    parser.add_argument("--resume-from", default=None, help="a checkpoint, or auto (the last one, after a restart)")
+    options = parser.parse_args()
+    os.environ.setdefault("HF_PAGED_COMPILE", "0")
+    torch.set_num_threads(1)
+    prepare_engine(options)
+    rank = int(os.environ["RANK"])
+    resume_from = options.resume_from
+    if resume_from == "auto":
+        restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+        resume_from = get_last_checkpoint(options.output_dir) if restarted else None
+    args = training_args(options)
+    model = tiny_llama()
+    injector = Injector(model, options, rank)
+    spikes = MemorySpikeCallback(plot=False)
+    data = token_dataset(samples=BATCH * options.grad_accum * args.world_size * options.steps)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[injector, spikes])
+    try:
+        trainer.train(resume_from_checkpoint=resume_from)
+    except Exception:
+        if rank == options.fail_rank:
+            with open(os.path.join(options.output_dir, "failure.json"), "w") as file:
+                json.dump({"time": time.time(), "rank": rank, "traceback": traceback.format_exc()}, file)
+            time.sleep(options.linger)
+        raise
+    checksum, norm = parameters_checksum(trainer.model)
+    result = {
+        "rank": rank,
+        "losses": {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry},
+        "checksum": checksum,
+        "norm": norm,
+        "oom_recoveries": spikes.oom_recoveries,
+        "resumed_from": resume_from,
+    }
+    with open(os.path.join(options.output_dir, f"rank{rank}.json"), "w") as file:
+        json.dump(result, file)
+
+
+if __name__ == "__main__":
+    main()
