@@ -63,9 +63,10 @@ def node_launchers(
     ]
 
 
-def launch_nodes(launchers: list[list[str]], script_and_args: list[str], folder) -> float:
+def launch_nodes(launchers: list[list[str]], script_and_args: list[str], folder) -> tuple[float, list[str]]:
     """Start every node's launcher at once with ``-m hf_paged.run SCRIPT ARGS``, wait for all; the wall time
-    (seconds). Fails with the output of the nodes that failed; a node left waiting for its peers is stopped."""
+    (seconds) and each node's output. Fails with the output of the nodes that failed; a node left waiting for its
+    peers is stopped."""
     environment = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     logs = [open(folder / f"node{node}.log", "w+") for node in range(len(launchers))]  # noqa: SIM115
     started = time.perf_counter()
@@ -99,7 +100,7 @@ def launch_nodes(launchers: list[list[str]], script_and_args: list[str], folder)
     assert codes == [0] * len(processes), "\n".join(
         f"node {node} (exit {code}):\n{output[-3000:]}" for node, (code, output) in enumerate(zip(codes, outputs))
     )
-    return wall
+    return wall, outputs
 
 
 # DDP ---------------------------------------------------------------------------------------------------------------
@@ -109,21 +110,27 @@ DDP_STEPS, DDP_SAVE_AT = 4, 2
 
 
 def ddp_results(folder, launcher: str, per_node: int, save_on_each_node: bool) -> dict:
-    """What ``multinode_ddp.py`` found for every optimizer in :data:`DDP_OPTIMS`, from one launch of two nodes."""
+    """What ``multinode_ddp.py`` found for every optimizer in :data:`DDP_OPTIMS`, from one launch of two nodes; and
+    ``outputs``, each node's output."""
     arguments = [
         os.path.join(SCRIPTS, "multinode_ddp.py"), "--optim", *DDP_OPTIMS, "--output-dir", str(folder),
         "--steps", str(DDP_STEPS), "--save-at", str(DDP_SAVE_AT),
     ]
     if save_on_each_node:
         arguments.append("--save-on-each-node")
-    wall = launch_nodes(node_launchers(launcher, per_node, free_port()), arguments, folder)
+    wall, outputs = launch_nodes(node_launchers(launcher, per_node, free_port()), arguments, folder)
     print(f"DDP, {launcher}, {NODES} nodes x {per_node}, save_on_each_node={save_on_each_node}: {wall:.1f} s")
-    return torch.load(folder / "results.pt", weights_only=False)
+    return {**torch.load(folder / "results.pt", weights_only=False), "outputs": outputs}
 
 
 def check_ddp(results: dict, per_node: int, save_on_each_node: bool) -> None:
     """Every rank of each optimizer trained, checkpointed where it should, and resumed bitwise; the memory metrics
-    came from global rank 0 only, combined over the processes of each node."""
+    came from global rank 0 only, combined over the processes of each node; hf-paged's messages (the callback's
+    note on adamw_torch, out-of-memory recovery's on several processes) came from node 0, none from node 1."""
+    first, *others = results["outputs"]
+    assert "hf-paged: MemorySpikeCallback" in first, first[-3000:]
+    for node, output in enumerate(others, start=1):
+        assert not [line for line in output.splitlines() if "hf-paged:" in line], (node, output[-3000:])
     world = NODES * per_node
     for optim in DDP_OPTIMS:
         ranks = results[optim]["ranks"]
@@ -237,7 +244,7 @@ def test_fsdp2_two_nodes(tmp_path, launcher, per_node, save_on_each_node):
     if save_on_each_node:
         arguments.append("--save-on-each-node")
     launchers = node_launchers(launcher, per_node, free_port(), "fsdp2.yaml", "--mixed_precision", "no")
-    wall = launch_nodes(launchers, arguments, tmp_path)
+    wall, _ = launch_nodes(launchers, arguments, tmp_path)
     print(f"FSDP2, {launcher}, {NODES} nodes x {per_node}, save_on_each_node={save_on_each_node}: {wall:.1f} s")
     results = torch.load(tmp_path / "results.pt", weights_only=True)
     world = NODES * per_node
@@ -296,7 +303,8 @@ def test_deepspeed_zero3_two_nodes(tmp_path, launcher, per_node, save_on_each_no
     if save_on_each_node:
         arguments.append("--save-on-each-node")
     options = ("--deepspeed_multinode_launcher", "standard")
-    wall = launch_nodes(node_launchers(launcher, per_node, free_port(), "zero3.yaml", *options), arguments, tmp_path)
+    launchers = node_launchers(launcher, per_node, free_port(), "zero3.yaml", *options)
+    wall, _ = launch_nodes(launchers, arguments, tmp_path)
     print(f"ZeRO-3, {launcher}, {NODES} nodes x {per_node}, save_on_each_node={save_on_each_node}: {wall:.1f} s")
     summary = torch.load(tmp_path / "result.pt", weights_only=True)
     world = NODES * per_node
