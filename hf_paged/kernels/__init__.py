@@ -2,14 +2,19 @@
 
 - :mod:`~hf_paged.kernels.rules`: the update rules in PyTorch operations, the reference of every family;
 - :mod:`~hf_paged.kernels.pytorch`: the PyTorch kernels, eager or through ``torch.compile``, on every device;
-- :mod:`~hf_paged.kernels.host`: the C++ host kernels of 8-bit and 4-bit state on the CPU.
+- :mod:`~hf_paged.kernels.host`: the C++ host kernels of 8-bit and 4-bit state on the CPU;
+- :mod:`~hf_paged.kernels.triton_kernels`: the Triton kernels of 8-bit, 4-bit and fp32 state on accelerators (and on
+  the CPU under Triton's interpreter, ``TRITON_INTERPRET=1``).
 
-:func:`segment_kernel` gives the kernel of a rule, page format and device.
+:func:`segment_kernel` gives the kernel of a rule, page format and device, of the family :func:`kernel_family`
+chooses (``HF_PAGED_KERNELS``).
 """
 
 from __future__ import annotations
 
 import functools
+import os
+from types import ModuleType
 
 import torch
 
@@ -28,11 +33,13 @@ from .rules import UpdateRule
 
 __all__ = [
     "COMPILE_MIN_ELEMENTS",
+    "KERNEL_FAMILIES",
     "HostKernel",
     "SegmentKernel",
     "UpdateRule",
     "compile_available",
     "host_rule_name",
+    "kernel_family",
     "prepare_scalars",
     "resolve_compiled",
     "runs_compiled",
@@ -41,31 +48,89 @@ __all__ = [
 ]
 
 
+KERNEL_FAMILIES = ("triton", "native", "torch")
+"""The kernel families ``HF_PAGED_KERNELS`` may name."""
+
+
+def kernel_family(device: torch.device) -> str:
+    """The kernel family that updates pages of ``device``: ``HF_PAGED_KERNELS`` (read at each call) when set, else
+    the best available: ``"native"`` (the C++ host kernels) for CPU pages, ``"triton"`` for CUDA and XPU pages where
+    Triton imports and runs on the device, ``"torch"`` (the PyTorch kernels) otherwise.
+
+    ``HF_PAGED_KERNELS=triton`` requires Triton to import and run on ``device`` (on the CPU: under its interpreter,
+    ``TRITON_INTERPRET=1`` before Triton is first imported); ``native`` takes the host kernels for CPU pages where
+    ``HF_PAGED_NATIVE`` lets them run and the PyTorch kernels elsewhere; ``torch`` the PyTorch kernels everywhere.
+    A format a family has no kernel for (a rule without one, mixed state formats) takes the PyTorch kernels.
+    """
+    setting = os.environ.get("HF_PAGED_KERNELS", "").strip().lower()
+    if setting and setting not in KERNEL_FAMILIES:
+        raise ValueError(f"HF_PAGED_KERNELS={setting!r} is not allowed: use one of {', '.join(KERNEL_FAMILIES)}")
+    if setting == "triton":
+        module = _triton_module()
+        if module is None:
+            raise RuntimeError("HF_PAGED_KERNELS=triton, but Triton does not import (pip install triton)")
+        if not module.runs_on(device):
+            hint = " (on the CPU only under its interpreter, TRITON_INTERPRET=1)" if device.type == "cpu" else ""
+            raise RuntimeError(f"HF_PAGED_KERNELS=triton, but the Triton kernels do not run on {device}{hint}")
+        return setting
+    if setting:
+        return setting
+    if device.type == "cpu":
+        return "native"
+    if device.type in ("cuda", "xpu"):
+        module = _triton_module()
+        if module is not None and module.runs_on(device):
+            return "triton"
+    return "torch"
+
+
+@functools.cache
+def _triton_module() -> ModuleType | None:
+    """:mod:`hf_paged.kernels.triton_kernels`, imported at the first call, or ``None`` where Triton does not import.
+
+    Triton is optional, so it is imported only where a step may use it (not at ``import hf_paged``)."""
+    try:
+        from . import triton_kernels as module
+    except ImportError:
+        return None
+    return module
+
+
 def segment_kernel(
     rule: UpdateRule, codecs: tuple[Codec, ...], compiled: bool, device: torch.device
 ) -> SegmentKernel | HostKernel:
-    """The kernel of ``rule`` for ``codecs`` on pages of ``device``, made once per process.
+    """The kernel of ``rule`` for ``codecs`` on pages of ``device``, made once per process, of the family
+    :func:`kernel_family` chooses for ``device``.
 
-    For CPU pages of AdamW's and Lion's 8-bit and 4-bit states it is a :class:`HostKernel` while the host kernels
-    are enabled (``HF_PAGED_NATIVE``, read at each call; see :mod:`hf_paged.native`), whatever ``compiled`` says:
-    CPU segments take the C++ kernel, others the :class:`SegmentKernel` that ``compiled`` chooses. Otherwise (pages
-    on another device, which never build the host kernels, or where they cannot be built) the
-    :class:`SegmentKernel`.
+    ``native``: for CPU pages of AdamW's and Lion's 8-bit and 4-bit states a :class:`HostKernel` while the host
+    kernels are enabled (``HF_PAGED_NATIVE``, read at each call; see :mod:`hf_paged.native`), whatever ``compiled``
+    says. ``triton``: a :class:`~hf_paged.kernels.triton_kernels.TritonKernel` for AdamW's and Lion's 8-bit, 4-bit
+    and fp32 states. Otherwise, and for the segments those kernels hand on (another device, fp64 tensors), the
+    :class:`SegmentKernel` that ``compiled`` chooses.
     """
-    native = device.type == "cpu" and host_rule_name(rule, codecs) is not None and host_kernels_enabled()
-    return _segment_kernel(rule, codecs, compiled, native)
+    family = kernel_family(device)
+    if family == "native" and (
+        device.type != "cpu" or host_rule_name(rule, codecs) is None or not host_kernels_enabled()
+    ):
+        family = "torch"
+    if family == "triton" and _triton_module().triton_rule(rule, codecs) is None:
+        family = "torch"
+    return _segment_kernel(rule, codecs, compiled, family)
 
 
 @functools.cache
 def _segment_kernel(
-    rule: UpdateRule, codecs: tuple[Codec, ...], compiled: bool, native: bool
+    rule: UpdateRule, codecs: tuple[Codec, ...], compiled: bool, family: str
 ) -> SegmentKernel | HostKernel:
-    if not native:
+    if family == "torch":
         return SegmentKernel(rule, codecs, compiled)
-    return HostKernel(host_rule_name(rule, codecs), codecs, _segment_kernel(rule, codecs, compiled, False))
+    fallback = _segment_kernel(rule, codecs, compiled, "torch")
+    if family == "triton":
+        return _triton_module().TritonKernel(rule, codecs, fallback)
+    return HostKernel(host_rule_name(rule, codecs), codecs, fallback)
 
 
 def runs_compiled(rule: UpdateRule, codecs: tuple[Codec, ...]) -> bool:
     """Whether the compiled PyTorch kernel of ``rule`` for ``codecs`` still compiles in this process: ``False`` once
     its compilation failed (it then updates eagerly, with an eager kernel's chunks and temporaries)."""
-    return _segment_kernel(rule, codecs, True, False).compiled
+    return _segment_kernel(rule, codecs, True, "torch").compiled

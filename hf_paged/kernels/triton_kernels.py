@@ -1,0 +1,628 @@
+"""The Triton kernels: AdamW and Lion on 8-bit, 4-bit and fp32 state, one launch per page batch.
+
+Each program updates a tile of whole blocks of a segment (``block_size`` elements of blockwise state, or
+:data:`FP32_BLOCK` elements of fp32 state) in registers: it reads the parameter, gradient and state codes, decodes the state, runs the rule in fp32,
+writes the parameter once and encodes the state with the block's new largest magnitude as its scale. Nothing is
+allocated on the device besides the batch's small tables of addresses, so a call needs no undo copy.
+
+The arithmetic is that of the host kernels (``hf_paged/native/host_kernels.cpp``) operation by operation: products
+and sums rounded one by one (launched with ``enable_fp_fusion=False``, so that no multiply and add are contracted),
+lerp as ATen's (one fused multiply-add), square roots and quotients IEEE-rounded (``sqrt_rn``, ``div_rn``), codes
+rounded to nearest, ties to even. Conversions to bf16 round to nearest even in integer arithmetic (a NaN becomes
+``0x7FC0``, as ``c10::BFloat16`` on the CPU), so results are bitwise the host's and the eager PyTorch kernels' on
+finite values. Stochastic rounding of bf16 parameters takes the hash of :mod:`hf_paged.stochastic_rounding` in
+32-bit integer arithmetic. Where the host and eager kernels differ among themselves (Lion's sign of a NaN
+momentum: 0 in the host kernels), these follow the host kernels.
+
+On the CPU they run only under Triton's interpreter (``TRITON_INTERPRET=1`` when this module is first imported),
+which the tests use to run them without an accelerator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ..codecs import Blockwise4bitCodec, Blockwise8bitCodec, Codec, EncodedSegment, Float32Codec
+from ..stochastic_rounding import ElementRounding
+from .batch import LENGTH, OFFSET, PAGE, ROW, START, TENSOR, PageBatch
+from .rules import UpdateRule, adamw_update_, lion_update_
+
+FP32_BLOCK = 256
+"""Elements of fp32 state the kernels take as one block (fp32 state has no scales: only the tiling)."""
+
+TILE_ELEMENTS = 8192 if triton.knobs.runtime.interpret else 1024
+"""Elements a program updates at a time (whole blocks, at least one): the interpreter runs programs one after
+another, each at a cost of its own, so it takes larger tiles."""
+
+MAX_PROGRAMS_PER_SEGMENT = 4096
+"""Programs a launch gives each segment at most; each loops over its tiles of the segment."""
+
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+"""Whether this process runs Triton kernels in the interpreter (``TRITON_INTERPRET=1`` at import)."""
+
+_RULES: dict[UpdateRule, tuple[str, tuple[bool, ...], tuple[str, ...]]] = {
+    adamw_update_: (
+        "adamw",
+        (True, False),
+        ("decay", "avg_weight", "beta2", "sq_weight", "eps", "step_size", "inv_bias_correction2_sqrt"),
+    ),
+    lion_update_: ("lion", (True,), ("lr", "decay", "direction_weight", "avg_weight")),
+}
+"""The rules with Triton kernels: their name, the signedness of their states, and their scalars in kernel order."""
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+"""Parameter and gradient dtypes the kernels take, by the code the kernels are specialized on."""
+
+_TL_DTYPES = (tl.float32, tl.bfloat16, tl.float16)
+
+
+def triton_rule(rule: UpdateRule, codecs: tuple[Codec, ...]) -> tuple[str, int, int] | None:
+    """The Triton kernel's rule name, state bits (8, 4, or 32 for fp32 state) and block size for ``rule`` on
+    ``codecs``, or ``None`` where it has none: a rule other than AdamW's and Lion's, or states that are not all
+    8-bit, all 4-bit (of one block size) or all fp32."""
+    entry = _RULES.get(rule)
+    if entry is None or not codecs:
+        return None
+    name, signedness, _ = entry
+    if len(codecs) != len(signedness):
+        return None
+    kind = type(codecs[0])
+    if any(type(codec) is not kind for codec in codecs):
+        return None
+    if kind is Float32Codec:
+        return name, 32, FP32_BLOCK
+    if kind not in (Blockwise8bitCodec, Blockwise4bitCodec):
+        return None
+    if any(codec.block_size != codecs[0].block_size for codec in codecs):
+        return None
+    if tuple(codec.signed for codec in codecs) != signedness:
+        return None
+    block_size = codecs[0].block_size
+    if block_size < 16 or block_size & (block_size - 1):
+        return None
+    return name, 8 if kind is Blockwise8bitCodec else 4, block_size
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether the Triton kernels run on pages of ``device``: CUDA devices of compute capability 8.0 or more and
+    XPU devices where Triton has a backend for them, and the CPU under the interpreter."""
+    if INTERPRETED:
+        return device.type == "cpu"
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 0)
+    if device.type == "xpu":
+        return hasattr(torch, "xpu") and torch.xpu.is_available()
+    return False
+
+
+# The arithmetic of one block, in registers ---------------------------------------------------------------------
+
+
+@triton.jit
+def _lerp(start, end, weight):
+    """ATen's lerp: start + w (end - start) for |w| < 0.5, else end + (w - 1) (end - start), one fused multiply-add."""
+    small = tl.abs(weight) < 0.5
+    coefficient = tl.where(small, weight, weight - 1.0)
+    return tl.fma(coefficient, end - start, tl.where(small, start, end))
+
+
+@triton.jit
+def _sign(x):
+    """torch.sign of finite values: 1, -1 or 0 (0 for NaN, as the host kernels)."""
+    return tl.where(x > 0.0, 1.0, 0.0) - tl.where(x < 0.0, 1.0, 0.0)
+
+
+@triton.jit
+def _round_even(x):
+    """x rounded to the nearest integer, ties to even, for 0 <= x < 2**22."""
+    return (x + 8388608.0) - 8388608.0
+
+
+@triton.jit
+def _is_nan(x):
+    """Where ``x`` is NaN, the one value unequal to itself."""
+    return x != x  # noqa: PLR0124
+
+
+@triton.jit
+def _saturate(x):
+    """NaN to 0, the rest clamped to [-1, 1] (codecs.saturate_)."""
+    return tl.minimum(tl.maximum(tl.where(_is_nan(x), 0.0, x), -1.0), 1.0)
+
+
+@triton.jit
+def _largest(values):
+    """Each block's (row's) largest finite magnitude: NaN counts as 0, an infinity as the largest fp32 value."""
+    magnitude = tl.abs(values)
+    magnitude = tl.minimum(tl.where(_is_nan(magnitude), 0.0, magnitude), 3.4028234663852886e38)
+    return tl.max(magnitude, axis=1)
+
+
+@triton.jit
+def _reciprocal(scale):
+    """1 / scale where scale >= the smallest normal fp32, else 0."""
+    safe = tl.maximum(scale, 1.1754943508222875e-38)
+    return tl.where(scale >= 1.1754943508222875e-38, tl.div_rn(tl.full([], 1.0, tl.float32), safe), 0.0)
+
+
+@triton.jit
+def _inverse_root(scale):
+    """1 / sqrt(scale) for a positive scale, else 0 (codecs.fourth_roots)."""
+    safe = tl.maximum(scale, 1.1754943508222875e-38)
+    return tl.where(scale > 0.0, tl.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(safe)), 0.0)
+
+
+@triton.jit
+def _decode(codes, scale, BITS: tl.constexpr, SIGNED: tl.constexpr):
+    """fp32 values of integer ``codes`` (one per element, as fp32) of a block whose scale is ``scale``."""
+    if BITS == 8:
+        if SIGNED:
+            normalized = codes * 0.007874015748031496  # 1 / 127
+            return normalized * tl.abs(normalized) * scale
+        else:
+            normalized = codes * 0.00392156862745098  # 1 / 255
+            squared = normalized * normalized
+            return squared * squared * scale
+    else:
+        if SIGNED:
+            level = codes - 7.0
+            return level * tl.abs(level) * 0.02040816326530612 * scale  # 1 / 49
+        else:
+            root = (codes + 1.0) * 0.0625
+            squared = root * root
+            return squared * squared * scale
+
+
+@triton.jit
+def _signed_code(values, inverse, BITS: tl.constexpr):
+    """Codes of a signed state: int8 for 8 bits, 0..14 (the level plus 7) for 4 bits, as int32."""
+    normalized = _saturate(values * inverse)
+    if BITS == 8:
+        magnitude = _round_even(tl.sqrt_rn(tl.abs(normalized)) * 127.0)
+        return magnitude.to(tl.int32) * _sign(normalized).to(tl.int32)
+    else:
+        excess = tl.abs(normalized) * 196.0 - 1.0
+        level = tl.minimum(tl.floor((tl.sqrt_rn(tl.maximum(excess, 0.0)) + 1.0) * 0.5), 7.0)
+        return level.to(tl.int32) * _sign(normalized).to(tl.int32) + 7
+
+
+@triton.jit
+def _unsigned_code(roots, inverse_root, BITS: tl.constexpr):
+    """Codes of a non-negative state from the square roots of its values, as int32."""
+    normalized = _saturate(roots * inverse_root)
+    if BITS == 8:
+        code = _round_even(tl.sqrt_rn(normalized) * 255.0)
+        return tl.maximum(code, tl.where(normalized > 0.0, 1.0, 0.0)).to(tl.int32)
+    else:
+        code = _round_even(tl.sqrt_rn(normalized) * 16.0) - 1.0
+        return tl.minimum(tl.maximum(code, 0.0), 15.0).to(tl.int32)
+
+
+@triton.jit
+def _mix32(x):
+    """The 32-bit finalizer of hf_paged.stochastic_rounding on uint32 values."""
+    x = x ^ (x >> 16)
+    x = x * tl.full([], 0x7FEB352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full([], 0x846CA68B, tl.uint32)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _to_bf16_bits(values):
+    """The bf16 bit patterns (int32) of fp32 values rounded to nearest even; NaN gives 0x7FC0."""
+    bits = values.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return tl.where(_is_nan(values), 0x7FC0, rounded.to(tl.int32))
+
+
+@triton.jit
+def _load_float(pointer, index, mask, DTYPE: tl.constexpr):
+    """fp32 values of elements ``index`` of a tensor of ``DTYPE`` (0 fp32, 1 bf16, 2 fp16); 0 where masked."""
+    if DTYPE == 1:
+        bits = tl.load(pointer.to(tl.pointer_type(tl.uint16)) + index, mask=mask, other=0)
+        return (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    elif DTYPE == 2:
+        return tl.load(pointer.to(tl.pointer_type(tl.float16)) + index, mask=mask, other=0.0).to(tl.float32)
+    else:
+        return tl.load(pointer.to(tl.pointer_type(tl.float32)) + index, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_param(
+    pointer, index, mask, values, rounds, key_a, key_b, round_index, DTYPE: tl.constexpr, ROUND: tl.constexpr
+):
+    """Write fp32 ``values`` to elements ``index`` of a parameter of ``DTYPE``: rounded to nearest even, or for bf16
+    with ``ROUND`` where ``rounds`` stochastically by the hash of ``key_a``, ``key_b`` and ``round_index`` (the
+    elements' indices in the parameter)."""
+    if DTYPE == 1:
+        bits = _to_bf16_bits(values)
+        if ROUND:
+            low = (round_index & 0xFFFFFFFF).to(tl.uint32)
+            high = (round_index >> 32).to(tl.uint32)
+            hashed = _mix32(low ^ key_a ^ _mix32(high ^ key_b)) >> 16
+            random = ((values.to(tl.uint32, bitcast=True) + hashed) >> 16).to(tl.int32)
+            bits = tl.where(rounds & (tl.abs(values) <= 3.4028234663852886e38), random, bits)
+        tl.store(pointer.to(tl.pointer_type(tl.uint16)) + index, bits.to(tl.uint16), mask=mask)
+    elif DTYPE == 2:
+        tl.store(pointer.to(tl.pointer_type(tl.float16)) + index, values.to(tl.float16), mask=mask)
+    else:
+        tl.store(pointer.to(tl.pointer_type(tl.float32)) + index, values, mask=mask)
+
+
+@triton.jit
+def _adamw_values(param, grad, moment, second, s):
+    """adamw_update_ on fp32 values: the new parameter, first moment, second moment and its square root."""
+    moment = _lerp(moment, grad, tl.load(s + 1))
+    second = second * tl.load(s + 2) + grad * grad * tl.load(s + 3)
+    root = tl.sqrt_rn(second)
+    denominator = root * tl.load(s + 6) + tl.load(s + 4)
+    param = param * tl.load(s + 0) - tl.div_rn(moment, denominator) * tl.load(s + 5)
+    return param, moment, second, root
+
+
+@triton.jit
+def _lion_values(param, grad, moment, s):
+    """lion_update_ on fp32 values: the new parameter and momentum."""
+    direction = _sign(_lerp(moment, grad, tl.load(s + 2)))
+    param = param * tl.load(s + 1) - direction * tl.load(s + 0)
+    return param, _lerp(moment, grad, tl.load(s + 3))
+
+
+@triton.jit
+def _update_elements(
+    param, grad, index, mask, old_moment, old_second, s, rounds, key_a, key_b, round_index,
+    RULE: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ROUND: tl.constexpr,
+):  # fmt: skip
+    """Update elements ``index`` of a parameter (masked elements read as zeros and are not written) from their
+    decoded state; return the new state (fp32) and, for AdamW, the second moment's square roots."""
+    p = _load_float(param, index, mask, P_DTYPE)
+    g = _load_float(grad, index, mask, G_DTYPE)
+    if RULE == 0:
+        p, moment, second, root = _adamw_values(p, g, old_moment, old_second, s)
+    else:
+        p, moment = _lion_values(p, g, old_moment, s)
+        second = moment
+        root = moment
+    _store_param(param, index, mask, p, rounds, key_a, key_b, round_index, P_DTYPE, ROUND)
+    return moment, second, root
+
+
+@triton.jit(do_not_specialize=["round_shift", "programs"])
+def _update_batch_kernel(
+    table, scalars, rounding, param_addresses, grad_addresses, buffer_addresses, round_shift, programs,
+    RULE: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, BUFFERS: tl.constexpr,
+    SCALARS: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ROUND: tl.constexpr,
+):  # fmt: skip
+    """Update segment ``program_id(0)`` of a batch whose parameters and gradients have dtypes ``P_DTYPE`` and
+    ``G_DTYPE`` (segments of other dtypes are left to other launches), ``ROWS`` blocks at a time: blocks
+    ``program_id(1) * ROWS`` on, then every ``programs * ROWS`` blocks further. A block is ``BLOCK`` elements of
+    blockwise state with its scale, or of fp32 state."""
+    segment = tl.program_id(0)
+    row = table + segment * 6
+    tensor = tl.load(row + 0)
+    start = tl.load(row + 1)
+    length = tl.load(row + 2)
+    page = tl.load(row + 3)
+    offset = tl.load(row + 4)
+    s = scalars + tl.load(row + 5) * SCALARS
+    matches = tl.load(param_addresses + tensor * 2 + 1) == P_DTYPE * 3 + G_DTYPE
+    if ROUND:
+        key_a = tl.load(rounding + segment * 2)
+        key_b = tl.load(rounding + segment * 2 + 1)
+        rounds = key_a >= 0
+        key_a = tl.where(rounds, key_a, 0).to(tl.uint32)
+        key_b = tl.where(rounds, key_b, 0).to(tl.uint32)
+    else:
+        rounds = tl.full([], 0, tl.int1)
+        key_a = tl.full([], 0, tl.uint32)
+        key_b = tl.full([], 0, tl.uint32)
+    param = tl.load(param_addresses + tensor * 2).to(tl.pointer_type(tl.int8)) + start * (4 if P_DTYPE == 0 else 2)
+    grad = tl.load(grad_addresses + tensor).to(tl.pointer_type(tl.int8)) + start * (4 if G_DTYPE == 0 else 2)
+    buffers = buffer_addresses + page * BUFFERS
+    blocks = tl.where(matches, (length + BLOCK - 1) // BLOCK, 0)
+    for base in range(tl.program_id(1) * ROWS, blocks, programs * ROWS):
+        block = base + tl.arange(0, ROWS)
+        whole = (block < blocks)[:, None]  # the rows of blocks of the segment
+        if BITS == 32:
+            index = block[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+            mask = whole & (index < length)
+            moments = tl.load(buffers).to(tl.pointer_type(tl.float32)) + offset
+            old_moment = tl.load(moments + index, mask=mask, other=0.0)
+            if RULE == 0:
+                seconds = tl.load(buffers + 1).to(tl.pointer_type(tl.float32)) + offset
+                old_second = tl.load(seconds + index, mask=mask, other=0.0)
+            else:
+                seconds = moments
+                old_second = old_moment
+            moment, second, root = _update_elements(
+                param, grad, index, mask, old_moment, old_second, s, rounds, key_a, key_b,
+                start + round_shift + index, RULE, P_DTYPE, G_DTYPE, ROUND,
+            )  # fmt: skip
+            tl.store(moments + index, moment, mask=mask)
+            if RULE == 0:
+                tl.store(seconds + index, second, mask=mask)
+        else:
+            scale_index = offset // BLOCK + block
+            moment_scales = tl.load(buffers + 1).to(tl.pointer_type(tl.float32))
+            moment_scale = tl.load(moment_scales + scale_index, mask=block < blocks, other=0.0)[:, None]
+            if RULE == 0:
+                second_scales = tl.load(buffers + 3).to(tl.pointer_type(tl.float32))
+                second_scale = tl.load(second_scales + scale_index, mask=block < blocks, other=0.0)[:, None]
+            if BITS == 8:
+                index = block[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+                mask = whole & (index < length)
+                moment_codes = tl.load(buffers).to(tl.pointer_type(tl.int8)) + offset
+                old_moment = _decode(
+                    tl.load(moment_codes + index, mask=whole, other=0).to(tl.float32), moment_scale, 8, True
+                )
+                if RULE == 0:
+                    second_codes = tl.load(buffers + 2).to(tl.pointer_type(tl.uint8)) + offset
+                    old_second = _decode(
+                        tl.load(second_codes + index, mask=whole, other=0).to(tl.float32), second_scale, 8, False
+                    )
+                else:
+                    old_second = old_moment
+                moment, second, root = _update_elements(
+                    param, grad, index, mask, old_moment, old_second, s, rounds, key_a, key_b,
+                    start + round_shift + index, RULE, P_DTYPE, G_DTYPE, ROUND,
+                )  # fmt: skip
+                new_moment_scale = _largest(moment)
+                inverse = _reciprocal(new_moment_scale)[:, None]
+                tl.store(moment_codes + index, _signed_code(moment, inverse, 8).to(tl.int8), mask=whole)
+                tl.store(moment_scales + scale_index, new_moment_scale, mask=block < blocks)
+                if RULE == 0:
+                    new_second_scale = _largest(second)
+                    codes = _unsigned_code(root, _inverse_root(new_second_scale)[:, None], 8)
+                    tl.store(second_codes + index, codes.to(tl.uint8), mask=whole)
+                    tl.store(second_scales + scale_index, new_second_scale, mask=block < blocks)
+            else:
+                # byte i of a block holds element i (low nibble) and element i + BLOCK // 2 (high nibble)
+                byte = block[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
+                low_index = byte + block[:, None] * (BLOCK // 2)
+                high_index = low_index + BLOCK // 2
+                moment_bytes = tl.load(buffers).to(tl.pointer_type(tl.uint8)) + offset // 2
+                packed = tl.load(moment_bytes + byte, mask=whole, other=0).to(tl.int32)
+                low_moment = _decode((packed & 15).to(tl.float32), moment_scale, 4, True)
+                high_moment = _decode((packed >> 4).to(tl.float32), moment_scale, 4, True)
+                if RULE == 0:
+                    second_bytes = tl.load(buffers + 2).to(tl.pointer_type(tl.uint8)) + offset // 2
+                    packed = tl.load(second_bytes + byte, mask=whole, other=0).to(tl.int32)
+                    low_second = _decode((packed & 15).to(tl.float32), second_scale, 4, False)
+                    high_second = _decode((packed >> 4).to(tl.float32), second_scale, 4, False)
+                else:
+                    low_second = low_moment
+                    high_second = high_moment
+                low_moment, low_second, low_root = _update_elements(
+                    param, grad, low_index, whole & (low_index < length), low_moment, low_second, s, rounds, key_a,
+                    key_b, start + round_shift + low_index, RULE, P_DTYPE, G_DTYPE, ROUND,
+                )  # fmt: skip
+                high_moment, high_second, high_root = _update_elements(
+                    param, grad, high_index, whole & (high_index < length), high_moment, high_second, s, rounds, key_a,
+                    key_b, start + round_shift + high_index, RULE, P_DTYPE, G_DTYPE, ROUND,
+                )  # fmt: skip
+                new_moment_scale = tl.maximum(_largest(low_moment), _largest(high_moment))
+                inverse = _reciprocal(new_moment_scale)[:, None]
+                codes = _signed_code(low_moment, inverse, 4) | (_signed_code(high_moment, inverse, 4) << 4)
+                tl.store(moment_bytes + byte, codes.to(tl.uint8), mask=whole)
+                tl.store(moment_scales + scale_index, new_moment_scale, mask=block < blocks)
+                if RULE == 0:
+                    new_second_scale = tl.maximum(_largest(low_second), _largest(high_second))
+                    inverse_root = _inverse_root(new_second_scale)[:, None]
+                    codes = _unsigned_code(low_root, inverse_root, 4) | (
+                        _unsigned_code(high_root, inverse_root, 4) << 4
+                    )
+                    tl.store(second_bytes + byte, codes.to(tl.uint8), mask=whole)
+                    tl.store(second_scales + scale_index, new_second_scale, mask=block < blocks)
+
+
+# The kernel object ------------------------------------------------------------------------------------------------
+
+
+class TritonKernel:
+    """The Triton kernel of a rule's 8-bit, 4-bit or fp32 state: :meth:`update_batch` updates a :class:`PageBatch`
+    in one launch per parameter and gradient dtype present (usually one); called on one segment (the optimizer's
+    per-segment path) it updates that segment in one launch. Segments it cannot take (a device without Triton,
+    fp64 tensors) go to ``fallback``, a :class:`~hf_paged.kernels.pytorch.SegmentKernel`, through copies that put
+    them back if it fails.
+
+    Every argument is checked before the first launch and a launch allocates nothing on the device besides its
+    tables of addresses (made before it), so a call updates its segments whole or, on an error, not at all.
+    """
+
+    writes_after_allocating = True
+    """Every allocation of a call comes before its first write, so the optimizer's step needs no undo copy."""
+
+    def __init__(self, rule: UpdateRule, codecs: tuple[Codec, ...], fallback) -> None:
+        kind = triton_rule(rule, codecs)
+        if kind is None:
+            raise ValueError(f"no Triton kernel for {rule.__name__} on {', '.join(type(c).__name__ for c in codecs)}")
+        self.rule_name, self.bits, self.block_size = kind
+        self.codecs = codecs
+        self.fallback = fallback
+        self.scalar_names: tuple[str, ...] = _RULES[rule][2]
+        self._buffer_specs = [spec for codec in codecs for spec in codec.buffer_specs(self.block_size)]
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the fallback runs compiled, which also sizes the chunks the optimizer hands it."""
+        return self.fallback.compiled
+
+    def takes_batch(self, device: torch.device, param_dtype: torch.dtype, grad_dtype: torch.dtype) -> bool:
+        """Whether segments of ``param_dtype`` parameters with ``grad_dtype`` gradients on pages of ``device`` run
+        here: fp32, bf16 or fp16 tensors on a device the Triton kernels run on (:func:`runs_on`)."""
+        return param_dtype in _DTYPES and grad_dtype in _DTYPES and runs_on(device)
+
+    def table_device(self, device: torch.device) -> torch.device:
+        """Where a batch's table, scalars and rounding keys live: on the pages' device, which the kernel reads."""
+        return device
+
+    def allocates_nothing(self, param: torch.Tensor, grad: torch.Tensor) -> bool:
+        """Whether a call on ``param`` and ``grad`` allocates no temporaries of their size, so that a segment of any
+        length is updated in one call: where it runs here, not in the fallback."""
+        return self.takes_batch(param.device, param.dtype, grad.dtype)
+
+    def __call__(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        encoded: Sequence[EncodedSegment],
+        scalars: dict,
+        rounding: ElementRounding | None = None,
+    ) -> None:
+        """Update one segment (``param`` and ``grad`` shaped ``(blocks, block_size)``, or flat for fp32 state);
+        ``scalars`` floats or 0-d fp32 CPU tensors; ``rounding`` rounds a bf16 ``param`` stochastically."""
+        if not self.takes_batch(param.device, param.dtype, grad.dtype):
+            self._fallback_whole(param, grad, encoded, scalars, rounding)
+            return
+        device = param.device
+        arrays = tuple(array.reshape(-1) for segment in encoded for array in segment)
+        table = torch.tensor([[0, 0, param.numel(), 0, 0, 0]], dtype=torch.int64, device=device)
+        values = torch.tensor([[float(scalars[name]) for name in self.scalar_names]], dtype=torch.float32)
+        rounds = rounding is not None and param.dtype == torch.bfloat16
+        keys = torch.tensor([[int(rounding.key_a), int(rounding.key_b)]], device=device) if rounds else None
+        segment = PageBatch([param.reshape(-1)], [grad.reshape(-1)], [arrays], table, values.to(device), keys)
+        self._launch(segment, int(rounding.start) if rounds else 0)
+
+    def update_batch(self, batch: PageBatch) -> None:
+        """Update every segment of ``batch`` (see :mod:`hf_paged.kernels.batch`)."""
+        self._launch(batch, 0)
+
+    def _launch(self, batch: PageBatch, round_shift: int) -> None:
+        """Check ``batch``, then launch the kernel once per parameter and gradient dtype pair it holds; the rounding
+        index of element ``i`` of a segment is ``START + round_shift + i``."""
+        device = self._check(batch)
+        if batch.segments == 0:
+            return
+        pairs = sorted({(_DTYPES[p.dtype], _DTYPES[g.dtype]) for p, g in zip(batch.params, batch.grads)})
+        param_addresses = torch.tensor(
+            [[p.data_ptr(), _DTYPES[p.dtype] * 3 + _DTYPES[g.dtype]] for p, g in zip(batch.params, batch.grads)],
+            dtype=torch.int64,
+            device=device,
+        )
+        grad_addresses = torch.tensor([g.data_ptr() for g in batch.grads], dtype=torch.int64, device=device)
+        buffer_addresses = torch.tensor(
+            [[buffer.data_ptr() for buffer in buffers] for buffers in batch.buffers], dtype=torch.int64, device=device
+        )
+        longest = min(max(p.numel() for p in batch.params), max(self._capacity(b) for b in batch.buffers))
+        rows = max(1, TILE_ELEMENTS // self.block_size)
+        programs = max(1, min(-(-longest // (rows * self.block_size)), MAX_PROGRAMS_PER_SEGMENT))
+        rounding = batch.rounding if batch.rounding is not None else batch.table
+        options = {} if INTERPRETED else {"enable_fp_fusion": False}
+        for param_dtype, grad_dtype in pairs:
+            _update_batch_kernel[(batch.segments, programs)](
+                batch.table,
+                batch.scalars,
+                rounding,
+                param_addresses,
+                grad_addresses,
+                buffer_addresses,
+                round_shift,
+                programs,
+                RULE=0 if self.rule_name == "adamw" else 1,
+                BITS=self.bits,
+                BLOCK=self.block_size,
+                ROWS=rows,
+                BUFFERS=len(self._buffer_specs),
+                SCALARS=len(self.scalar_names),
+                P_DTYPE=param_dtype,
+                G_DTYPE=grad_dtype,
+                ROUND=batch.rounding is not None and param_dtype == _DTYPES[torch.bfloat16],
+                **options,
+            )
+
+    def _capacity(self, buffers: tuple[torch.Tensor, ...]) -> int:
+        """Elements of state a page's buffers hold."""
+        return buffers[0].numel() * (2 if self.bits == 4 else 1)
+
+    def _check(self, batch: PageBatch) -> torch.device:
+        """Raise ValueError where ``batch`` breaks the contract or this kernel's formats; return its device."""
+        batch.check_shapes()
+        if not batch.params:
+            raise ValueError("PageBatch: no parameters")
+        device = batch.params[0].device
+        for name, tensors in (("params", batch.params), ("grads", batch.grads)):
+            for tensor in tensors:
+                if tensor.device != device or tensor.dim() != 1 or not tensor.is_contiguous():
+                    raise ValueError(f"PageBatch: {name} must be flat contiguous tensors on {device}")
+                if tensor.dtype not in _DTYPES:
+                    raise ValueError(f"PageBatch: {name} must be fp32, bf16 or fp16, got {tensor.dtype}")
+        for param, grad in zip(batch.params, batch.grads):
+            if param.numel() != grad.numel():
+                raise ValueError(f"PageBatch: a gradient has {grad.numel()} elements, its parameter {param.numel()}")
+        if not runs_on(device):
+            raise ValueError(f"the Triton kernels do not run on {device}")
+        capacity = None
+        for buffers in batch.buffers:
+            if len(buffers) != len(self._buffer_specs) or any(
+                buffer.device != device or buffer.dtype != dtype or buffer.dim() != 1 or not buffer.is_contiguous()
+                for buffer, (_, dtype) in zip(buffers, self._buffer_specs)
+            ):
+                raise ValueError(
+                    f"PageBatch: each page's buffers must be flat contiguous tensors on {device} of dtypes "
+                    f"{[str(dtype) for _, dtype in self._buffer_specs]}"
+                )
+            capacity = self._capacity(buffers)
+            specs = [spec for codec in self.codecs for spec in codec.buffer_specs(capacity)]
+            if [buffer.numel() for buffer in buffers] != [numel for numel, _ in specs]:
+                raise ValueError(f"PageBatch: a page's buffers do not hold {capacity} elements of this state")
+        for name, tensor in (("table", batch.table), ("scalars", batch.scalars), ("rounding", batch.rounding)):
+            if tensor is not None and (tensor.device != device or not tensor.is_contiguous()):
+                raise ValueError(f"PageBatch: {name} must be contiguous on {device}, the pages' device")
+        if batch.scalars.shape[1] != len(self.scalar_names):
+            raise ValueError(f"PageBatch: scalars must have {len(self.scalar_names)} columns {self.scalar_names}")
+        if device.type == "cpu":
+            self._check_table(batch)
+        return device
+
+    def _check_table(self, batch: PageBatch) -> None:
+        """Raise ValueError where a row of a CPU ``batch``'s table points outside its tensors, pages or scalars.
+        (Tables on an accelerator are not read back, which would wait for it: their builder checks them.)"""
+        table = batch.table
+        if table.numel() == 0:
+            return
+        tensor, start, length = table[:, TENSOR], table[:, START], table[:, LENGTH]
+        page, offset, row = table[:, PAGE], table[:, OFFSET], table[:, ROW]
+        if not (
+            0 <= tensor.min()
+            and tensor.max() < len(batch.params)
+            and 0 <= page.min()
+            and page.max() < len(batch.buffers)
+        ):
+            raise ValueError("PageBatch: a segment's tensor or page index is out of range")
+        if not (0 <= row.min() and row.max() < batch.scalars.shape[0]):
+            raise ValueError("PageBatch: a segment's scalar row is out of range")
+        numels = torch.tensor([p.numel() for p in batch.params])[tensor]
+        capacities = torch.tensor([self._capacity(b) for b in batch.buffers])[page]
+        blocks = (length + self.block_size - 1) // self.block_size
+        extent = length if self.bits == 32 else blocks * self.block_size
+        if (start < 0).any() or (length < 0).any() or (start + length > numels).any():
+            raise ValueError("PageBatch: a segment reaches outside its parameter")
+        if (offset < 0).any() or (offset + extent > capacities).any():
+            raise ValueError("PageBatch: a segment reaches outside its page")
+        if self.bits != 32 and (offset % self.block_size != 0).any():
+            raise ValueError(
+                f"PageBatch: a segment's page offset is not a multiple of the block size, {self.block_size}"
+            )
+
+    def _fallback_whole(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        encoded: Sequence[EncodedSegment],
+        scalars: dict,
+        rounding: ElementRounding | None,
+    ) -> None:
+        """The fallback kernel on a copy of what it writes, put back if it fails (the copies come first)."""
+        targets = [param, *(array for segment in encoded for array in segment)]
+        saved = [target.clone() for target in targets]
+        try:
+            self.fallback(param, grad, encoded, scalars, *(() if rounding is None else (rounding,)))
+        except BaseException:
+            for target, copy_of_target in zip(targets, saved):
+                target.copy_(copy_of_target)
+            raise

@@ -1,0 +1,415 @@
+"""The Triton kernels (hf_paged/kernels/triton_kernels.py) on the CPU under Triton's interpreter: the same parameters,
+codes and scales as the eager PyTorch kernels and the C++ host kernels, bitwise, for every rule and state format,
+per segment and per page batch; and the whole optimizer with ``HF_PAGED_KERNELS=triton``: the eager kernels'
+results, paging invariance under budgets, resume, and recovery inside the step.
+
+Triton reads ``TRITON_INTERPRET`` when it is first imported (its own ``tl`` functions become interpreted ones), so this
+module imports it with ``TRITON_INTERPRET=1`` at collection, where no test before has imported it, and sets it only
+while its own tests run: other test files see the environment as it was. Where a CUDA device is present (whose tests compile Triton
+kernels) or Triton was imported before, the module is skipped.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import sys
+from unittest import mock
+
+import pytest
+import torch
+
+
+def _interpreted_triton_kernels():
+    """hf_paged.kernels.triton_kernels with Triton imported under its interpreter, or why it cannot be."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed (the test extra installs it)", allow_module_level=True)
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: Triton compiles for it, not in the interpreter", allow_module_level=True)
+    if "triton" in sys.modules and "hf_paged.kernels.triton_kernels" not in sys.modules:
+        pytest.skip("Triton was imported before this module, outside its interpreter", allow_module_level=True)
+    with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
+        module = importlib.import_module("hf_paged.kernels.triton_kernels")
+    if not module.INTERPRETED:
+        pytest.skip(
+            "hf_paged.kernels.triton_kernels was imported before outside the interpreter", allow_module_level=True
+        )
+    return module
+
+
+TRITON_KERNELS = _interpreted_triton_kernels()
+
+from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
+from test_step_failures import FailingAllocations, failing_step, mark_streaming, snapshot
+
+from hf_paged.codecs import (
+    Blockwise4bitCodec,
+    Blockwise8bitCodec,
+    Float32Codec,
+    PageFormat,
+    to_blocks,
+)
+from hf_paged.kernels import HostKernel, SegmentKernel, kernel_family, segment_kernel
+from hf_paged.kernels.batch import PageBatch
+from hf_paged.kernels.host import host_rule_name
+from hf_paged.kernels.pytorch import update_segment
+from hf_paged.kernels.rules import adamw_scalars, adamw_update_, lion_update_
+from hf_paged.native import build_failure
+from hf_paged.stochastic_rounding import ElementRounding, step_keys
+
+BLOCK = 64
+RULES = {"adamw": (adamw_update_, (True, False)), "lion": (lion_update_, (True,))}
+FORMATS = ("8bit", "4bit", "fp32")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ADAMW_GROUP = {"lr": 1e-2, "betas": (0.9, 0.999), "weight_decay": 0.1, "eps": 1e-8}
+LION_SCALARS = {"lr": 1e-3, "decay": 0.9999, "direction_weight": 0.1, "avg_weight": 0.01}
+
+
+@pytest.fixture(autouse=True)
+def triton_kernels(monkeypatch):
+    """hf_paged.kernels.triton_kernels, imported under the interpreter; ``TRITON_INTERPRET=1`` while a test runs
+    (Triton imports some of its modules at a kernel's first launch, and they read it)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return TRITON_KERNELS
+
+
+def codecs_of(rule_name: str, state_format: str) -> tuple:
+    _, signedness = RULES[rule_name]
+    if state_format == "fp32":
+        return tuple(Float32Codec() for _ in signedness)
+    codec = Blockwise8bitCodec if state_format == "8bit" else Blockwise4bitCodec
+    return tuple(codec(BLOCK, signed) for signed in signedness)
+
+
+def scalars_of(rule_name: str, step: int = 3) -> dict[str, float]:
+    return adamw_scalars(ADAMW_GROUP, step) if rule_name == "adamw" else dict(LION_SCALARS)
+
+
+def random_page(page_format: PageFormat, capacity: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """A page's buffers holding a state as training leaves it: codes of every value, scales over orders of
+    magnitude, one block of all-zero state (scale 0)."""
+    buffers = []
+    for numel, dtype in page_format.buffer_specs(capacity):
+        if dtype == torch.float32:
+            buffer = torch.rand(numel, generator=generator) * 10.0 ** torch.randint(
+                -6, 1, (numel,), generator=generator
+            )
+        else:
+            low = -127 if dtype == torch.int8 else 0
+            buffer = torch.randint(low, 128 if dtype == torch.int8 else 256, (numel,), generator=generator, dtype=dtype)
+        buffers.append(buffer)
+    if page_format.alignment > 1:
+        for buffer in buffers:
+            buffer[: buffer.numel() * BLOCK // capacity].zero_()  # the first block: codes and scale
+    return buffers
+
+
+def reference_update(rule, codecs, param, grad, buffers, offset, scalars, rounding=None) -> None:
+    """The optimizer's per-segment path with the eager PyTorch kernels: whole blocks in place, a partial last block
+    through zero-padded copies."""
+    page_format = PageFormat(codecs)
+    arrays = page_format.arrays(buffers)
+    alignment = page_format.alignment
+    length = param.numel()
+    body = length - length % alignment
+    for begin, end in ((0, body), (body, length)):
+        if end == begin:
+            continue
+        encoded = [codec.select(array, offset + begin, end - begin) for codec, array in zip(codecs, arrays)]
+        padded = to_blocks(param[begin:end], alignment)
+        chunk_rounding = None if rounding is None else rounding._replace(start=rounding.start + begin)
+        update_segment(rule, codecs, padded, to_blocks(grad[begin:end], alignment), encoded, scalars, chunk_rounding)
+        param[begin:end].copy_(padded.reshape(-1)[: end - begin])
+
+
+def assert_equal_bits(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    for index, (a, b) in enumerate(zip(actual, expected)):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), index
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("state_format", FORMATS)
+@pytest.mark.parametrize("rule_name", sorted(RULES))
+def test_a_segment_matches_the_eager_and_host_kernels_bitwise(triton_kernels, rule_name, state_format, dtype):
+    """One segment of five blocks through the per-segment call: the parameter, codes and scales of the eager
+    PyTorch kernel and, for 8-bit and 4-bit state, of the C++ host kernel, bit for bit."""
+    rule, _ = RULES[rule_name]
+    codecs = codecs_of(rule_name, state_format)
+    page_format = PageFormat(codecs)
+    generator = torch.Generator().manual_seed(1)
+    length = 5 * BLOCK
+    param = torch.randn(length, generator=generator).to(dtype)
+    grad = torch.randn(length, generator=generator) * 10.0 ** torch.randint(-4, 1, (length,), generator=generator)
+    grad = grad.to(dtype)
+    buffers = random_page(page_format, length, generator)
+    scalars = scalars_of(rule_name)
+
+    results = {}
+    kernels = {"triton": triton_kernels.TritonKernel(rule, codecs, SegmentKernel(rule, codecs, False))}
+    if state_format != "fp32" and build_failure() is None:
+        kernels["host"] = HostKernel(host_rule_name(rule, codecs), codecs, SegmentKernel(rule, codecs, False))
+    for name, kernel in {"eager": None, **kernels}.items():
+        p, state = param.clone(), [buffer.clone() for buffer in buffers]
+        encoded = [codec.select(array, 0, length) for codec, array in zip(codecs, page_format.arrays(state))]
+        p_blocks, g_blocks = to_blocks(p, page_format.alignment), to_blocks(grad, page_format.alignment)
+        if kernel is None:
+            update_segment(rule, codecs, p_blocks, g_blocks, encoded, scalars)
+        else:
+            assert kernel.allocates_nothing(p_blocks, g_blocks)
+            kernel(p_blocks, g_blocks, encoded, scalars)
+        results[name] = [p, *state]
+    assert not torch.equal(results["eager"][0], param)  # the update moved the parameter
+    for name in kernels:
+        assert_equal_bits(results[name], results["eager"])
+
+
+@pytest.mark.parametrize("start", [0, 2**32 - 3 * BLOCK])
+@pytest.mark.parametrize(("rule_name", "state_format"), [("adamw", "8bit"), ("lion", "fp32")])
+def test_stochastic_rounding_draws_the_eager_bits(triton_kernels, rule_name, state_format, start):
+    """bf16 parameters rounded stochastically take the bits of hf_paged.stochastic_rounding's hash, from a start
+    whose indices cross 2**32 (the hash's high word) too."""
+    rule, _ = RULES[rule_name]
+    codecs = codecs_of(rule_name, state_format)
+    page_format = PageFormat(codecs)
+    generator = torch.Generator().manual_seed(7)
+    length = 6 * BLOCK
+    param = torch.randn(length, generator=generator).to(torch.bfloat16)
+    grad = torch.randn(length, generator=generator).to(torch.bfloat16)
+    buffers = random_page(page_format, length, generator)
+    rounding = ElementRounding(*step_keys(seed=12345, step=4), start)
+    results = []
+    for kernel in (None, triton_kernels.TritonKernel(rule, codecs, SegmentKernel(rule, codecs, False))):
+        p, state = param.clone(), [buffer.clone() for buffer in buffers]
+        encoded = [codec.select(array, 0, length) for codec, array in zip(codecs, page_format.arrays(state))]
+        p_blocks, g_blocks = to_blocks(p, page_format.alignment), to_blocks(grad, page_format.alignment)
+        if kernel is None:
+            update_segment(rule, codecs, p_blocks, g_blocks, encoded, scalars_of(rule_name), rounding)
+        else:
+            kernel(p_blocks, g_blocks, encoded, scalars_of(rule_name), rounding)
+        results.append([p, *state])
+    nearest = param.clone()
+    reference_update(rule, codecs, nearest, grad, [b.clone() for b in buffers], 0, scalars_of(rule_name))
+    assert not torch.equal(results[0][0], nearest)  # stochastic rounding changed some bits
+    assert_equal_bits(results[1], results[0])
+
+
+def make_batch(triton_kernels, rule_name, state_format, generator):
+    """A batch over two pages of three tensors (fp32, bf16 and fp16 parameters with gradients of other dtypes),
+    segments with partial last blocks, two scalar rows, and stochastic rounding of the bf16 tensor's segments; and
+    the per-segment reference of it: ``(batch, segments)``, segments as (tensor, start, length, page, offset, row)."""
+    codecs = codecs_of(rule_name, state_format)
+    page_format = PageFormat(codecs)
+    capacity = 16 * BLOCK
+    params = [
+        torch.randn(5 * BLOCK + 17, generator=generator),
+        torch.randn(3 * BLOCK + 40, generator=generator).to(torch.bfloat16),
+        torch.randn(2 * BLOCK, generator=generator).to(torch.float16),
+    ]
+    grads = [
+        torch.randn(params[0].numel(), generator=generator).to(torch.bfloat16),
+        torch.randn(params[1].numel(), generator=generator),
+        torch.randn(params[2].numel(), generator=generator).to(torch.float16),
+    ]
+    pages = [random_page(page_format, capacity, generator) for _ in range(2)]
+    segments = [
+        (0, 0, 3 * BLOCK, 0, 0, 0),  # tensor 0 in two segments, on two pages
+        (0, 3 * BLOCK, 2 * BLOCK + 17, 1, 4 * BLOCK, 0),
+        (1, 0, 3 * BLOCK + 40, 0, 4 * BLOCK, 1),
+        (2, 0, 2 * BLOCK, 1, 8 * BLOCK, 1),
+    ]
+    rows = [scalars_of(rule_name, step=3), scalars_of(rule_name, step=1)]
+    if rule_name == "lion":
+        rows[1] = {**rows[1], "lr": 3e-3, "decay": 0.999}
+    kernel = triton_kernels.TritonKernel(RULES[rule_name][0], codecs, SegmentKernel(RULES[rule_name][0], codecs, False))
+    scalars = torch.tensor([[row[name] for name in kernel.scalar_names] for row in rows], dtype=torch.float32)
+    keys = step_keys(seed=99, step=3)
+    rounding = torch.tensor([[-1, -1], [-1, -1], list(keys), [-1, -1]], dtype=torch.int64)
+    batch = PageBatch(params, grads, [tuple(page) for page in pages], torch.tensor(segments), scalars, rounding)
+    return kernel, batch, segments, rows, keys
+
+
+@pytest.mark.parametrize("state_format", FORMATS)
+@pytest.mark.parametrize("rule_name", sorted(RULES))
+def test_a_batch_updates_each_segment_as_the_per_segment_path(triton_kernels, rule_name, state_format):
+    """update_batch on segments of several tensors, dtypes, pages and scalar rows, with partial last blocks and
+    stochastic rounding of a bf16 tensor: bitwise the eager per-segment path that pads partial blocks."""
+    generator = torch.Generator().manual_seed(3)
+    kernel, batch, segments, rows, keys = make_batch(triton_kernels, rule_name, state_format, generator)
+    rule, _ = RULES[rule_name]
+    params = [p.clone() for p in batch.params]
+    pages = [[b.clone() for b in page] for page in batch.buffers]
+    for tensor, start, length, page, offset, row in segments:
+        rounding = ElementRounding(*keys, start) if tensor == 1 else None
+        scalars = {name: float(torch.tensor(value, dtype=torch.float32)) for name, value in rows[row].items()}
+        grad = batch.grads[tensor][start : start + length]
+        reference_update(
+            rule, kernel.codecs, params[tensor][start : start + length], grad, pages[page], offset, scalars, rounding
+        )
+    kernel.update_batch(batch)
+    assert_equal_bits(batch.params, params)
+    for page, expected in zip(batch.buffers, pages):
+        assert_equal_bits(list(page), expected)
+
+
+def test_a_batch_that_breaks_the_contract_is_refused_before_any_write(triton_kernels):
+    """A table entry outside its tensor, page or scalars, a buffer of another dtype, or a misaligned offset: a
+    ValueError that says what is wrong, and nothing written."""
+    generator = torch.Generator().manual_seed(5)
+    kernel, batch, *_ = make_batch(triton_kernels, "adamw", "8bit", generator)
+    before = [t.clone() for t in [*batch.params, *(b for page in batch.buffers for b in page)]]
+    bad_rows = {
+        "outside its parameter": (0, 0, 6 * BLOCK, 0, 0, 0),
+        "outside its page": (2, 0, 2 * BLOCK, 1, 15 * BLOCK, 1),
+        "scalar row": (2, 0, 2 * BLOCK, 1, 8 * BLOCK, 2),
+        "page index": (2, 0, 2 * BLOCK, 2, 8 * BLOCK, 1),
+        "multiple of the block size": (2, 0, 2 * BLOCK, 1, 8 * BLOCK + 16, 1),
+    }
+    for message, bad in bad_rows.items():
+        table = batch.table.clone()
+        table[3] = torch.tensor(bad)
+        with pytest.raises(ValueError, match=message):
+            kernel.update_batch(
+                PageBatch(batch.params, batch.grads, batch.buffers, table, batch.scalars, batch.rounding)
+            )
+    wrong_dtype = [(batch.buffers[0][0].view(torch.uint8), *batch.buffers[0][1:]), batch.buffers[1]]
+    with pytest.raises(ValueError, match="dtypes"):
+        kernel.update_batch(PageBatch(batch.params, batch.grads, wrong_dtype, batch.table, batch.scalars))
+    after = [t for t in [*batch.params, *(b for page in batch.buffers for b in page)]]
+    assert_equal_bits(after, before)
+
+
+def test_hf_paged_kernels_chooses_the_family(triton_kernels, monkeypatch):
+    """HF_PAGED_KERNELS=triton|native|torch chooses the kernels of CPU pages (Triton's under the interpreter);
+    formats without a Triton kernel take the PyTorch kernels; other values are refused, naming the variable."""
+    cpu = torch.device("cpu")
+    codecs = codecs_of("adamw", "8bit")
+    monkeypatch.setenv("HF_PAGED_KERNELS", "triton")
+    assert kernel_family(cpu) == "triton"
+    assert isinstance(segment_kernel(adamw_update_, codecs, False, cpu), triton_kernels.TritonKernel)
+    assert isinstance(segment_kernel(lion_update_, codecs_of("lion", "fp32"), False, cpu), triton_kernels.TritonKernel)
+    mixed = (Blockwise8bitCodec(BLOCK, True), Float32Codec())
+    assert type(segment_kernel(adamw_update_, mixed, False, cpu)) is SegmentKernel
+    monkeypatch.setenv("HF_PAGED_KERNELS", "torch")
+    assert type(segment_kernel(adamw_update_, codecs, False, cpu)) is SegmentKernel
+    monkeypatch.setenv("HF_PAGED_KERNELS", "native")
+    native = segment_kernel(adamw_update_, codecs, False, cpu)
+    assert isinstance(native, HostKernel if build_failure() is None else SegmentKernel)
+    monkeypatch.delenv("HF_PAGED_KERNELS")
+    assert kernel_family(cpu) == "native"
+    assert type(segment_kernel(adamw_update_, codecs, False, cpu)) is type(native)
+    assert kernel_family(torch.device("meta")) == "torch"
+    monkeypatch.setenv("HF_PAGED_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="HF_PAGED_KERNELS='cuda' is not allowed: use one of triton, native, torch"):
+        segment_kernel(adamw_update_, codecs, False, cpu)
+    monkeypatch.setenv("HF_PAGED_KERNELS", "triton")
+    monkeypatch.setattr(triton_kernels, "INTERPRETED", False)
+    with pytest.raises(RuntimeError, match="HF_PAGED_KERNELS=triton.*TRITON_INTERPRET=1"):
+        kernel_family(cpu)
+
+
+# The whole optimizer on the CPU (the tests' pseudo-device) with HF_PAGED_KERNELS=triton ----------------------------
+
+CASES = {
+    "PagedAdamW8bit": {},
+    "PagedAdamW4bit": {"dtype": torch.bfloat16},
+    "PagedLion8bit": {},
+    "PagedAdamW": {"dtype": torch.bfloat16, "bf16_stochastic_round": True, "stochastic_round_seed": 5},
+    "PagedLion": {"dtype": torch.bfloat16},
+}
+"""Per optimizer: the parameters' dtype and extra arguments (PagedAdamW on fp32 parameters takes torch's fused AdamW,
+so it runs on bf16 parameters, where its fp32 state takes the Triton kernel)."""
+
+
+def build(name: str, **paging):
+    case = dict(CASES[name])
+    dtype = case.pop("dtype", torch.float32)
+    model = make_mlp(dtype=dtype)
+    optimizer = OPTIMIZERS[name](decay_groups(model), compiled=False, **case, **optimizer_kwargs(name, **paging))
+    return model, optimizer, regression_batches(4, dtype=dtype)
+
+
+@pytest.fixture
+def counted_launches(triton_kernels, monkeypatch):
+    """HF_PAGED_KERNELS=triton, and the number of Triton kernel launches so far (a list of one count)."""
+    monkeypatch.setenv("HF_PAGED_KERNELS", "triton")
+    launches = [0]
+    launch = triton_kernels.TritonKernel._launch
+
+    def counted(self, *args, **kwargs):
+        launches[0] += 1
+        return launch(self, *args, **kwargs)
+
+    monkeypatch.setattr(triton_kernels.TritonKernel, "_launch", counted)
+    return launches
+
+
+def assert_same(model_a, optimizer_a, model_b, optimizer_b) -> None:
+    for param_a, param_b in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(param_a, param_b)
+    state_a, state_b = optimizer_a.state_dict()["state"], optimizer_b.state_dict()["state"]
+    assert state_a.keys() == state_b.keys()
+    for index in state_a:
+        for key in state_a[index]:
+            assert torch.equal(state_a[index][key], state_b[index][key]), (index, key)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_optimizer_with_triton_kernels_gives_the_eager_result_under_any_budget(name, counted_launches, monkeypatch):
+    """Three steps with the Triton kernels, without a budget and with a budget of one page: bitwise the result of
+    the eager PyTorch kernels (and so paging does not change it)."""
+    results = {}
+    for kernels, paging in (("torch", {}), ("triton", {}), ("triton", {"device_budget": 4096, "prefetch": 0})):
+        monkeypatch.setenv("HF_PAGED_KERNELS", kernels)
+        model, optimizer, batches = build(name, **paging)
+        before = counted_launches[0]
+        train(model, optimizer, batches[:3])
+        assert (counted_launches[0] > before) == (kernels == "triton")
+        results[kernels, bool(paging)] = model, optimizer
+    assert results["triton", True][1].paging_stats()["page_outs"] > 0
+    assert_same(*results["triton", False], *results["torch", False])
+    assert_same(*results["triton", True], *results["torch", False])
+
+
+@pytest.mark.parametrize("name", ["PagedAdamW4bit", "PagedLion"])
+def test_resume_with_triton_kernels_is_bitwise(name, counted_launches):
+    """Two steps, the state dict into a new optimizer (another budget), two more steps: bitwise four steps."""
+    model, optimizer, batches = build(name)
+    train(model, optimizer, batches)
+    resumed_model, resumed, _ = build(name, device_budget=2 * 4096)
+    interrupted_model, interrupted, _ = build(name)
+    train(interrupted_model, interrupted, batches[:2])
+    resumed_model.load_state_dict(interrupted_model.state_dict())
+    resumed.load_state_dict(copy.deepcopy(interrupted.state_dict()))
+    train(resumed_model, resumed, batches[2:])
+    assert_same(resumed_model, resumed, model, optimizer)
+
+
+def test_an_out_of_memory_error_in_a_step_with_triton_kernels_is_recovered_bitwise(counted_launches):
+    """Step 2 fails at an allocation (a page, the kernel's tables): the step finishes under a smaller budget with
+    bitwise the result of a step without the error."""
+    name, budget = "PagedAdamW8bit", 2 * 4096
+    model, optimizer, batches = build(name, device_budget=budget)
+    train(model, optimizer, batches[:1])
+    counted = FailingAllocations()
+    mark_streaming(optimizer, counted)
+    failing_step(model, optimizer, batches[1], counted)
+    assert counted.in_step is not None and counted.count > counted.in_step
+    reference_model, reference, _ = build(name, device_budget=budget)
+    train(reference_model, reference, batches[:2])
+    expected = snapshot(reference_model, reference)
+    points = sorted({round(x) for x in torch.linspace(counted.in_step + 1, counted.count, 4).tolist()})
+    for at in points:
+        model, optimizer, _ = build(name, device_budget=budget)
+        optimizer.oom_retries = 8
+        recoveries = []
+        optimizer.on_oom_recovery = recoveries.append
+        train(model, optimizer, batches[:1])
+        failing_step(model, optimizer, batches[1], FailingAllocations({at}))
+        assert [r.phase for r in recoveries] == ["optimizer step"], at
+        actual = snapshot(model, optimizer)
+        for param, expected_param in zip(actual[0], expected[0]):
+            assert torch.equal(param, expected_param), at
+        for index, entry in actual[1]["state"].items():
+            for key, value in entry.items():
+                assert torch.equal(value, expected[1]["state"][index][key]), (at, index, key)
