@@ -162,18 +162,17 @@ class AutoBudget:
         observed steps (a higher measured peak takes over at once, a lower one when the plan leaves the window),
         and as the last exact peak until a step has one. A later call replaces it.
         """
-        from .planner import FORWARD_BACKWARD, MemoryPlan
-
-        if isinstance(planned_peak, MemoryPlan):
+        if isinstance(planned_peak, (int, str)) and not isinstance(planned_peak, bool):
+            peak = parse_size(planned_peak, "planned_peak")
+        elif hasattr(planned_peak, "forward_backward_peak_without_state"):
+            # a MemoryPlan, known by what is read of it: hf_paged.planner sits above the optimizers, which use this
             planned_for = torch.device(planned_peak.device).type
             if self.probe is not None and planned_for != self.probe.device.type:
                 raise ValueError(
                     f"planned_peak: the plan is for {planned_for}, this budget measures {self.probe.device}: plan for "
                     "the device that trains"
                 )
-            peak = planned_peak.peak_without_state(FORWARD_BACKWARD)
-        elif isinstance(planned_peak, (int, str)) and not isinstance(planned_peak, bool):
-            peak = parse_size(planned_peak, "planned_peak")
+            peak = planned_peak.forward_backward_peak_without_state
         else:
             raise TypeError(
                 f"planned_peak must be bytes, a size string such as '12GiB' or a MemoryPlan, got "

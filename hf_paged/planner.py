@@ -9,7 +9,9 @@ after every operator, give each phase's peak, exactly as PyTorch's CPU allocator
 
 A fresh dispatch mode traces each phase: a mode reused across phases is kept by non-reentrant checkpointing
 and what it holds stays alive. The optimizer is traced eagerly (``torch.compile`` of fake tensors plans other
-temporaries than the compiled kernels allocate). State outside ``optimizer.state`` (a paged optimizer's page
+temporaries than the compiled kernels allocate); its update kernels run once per kind of call (shapes and dtypes),
+and later calls of a kind add the temporaries the first allocated, so that a step of many chunks traces in time
+that does not grow with them. State outside ``optimizer.state`` (a paged optimizer's page
 buffers, quantization state a caller names through ``extra_state``) is classified explicitly.
 
 Only torch is imported here: models built from configs, adapters and 4-bit weights are built by the callers
@@ -35,7 +37,9 @@ from torch.utils._pytree import tree_flatten
 
 from . import device as device_module
 from .device import SyncBackend
+from .kernels import HostKernel, SegmentKernel
 from .native import host_kernels_disabled
+from .optim import PagedOptimizer
 from .sizes import format_size
 
 FORWARD_BACKWARD = "forward_backward"
@@ -117,6 +121,12 @@ class MemoryPlan:
         return max(item.peak_bytes - item.by_kind["optimizer_state"] for item in self.phases if item.phase == phase)
 
     @property
+    def forward_backward_peak_without_state(self) -> int:
+        """Highest bytes live during forward and backward besides optimizer state (what
+        :meth:`hf_paged.budget.AutoBudget.expect` takes)."""
+        return self.peak_without_state(FORWARD_BACKWARD)
+
+    @property
     def forward_backward_peak(self) -> int:
         """Highest bytes live during forward and backward (optimizer state of earlier steps included)."""
         return self.peak(FORWARD_BACKWARD).peak_bytes
@@ -154,6 +164,8 @@ class _Ledger:
         self._events: list[int] = []
         self._mark_live: set[int] = set()
         self._peak_event = 0
+        self.watched_peak = 0
+        """The highest live bytes since :meth:`watch`."""
 
     def add(self, storage: torch.UntypedStorage) -> None:
         key = id(storage)
@@ -169,6 +181,7 @@ class _Ledger:
         self._references[key] = weakref.ref(storage, lambda _, key=key: self._drop(key))
         self._events.append(serial)
         self.live_bytes += nbytes
+        self.watched_peak = max(self.watched_peak, self.live_bytes)
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
             self._peak_event = len(self._events)
@@ -191,6 +204,22 @@ class _Ledger:
     def serial(self, tensor: torch.Tensor) -> int | None:
         """The serial number of ``tensor``'s storage while it lives, ``None`` if the ledger does not follow it."""
         return self._serial_of.get(id(tensor.untyped_storage()))
+
+    def watch(self) -> int:
+        """Start watching for the highest live bytes from now (:attr:`watched_peak`); the live bytes now."""
+        self.watched_peak = self.live_bytes
+        return self.live_bytes
+
+    def transient(self, nbytes: int) -> None:
+        """Bytes allocated and freed again at once, as by an operator's temporaries that nothing keeps."""
+        serial = self._next_serial
+        self._next_serial += 1
+        self._bytes_of[serial] = nbytes
+        self._events += [serial, -serial]
+        if self.live_bytes + nbytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes + nbytes
+            self._peak_event = len(self._events) - 1
+        self.watched_peak = max(self.watched_peak, self.live_bytes + nbytes)
 
     def live_serials(self) -> set[int]:
         return set(self._serial_of.values())
@@ -278,6 +307,85 @@ class _StorageTracker(TorchDispatchMode):
             if isinstance(item, torch.Tensor):
                 self._ledger.add(item.untyped_storage())
         return output
+
+
+def _signature(value: Any) -> Any:
+    """What an argument of a kernel call is to the memory the call allocates: a tensor's shape, strides, dtype and
+    device (not its place in its storage, nor its values, which fake tensors do not have), a number's type, other
+    values themselves."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.stride(), value.dtype, value.device.type)
+    if isinstance(value, (bool, str, type(None))):
+        return value
+    if isinstance(value, (int, float)):
+        return type(value)
+    if isinstance(value, Mapping):
+        return tuple((key, _signature(item)) for key, item in value.items())
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_signature(item) for item in value))
+    return type(value)
+
+
+class _KernelCalls:
+    """The update kernels of a traced optimizer step, each kind of call traced once.
+
+    A kernel updates its parameter and state in place: what it allocates is temporaries, freed when it returns, and
+    how many bytes they reach depends on the kernel and the shapes, strides and dtypes of its arguments alone. The
+    first call of each such signature runs under the tracer and its highest live bytes above those at its start are
+    kept; a later call of the same signature adds those bytes to the ledger as allocated and freed at once instead
+    of running. A step of many chunks of few shapes then traces a few kernel calls, not one per chunk. A call that
+    leaves bytes allocated is traced every time."""
+
+    def __init__(self, ledger: _Ledger) -> None:
+        self._ledger = ledger
+        self._transient: dict[tuple, int] = {}
+        self._depth = 0
+        self.traced = 0
+        """Kernel calls that ran under the tracer."""
+        self.replayed = 0
+        """Kernel calls whose temporaries were added without running them."""
+
+    def _wrap(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(kernel: Any, *args: Any, **kwargs: Any) -> Any:
+            if self._depth:  # a kernel that hands its call to another (a host kernel's fallback): traced as one
+                return method(kernel, *args, **kwargs)
+            key = (kernel, method, _signature(args), _signature(kwargs))
+            nbytes = self._transient.get(key)
+            if nbytes is not None:
+                self._ledger.transient(nbytes)
+                self.replayed += 1
+                return None
+            before = self._ledger.watch()
+            self._depth += 1
+            try:
+                result = method(kernel, *args, **kwargs)
+            finally:
+                self._depth -= 1
+            self.traced += 1
+            if result is None and self._ledger.live_bytes == before:
+                self._transient[key] = self._ledger.watched_peak - before
+            return result
+
+        return call
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Kernel calls go through this object: the per-segment calls of every kernel family, and their batch
+        calls (``update_batch``) where they have them."""
+        methods = [
+            (kind, name)
+            for kind in (SegmentKernel, HostKernel)
+            for name in ("__call__", "update_batch")
+            if name in vars(kind)
+        ]
+        originals = [getattr(kind, name) for kind, name in methods]
+        for (kind, name), original in zip(methods, originals):
+            setattr(kind, name, self._wrap(original))
+        try:
+            yield
+        finally:
+            for (kind, name), original in zip(methods, originals):
+                setattr(kind, name, original)
 
 
 class _PlanningBackend(SyncBackend):
@@ -414,8 +522,6 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 def _paged_state_bytes(optimizer: torch.optim.Optimizer) -> int | None:
-    from .optim import PagedOptimizer
-
     if not isinstance(optimizer, PagedOptimizer):
         return None
     return sum(page.nbytes for page in optimizer._store.pages)
@@ -423,8 +529,6 @@ def _paged_state_bytes(optimizer: torch.optim.Optimizer) -> int | None:
 
 def _optimizer_state_bytes(optimizer: torch.optim.Optimizer, rounding: int) -> int:
     """Bytes of the tensors of ``optimizer.state`` and of every page buffer, each rounded up to ``rounding``."""
-    from .optim import PagedOptimizer
-
     storages = {id(tensor.untyped_storage()): tensor for tensor in _tensors(list(optimizer.state.values()))}
     sizes = [tensor.untyped_storage().nbytes() for tensor in storages.values()]
     if isinstance(optimizer, PagedOptimizer):
@@ -529,6 +633,7 @@ def plan(
     ledger = _Ledger(rounding=CUDA_ALLOCATION_ROUNDING if on_cuda else 1)
     added = CUDA_WORKSPACE_BYTES if on_cuda else 0
     classifier = _Classifier(ledger)
+    kernel_calls = _KernelCalls(ledger)
     phases: list[PhasePeak] = []
     with (
         _fake_mode(),
@@ -569,7 +674,8 @@ def plan(
                             value.backward()
                             del value, inputs
                     else:
-                        built_optimizer.step()
+                        with kernel_calls.installed():
+                            built_optimizer.step()
                         built_optimizer.zero_grad(set_to_none=True)
                 at_peak = ledger.live_at_peak()
                 kinds = {**held_before, **classifier.kinds(built, built_optimizer, extra, phase == OPTIMIZER_STEP)}

@@ -1,0 +1,94 @@
+"""The planner traces a paged optimizer's step in time that does not grow with its chunks, and stays exact.
+
+Pages on an accelerator take the PyTorch kernels, one call per chunk of ``page_size / 16`` elements (eager): at 16 KiB
+pages a chunk is 1024 elements, and an 8B model's QLoRA adapters are tens of thousands of chunks. The planner traces
+each kind of kernel call (its argument shapes and dtypes) once and adds the temporaries of the others without running
+them, so the kernels it runs do not grow with the model; the plan stays that of a trace of every call, which the
+profiler's truth checks on the CPU, where the same PyTorch kernels run with the host kernels off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import hf_paged
+from hf_paged.kernels import pytorch as pytorch_kernels
+from hf_paged.planner import OPTIMIZER_STEP, plan
+
+from plan_utils import check_plan, measured_peaks
+
+PAGE_SIZE = "16KiB"
+CHUNK = 1024
+"""Elements of an eager kernel call at 16 KiB pages."""
+
+
+class _SquaredMean(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.inner(inputs).pow(2).mean()
+
+
+def _stack(layers: int, width: int = 256) -> nn.Module:
+    """``layers`` square linear layers of ``width``: ``layers * width * (width + 1)`` parameters."""
+    return _SquaredMean(nn.Sequential(*(nn.Linear(width, width) for _ in range(layers))))
+
+
+def _batch() -> torch.Tensor:
+    return torch.randn(4, 256)
+
+
+@pytest.mark.parametrize("optimizer_name", ["PagedAdamW8bit", "PagedLion"])
+def test_kernels_traced_do_not_grow_with_the_chunks(monkeypatch: pytest.MonkeyPatch, optimizer_name: str) -> None:
+    """A CUDA plan (the PyTorch kernels, eager) of 2 and of 8 layers at 16 KiB pages: 4x the chunks, a handful of
+    kernel updates traced for either; the optimizer state and the step's peak grow as the model does."""
+    updates: list[int] = []
+    original = pytorch_kernels.update_segment
+
+    def counted(*args, **kwargs) -> None:
+        updates.append(args[2].numel())
+        original(*args, **kwargs)
+
+    monkeypatch.setattr(pytorch_kernels, "update_segment", counted)
+
+    def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+        arguments = {"min_8bit_size": 1024} if optimizer_name.endswith("8bit") else {}
+        return getattr(hf_paged, optimizer_name)(model.parameters(), page_size=PAGE_SIZE, compiled=False, **arguments)
+
+    traced = {}
+    plans = {}
+    for layers in (2, 8):
+        updates.clear()
+        plans[layers] = plan(lambda layers=layers: _stack(layers), _batch, optimizer, steps=2, device="cuda")
+        traced[layers] = len(updates)
+    # Chunks are whole blocks up to CHUNK elements, the last of a segment shorter: a few lengths, however many chunks.
+    chunks = 2 * 2 * 256 * 256 // CHUNK  # two steps of the 2-layer model's weights alone
+    assert max(traced.values()) <= 8, f"kernel updates traced: {traced}, against {chunks}+ chunks for 2 layers"
+    assert plans[8].optimizer_state_bytes > 3.9 * plans[2].optimizer_state_bytes
+    assert plans[8].optimizer_step_peak > plans[2].optimizer_step_peak
+
+
+@pytest.mark.parametrize("optimizer_name", ["PagedAdamW8bit", "PagedAdamW4bit", "PagedLion"])
+def test_chunked_kernels_planned_as_measured(monkeypatch: pytest.MonkeyPatch, optimizer_name: str) -> None:
+    """With the host kernels off, CPU pages take the PyTorch kernels chunk by chunk, as on an accelerator: the plan,
+    each kind of chunk traced once, matches the peaks of a real run, every chunk run, from the profiler."""
+    monkeypatch.setenv("HF_PAGED_NATIVE", "0")
+
+    def build() -> nn.Module:
+        return _stack(3)
+
+    def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+        arguments = {"min_8bit_size": 1024} if optimizer_name.endswith("8bit") else {}
+        if optimizer_name.endswith("4bit"):
+            arguments = {"min_4bit_size": 1024}
+        return getattr(hf_paged, optimizer_name)(model.parameters(), page_size=PAGE_SIZE, compiled=False, **arguments)
+
+    planned = plan(build, _batch, optimizer)
+    torch.manual_seed(0)
+    assert not check_plan(planned, measured_peaks(build, _batch, optimizer))
+    step = planned.peak(OPTIMIZER_STEP).by_kind
+    assert step["temporaries"] > 0, "a chunk's decoded state"
