@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from unittest import mock
 
 os.environ.setdefault("HF_PAGED_COMPILE", "0")
 
 import pytest
 import torch
+
+if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
+    # Triton runs kernels in its interpreter only where TRITON_INTERPRET=1 was set at its first import, which comes
+    # here, before any test module's: tests/test_triton_kernels.py sets it again while its tests run, and other tests
+    # see the environment as it was.
+    with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
+        import triton.language  # noqa: F401
 
 import hf_paged
 

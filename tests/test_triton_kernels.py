@@ -3,10 +3,10 @@ codes and scales as the eager PyTorch kernels and the C++ host kernels, bitwise,
 per segment and per page batch; and the whole optimizer with ``HF_PAGED_KERNELS=triton``: the eager kernels'
 results, paging invariance under budgets, resume, and recovery inside the step.
 
-Triton reads ``TRITON_INTERPRET`` when it is first imported (its own ``tl`` functions become interpreted ones), so this
-module imports it with ``TRITON_INTERPRET=1`` at collection, where no test before has imported it, and sets it only
-while its own tests run: other test files see the environment as it was. Where a CUDA device is present (whose tests compile Triton
-kernels) or Triton was imported before, the module is skipped.
+Triton reads ``TRITON_INTERPRET`` when it is first imported (its own ``tl`` functions become interpreted ones), so
+tests/conftest.py imports it with ``TRITON_INTERPRET=1`` before any test module, and this module sets it only while
+its own tests run: other test files see the environment as it was. Where a CUDA device is present (whose tests
+compile Triton kernels) or Triton was imported outside the interpreter, the module is skipped.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import copy
 import importlib.metadata
 import importlib.util
 import os
-import sys
 from unittest import mock
 
 import pytest
@@ -33,14 +32,15 @@ def _interpreted_triton_kernels():
         )
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: Triton compiles for it, not in the interpreter", allow_module_level=True)
-    if "triton" in sys.modules and "hf_paged.kernels.triton_kernels" not in sys.modules:
-        pytest.skip("Triton was imported before this module, outside its interpreter", allow_module_level=True)
     with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
+        import triton.language
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(triton.language.standard.cdiv, InterpretedFunction):
+            pytest.skip("Triton was imported outside its interpreter (see tests/conftest.py)", allow_module_level=True)
         module = importlib.import_module("hf_paged.kernels.triton_kernels")
     if not module.INTERPRETED:
-        pytest.skip(
-            "hf_paged.kernels.triton_kernels was imported before outside the interpreter", allow_module_level=True
-        )
+        pytest.skip("hf_paged.kernels.triton_kernels was imported outside the interpreter", allow_module_level=True)
     return module
 
 

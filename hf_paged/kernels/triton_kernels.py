@@ -20,11 +20,13 @@ which the tests use to run them without an accelerator.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
+from triton.backends import backends
 
 from ..codecs import Blockwise4bitCodec, Blockwise8bitCodec, Codec, EncodedSegment, Float32Codec
 from ..stochastic_rounding import ElementRounding
@@ -57,7 +59,10 @@ _RULES: dict[UpdateRule, tuple[str, tuple[bool, ...], tuple[str, ...]]] = {
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 """Parameter and gradient dtypes the kernels take, by the code the kernels are specialized on."""
 
-_TL_DTYPES = (tl.float32, tl.bfloat16, tl.float16)
+
+def _pair_code(param: torch.Tensor, grad: torch.Tensor) -> int:
+    """The code of a parameter's and gradient's dtypes that the kernel compares with its specialization."""
+    return _DTYPES[param.dtype] * 3 + _DTYPES[grad.dtype]
 
 
 def triton_rule(rule: UpdateRule, codecs: tuple[Codec, ...]) -> tuple[str, int, int] | None:
@@ -88,14 +93,16 @@ def triton_rule(rule: UpdateRule, codecs: tuple[Codec, ...]) -> tuple[str, int, 
 
 
 def runs_on(device: torch.device) -> bool:
-    """Whether the Triton kernels run on pages of ``device``: CUDA devices of compute capability 8.0 or more and
-    XPU devices where Triton has a backend for them, and the CPU under the interpreter."""
+    """Whether the Triton kernels run on pages of ``device``: NVIDIA GPUs of compute capability 8.0 or more, AMD GPUs
+    (ROCm) and XPU devices where the installed Triton has a backend for them, and the CPU under the interpreter."""
     if INTERPRETED:
         return device.type == "cpu"
-    if device.type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 0)
+    if device.type == "cuda" and torch.cuda.is_available():
+        if torch.version.hip is not None:
+            return "amd" in backends
+        return "nvidia" in backends and torch.cuda.get_device_capability(device) >= (8, 0)
     if device.type == "xpu":
-        return hasattr(torch, "xpu") and torch.xpu.is_available()
+        return "intel" in backends and hasattr(torch, "xpu") and torch.xpu.is_available()
     return False
 
 
@@ -499,41 +506,45 @@ class TritonKernel:
         if batch.segments == 0:
             return
         pairs = sorted({(_DTYPES[p.dtype], _DTYPES[g.dtype]) for p, g in zip(batch.params, batch.grads)})
-        param_addresses = torch.tensor(
-            [[p.data_ptr(), _DTYPES[p.dtype] * 3 + _DTYPES[g.dtype]] for p, g in zip(batch.params, batch.grads)],
+        # one table of addresses, copied to the device at once: (address, dtype pair) per parameter, then an address
+        # per gradient, then the page buffers' addresses page by page
+        tensors = len(batch.params)
+        addresses = torch.tensor(
+            [
+                *(value for p, g in zip(batch.params, batch.grads) for value in (p.data_ptr(), _pair_code(p, g))),
+                *(g.data_ptr() for g in batch.grads),
+                *(buffer.data_ptr() for buffers in batch.buffers for buffer in buffers),
+            ],
             dtype=torch.int64,
-            device=device,
-        )
-        grad_addresses = torch.tensor([g.data_ptr() for g in batch.grads], dtype=torch.int64, device=device)
-        buffer_addresses = torch.tensor(
-            [[buffer.data_ptr() for buffer in buffers] for buffers in batch.buffers], dtype=torch.int64, device=device
-        )
+        ).to(device)
         longest = min(max(p.numel() for p in batch.params), max(self._capacity(b) for b in batch.buffers))
         rows = max(1, TILE_ELEMENTS // self.block_size)
         programs = max(1, min(-(-longest // (rows * self.block_size)), MAX_PROGRAMS_PER_SEGMENT))
         rounding = batch.rounding if batch.rounding is not None else batch.table
         options = {} if INTERPRETED else {"enable_fp_fusion": False}
-        for param_dtype, grad_dtype in pairs:
-            _update_batch_kernel[(batch.segments, programs)](
-                batch.table,
-                batch.scalars,
-                rounding,
-                param_addresses,
-                grad_addresses,
-                buffer_addresses,
-                round_shift,
-                programs,
-                RULE=0 if self.rule_name == "adamw" else 1,
-                BITS=self.bits,
-                BLOCK=self.block_size,
-                ROWS=rows,
-                BUFFERS=len(self._buffer_specs),
-                SCALARS=len(self.scalar_names),
-                P_DTYPE=param_dtype,
-                G_DTYPE=grad_dtype,
-                ROUND=batch.rounding is not None and param_dtype == _DTYPES[torch.bfloat16],
-                **options,
-            )
+        on_device = contextlib.nullcontext() if INTERPRETED else torch.get_device_module(device).device(device)
+        with on_device:
+            for param_dtype, grad_dtype in pairs:
+                _update_batch_kernel[(batch.segments, programs)](
+                    batch.table,
+                    batch.scalars,
+                    rounding,
+                    addresses[: 2 * tensors],
+                    addresses[2 * tensors : 3 * tensors],
+                    addresses[3 * tensors :],
+                    round_shift,
+                    programs,
+                    RULE=0 if self.rule_name == "adamw" else 1,
+                    BITS=self.bits,
+                    BLOCK=self.block_size,
+                    ROWS=rows,
+                    BUFFERS=len(self._buffer_specs),
+                    SCALARS=len(self.scalar_names),
+                    P_DTYPE=param_dtype,
+                    G_DTYPE=grad_dtype,
+                    ROUND=batch.rounding is not None and param_dtype == _DTYPES[torch.bfloat16],
+                    **options,
+                )
 
     def _capacity(self, buffers: tuple[torch.Tensor, ...]) -> int:
         """Elements of state a page's buffers hold."""
