@@ -285,6 +285,42 @@ def test_a_batch_that_breaks_the_contract_is_refused_before_any_write(triton_ker
     assert_equal_bits(after, before)
 
 
+def test_fp64_segments_go_to_the_pytorch_kernel_whole_or_not_at_all(triton_kernels, monkeypatch):
+    """fp64 tensors, which the Triton kernels do not take, are updated by the fallback as the eager kernel updates
+    them; where the fallback fails half way, the segment is put back as it was."""
+    rule, codecs = adamw_update_, codecs_of("adamw", "8bit")
+    page_format = PageFormat(codecs)
+    generator = torch.Generator().manual_seed(2)
+    param = torch.randn(2, BLOCK, generator=generator, dtype=torch.float64)
+    grad = torch.randn(2, BLOCK, generator=generator, dtype=torch.float64)
+    buffers = random_page(page_format, 2 * BLOCK, generator)
+    fallback = SegmentKernel(rule, codecs, False)
+    kernel = triton_kernels.TritonKernel(rule, codecs, fallback)
+    assert not kernel.takes_batch(param.device, param.dtype, grad.dtype) and not kernel.allocates_nothing(param, grad)
+    results = []
+    for update in (kernel, fallback):
+        p, state = param.clone(), [buffer.clone() for buffer in buffers]
+        update(
+            p, grad, [c.select(a, 0, 2 * BLOCK) for c, a in zip(codecs, page_format.arrays(state))], scalars_of("adamw")
+        )
+        results.append([p, *state])
+    assert not torch.equal(results[0][0], param)
+    assert_equal_bits(results[0], results[1])
+
+    def fails_after_writing(p, g, encoded, scalars):
+        p.add_(1.0)
+        encoded[0][0].zero_()
+        raise torch.OutOfMemoryError("injected after the fallback's first writes")
+
+    monkeypatch.setattr(kernel, "fallback", fails_after_writing)
+    p, state = param.clone(), [buffer.clone() for buffer in buffers]
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        kernel(
+            p, grad, [c.select(a, 0, 2 * BLOCK) for c, a in zip(codecs, page_format.arrays(state))], scalars_of("adamw")
+        )
+    assert_equal_bits([p, *state], [param, *buffers])
+
+
 def test_hf_paged_kernels_chooses_the_family(triton_kernels, monkeypatch):
     """HF_PAGED_KERNELS=triton|native|torch chooses the kernels of CPU pages (Triton's under the interpreter);
     formats without a Triton kernel take the PyTorch kernels; other values are refused, naming the variable."""

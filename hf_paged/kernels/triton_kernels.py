@@ -1,9 +1,10 @@
 """The Triton kernels: AdamW and Lion on 8-bit, 4-bit and fp32 state, one launch per page batch.
 
-Each program updates a tile of whole blocks of a segment (``block_size`` elements of blockwise state, or
-:data:`FP32_BLOCK` elements of fp32 state) in registers: it reads the parameter, gradient and state codes, decodes the state, runs the rule in fp32,
-writes the parameter once and encodes the state with the block's new largest magnitude as its scale. Nothing is
-allocated on the device besides the batch's small tables of addresses, so a call needs no undo copy.
+Each program updates tiles of whole blocks of a segment (``block_size`` elements of blockwise state, or
+:data:`FP32_BLOCK` elements of fp32 state) in registers: it reads the parameter, gradient and state codes, decodes the
+state, runs the rule in fp32, writes the parameter once and encodes the state with each block's new largest magnitude
+as its scale. Nothing is allocated on the device besides the batch's small table of addresses, made before the first
+write, so a call needs no undo copy.
 
 The arithmetic is that of the host kernels (``hf_paged/native/host_kernels.cpp``) operation by operation: products
 and sums rounded one by one (launched with ``enable_fp_fusion=False``, so that no multiply and add are contracted),
@@ -12,10 +13,12 @@ rounded to nearest, ties to even. Conversions to bf16 round to nearest even in i
 ``0x7FC0``, as ``c10::BFloat16`` on the CPU), so results are bitwise the host's and the eager PyTorch kernels' on
 finite values. Stochastic rounding of bf16 parameters takes the hash of :mod:`hf_paged.stochastic_rounding` in
 32-bit integer arithmetic. Where the host and eager kernels differ among themselves (Lion's sign of a NaN
-momentum: 0 in the host kernels), these follow the host kernels.
+momentum: 0 in the host kernels), these follow the host kernels. The one difference: lerp here is always one fused
+multiply-add, as ATen's CPU kernels compute it where the CPU has one (AVX2, AVX-512, ARM); on a CPU without (PyTorch's
+``default`` capability) they round its product and sum apart, and a moment can differ by an ulp, its code by one.
 
-On the CPU they run only under Triton's interpreter (``TRITON_INTERPRET=1`` when this module is first imported),
-which the tests use to run them without an accelerator.
+On the CPU they run only under Triton's interpreter (``TRITON_INTERPRET=1`` when Triton and this module are first
+imported, and while they run), which the tests use to run them without an accelerator.
 """
 
 from __future__ import annotations
