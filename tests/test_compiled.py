@@ -113,9 +113,10 @@ def fp32_segment(elements: int = 512):
     return param, grad, encoded, prepare_scalars(adamw_scalars(group, 1), True)
 
 
-def test_a_second_rule_does_not_recompile_the_first_rules_kernel(fresh_kernels):
+def test_a_second_rule_does_not_recompile_the_first_rules_kernel(fresh_kernels, monkeypatch):
     """Each rule and codec compiles a function of its own: a second rule in the process adds no entry to the first's
     (before, one function served all and recompiled on the guard ``___check_obj_id(self.rule.__code__)``)."""
+    monkeypatch.setenv("HF_PAGED_NATIVE", "0")  # CPU pages of fp32 state take the PyTorch kernels
     from hf_paged.codecs import Float32Codec
     from hf_paged.optim.adamw import adamw_update_
     from hf_paged.optim.lion import lion_update_
@@ -134,9 +135,12 @@ def test_a_second_rule_does_not_recompile_the_first_rules_kernel(fresh_kernels):
     assert adamw.compiled and lion.compiled
 
 
-def test_a_compilation_that_fails_falls_back_to_eager_logs_once_and_sizes_chunks_eagerly(fresh_kernels, caplog):
+def test_a_compilation_that_fails_falls_back_to_eager_logs_once_and_sizes_chunks_eagerly(
+    fresh_kernels, caplog, monkeypatch
+):
     """Past Dynamo's recompile limit (0 here, so the first compilation fails) the kernel updates eagerly, says so
     once, and the optimizer's chunks and workspace are the eager kernel's; the results are the eager run's."""
+    monkeypatch.setenv("HF_PAGED_NATIVE", "0")  # CPU pages of fp32 state take the PyTorch kernels
     import hf_paged
 
     def run(compiled: bool):

@@ -272,7 +272,7 @@ def test_environment_switch(monkeypatch):
     monkeypatch.setenv("HF_PAGED_NATIVE", "1")
     from hf_paged.codecs import Float32Codec
 
-    assert type(segment_kernel(adamw_update_, (Float32Codec(), Float32Codec()), False, CPU)) is SegmentKernel
+    assert type(segment_kernel(adamw_update_, (Float32Codec(), Float32Codec()), False, CPU)) is HostKernel
 
 
 def test_pages_on_another_device_never_build_or_ask_for_the_host_kernels(monkeypatch):

@@ -1,5 +1,6 @@
 """The host kernels: ``hf_paged/native/host_kernels.cpp``, a C++ pass over each block of a CPU segment of AdamW's
-and Lion's 8-bit and 4-bit state.
+and Lion's 8-bit and 4-bit state, or over the elements of their fp32 state; per segment, or for every segment of a
+page batch at once (:class:`~hf_paged.kernels.batch.PageBatch`).
 
 Built at first use by :mod:`hf_paged.native`; ``HF_PAGED_NATIVE=0`` turns them off, and where they cannot be
 built the PyTorch kernels remain, and the reason is logged once.
@@ -11,19 +12,21 @@ from collections.abc import Sequence
 
 import torch
 
-from ..codecs import Blockwise4bitCodec, Blockwise8bitCodec, Codec, EncodedSegment
+from ..codecs import Blockwise4bitCodec, Blockwise8bitCodec, Codec, EncodedSegment, Float32Codec
 from ..stochastic_rounding import ElementRounding
+from .batch import PageBatch
 from .pytorch import SegmentKernel
 from .rules import UpdateRule, adamw_update_, lion_update_
 
 
 class HostKernel:
-    """The C++ host kernel of ``hf_paged/native/host_kernels.cpp`` for a rule's CPU segments of 8-bit or 4-bit
+    """The C++ host kernel of ``hf_paged/native/host_kernels.cpp`` for a rule's CPU segments of 8-bit, 4-bit or fp32
     state; segments elsewhere (another device, fp64 tensors) go to ``fallback``, a :class:`SegmentKernel`.
 
     One pass per block of ``block_size`` elements: the codes and scale of each state are read and decoded, the rule
     runs in fp32 with the eager kernel's formulas, the parameter is written once and the state encoded with the
-    block's new largest magnitude as its scale. Results do not depend on the number of threads or on chunking.
+    block's new largest magnitude as its scale (fp32 state: one pass over the elements, the state updated in place).
+    Results are bitwise the eager kernel's, and do not depend on the number of threads, on chunking or on batching.
 
     It writes the parameter and the state in place and allocates nothing: every argument is checked before the
     first write, so an error leaves the segment as it was. Segments it hands to ``fallback`` are copied first and
@@ -39,10 +42,14 @@ class HostKernel:
         self.codecs = codecs
         self.fallback = fallback
         first = codecs[0]
-        self.bits = 8 if isinstance(first, Blockwise8bitCodec) else 4
-        self.block_size = first.block_size
-        self._scalar_names = _HOST_RULES[rule_name][1]
-        self._operator = getattr(torch.ops.hf_paged, f"{rule_name}_blockwise_")
+        self.bits = _STATE_BITS[type(first)]
+        """Bits per element of the state: 8, 4, or 32 (fp32 state)."""
+        self.block_size = first.alignment
+        """Elements per block of the state (1 for fp32 state)."""
+        self.scalar_names = _HOST_RULES[rule_name][1]
+        """The rule's scalars in the operator's order: the columns of a :class:`PageBatch`'s ``scalars``."""
+        self._operator = getattr(torch.ops.hf_paged, f"{rule_name}_{'fp32' if self.bits == 32 else 'blockwise'}_")
+        self._batch_operator = getattr(torch.ops.hf_paged, f"{rule_name}_batch_")
 
     @property
     def compiled(self) -> bool:
@@ -57,18 +64,51 @@ class HostKernel:
         scalars: dict,
         rounding: ElementRounding | None = None,
     ) -> None:
-        """Update one segment (``param`` and ``grad`` shaped ``(blocks, block_size)``); ``scalars`` as from
+        """Update one segment (``param`` and ``grad`` shaped ``(blocks, block_size)``, flat for fp32 state, and
+        contiguous); ``scalars`` as from
         :func:`prepare_scalars`, floats or 0-d fp32 CPU tensors; ``rounding`` rounds a bf16 ``param``
         stochastically."""
         if param.device.type != "cpu" or param.dtype not in _HOST_DTYPES or grad.dtype not in _HOST_DTYPES:
             self._fallback_whole(param, grad, encoded, scalars, rounding)
             return
         arrays = [array for segment in encoded for array in segment]
-        values = [float(scalars[name]) for name in self._scalar_names]
-        if rounding is None or param.dtype != torch.bfloat16:
-            self._operator(param, grad, *arrays, self.bits, self.block_size, *values)
+        values = [float(scalars[name]) for name in self.scalar_names]
+        rounding_arguments = () if rounding is None or param.dtype != torch.bfloat16 else (True, *rounding)
+        if self.bits == 32:
+            self._operator(param, grad, arrays, values, *rounding_arguments)
         else:
-            self._operator(param, grad, *arrays, self.bits, self.block_size, *values, True, *rounding)
+            self._operator(param, grad, *arrays, self.bits, self.block_size, *values, *rounding_arguments)
+
+    def takes_batch(self, device: torch.device, param_dtype: torch.dtype, grad_dtype: torch.dtype) -> bool:
+        """Whether :meth:`update_batch` takes segments of ``param_dtype`` parameters with ``grad_dtype`` gradients on
+        pages of ``device``: on the CPU, fp32, bf16 or fp16 (others take the per-segment path and its fallback).
+
+        PagedAdamW's fp32 parameters with fp32 state take PyTorch's fused AdamW before any kernel
+        (:meth:`~hf_paged.optim.adamw.PagedAdamW.update_pages_fast`): this kernel would take them too, with the
+        eager kernel's results rather than the fused kernel's."""
+        return device.type == "cpu" and param_dtype in _HOST_DTYPES and grad_dtype in _HOST_DTYPES
+
+    def table_device(self, device: torch.device) -> torch.device:
+        """Where a :class:`PageBatch`'s table, scalars and rounding keys live for pages of ``device``: the CPU."""
+        return _CPU
+
+    def update_batch(self, batch: PageBatch) -> None:
+        """Update every segment of ``batch`` (CPU pages of this kernel's format, each parameter and gradient one
+        :meth:`takes_batch` accepts) in one call of the C++ batch operator, bitwise as one call per segment would.
+
+        The operator checks every argument (dtypes, lengths, table entries within bounds, segments that overlap)
+        before its first write and allocates nothing after it: on an error, a RuntimeError naming the argument,
+        nothing has changed."""
+        self._batch_operator(
+            batch.params,
+            batch.grads,
+            [buffer for buffers in batch.buffers for buffer in buffers],
+            batch.table,
+            batch.scalars,
+            batch.rounding,
+            self.bits,
+            self.block_size,
+        )
 
     def allocates_nothing(self, param: torch.Tensor, grad: torch.Tensor) -> bool:
         """Whether a call on ``param`` and ``grad`` allocates nothing, so that a segment of any length can be
@@ -96,6 +136,11 @@ class HostKernel:
 
 _HOST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+_CPU = torch.device("cpu")
+
+_STATE_BITS: dict[type, int] = {Blockwise8bitCodec: 8, Blockwise4bitCodec: 4, Float32Codec: 32}
+"""Bits per element of each state codec the host kernels take."""
+
 _HOST_RULES: dict[str, tuple[tuple[bool, ...], tuple[str, ...]]] = {
     "adamw": (
         (True, False),
@@ -112,15 +157,19 @@ _HOST_RULE_NAMES: dict[UpdateRule, str] = {adamw_update_: "adamw", lion_update_:
 
 def host_rule_name(rule: UpdateRule, codecs: tuple[Codec, ...]) -> str | None:
     """The host kernel's name for ``rule`` on ``codecs`` (``"adamw"`` or ``"lion"``), or ``None`` where it has
-    none: a rule other than AdamW's and Lion's, or states that are not all 8-bit or all 4-bit of one block size."""
+    none: a rule other than AdamW's and Lion's, or states that are not all 8-bit, all 4-bit (of one block size) or
+    all fp32."""
     name = _HOST_RULE_NAMES.get(rule)
     if name is None or not codecs:
         return None
     kind = type(codecs[0])
-    if kind not in (Blockwise8bitCodec, Blockwise4bitCodec) or any(
-        type(codec) is not kind or codec.block_size != codecs[0].block_size for codec in codecs
+    if kind not in _STATE_BITS or any(
+        type(codec) is not kind or codec.alignment != codecs[0].alignment for codec in codecs
     ):
         return None
-    if tuple(codec.signed for codec in codecs) != _HOST_RULES[name][0]:
+    signed = _HOST_RULES[name][0]
+    if kind is Float32Codec:
+        return name if len(codecs) == len(signed) else None
+    if tuple(codec.signed for codec in codecs) != signed:
         return None
     return name

@@ -14,7 +14,12 @@
 // are written once over `Vec`: eight lanes of AVX2 where the build targets it (PyTorch's AVX2 and AVX512
 // capabilities), else one scalar lane (its DEFAULT capability).
 //
-// The kernels write in place and allocate nothing: every argument is checked before the first write.
+// The batch operators (adamw_batch_, lion_batch_) take every segment of a batch of pages at once (see
+// hf_paged/kernels/batch.py): one parallel pass over all the batch's blocks, or over tiles of fp32 state; a partial
+// last block of a segment is updated through zero-padded copies of its parameter and gradient elements on the
+// stack, as the per-segment path pads it.
+//
+// The kernels write in place and allocate nothing once they write: every argument is checked before the first write.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -28,7 +33,9 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <optional>
 #include <utility>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -358,20 +365,11 @@ struct Codes4 {
   }
 };
 
-struct AdamWScalars {
-  float decay, avg_weight, beta2, sq_weight, eps, step_size, inv_bias_correction2_sqrt;
-};
-
-struct LionScalars {
-  float lr, decay, direction_weight, avg_weight;
-};
-
 // Stochastic rounding of bf16 parameters (hf_paged/stochastic_rounding.py): the fp32 value's bit pattern plus a
 // 16-bit hash of (keys, element index), truncated to bf16; NaN and infinities as c10::BFloat16 converts them.
 struct Rounding {
   bool on;
   uint32_t key_a, key_b;
-  int64_t start;  // the index in its parameter of the segment's first element
 };
 
 inline uint32_t mix32(uint32_t x) {
@@ -405,115 +403,254 @@ inline void round_stochastically(c10::BFloat16* p, const float* values, int64_t 
   }
 }
 
-// Where a block's new parameter values go: straight to the parameter, or (stochastic rounding of bf16) through a
-// block-local fp32 buffer rounded once the block is done.
+// Where the new values of a run of parameter elements p[0, size) go: straight to p, or (stochastic rounding of bf16)
+// through an fp32 buffer rounded by finish() once the run is done; `index` is the index in the parameter of p[0].
 template <typename P>
 struct ParamWriter {
-  ParamWriter(P* param, const Rounding&) : param(param) {}
-  void store(int64_t first, int64_t i, F value, float*) const { Vec::store(param + first + i, value); }
-  void finish(int64_t, int64_t, const float*) const {}
-  P* param;
+  ParamWriter(P* p, const Rounding&, int64_t, float*) : p(p) {}
+  void store(int64_t i, F value) const { Vec::store(p + i, value); }
+  void finish(int64_t) const {}
+  P* p;
 };
 
 template <>
 struct ParamWriter<c10::BFloat16> {
-  ParamWriter(c10::BFloat16* param, const Rounding& rounding) : param(param), rounding(rounding) {}
-  // Element `i` of the block whose first element is `first`.
-  void store(int64_t first, int64_t i, F value, float* buffer) const {
+  ParamWriter(c10::BFloat16* p, const Rounding& rounding, int64_t index, float* buffer)
+      : p(p), rounding(rounding), index(index), buffer(buffer) {}
+  void store(int64_t i, F value) const {
     if (rounding.on) {
       Vec::store(buffer + i, value);
     } else {
-      Vec::store(param + first + i, value);
+      Vec::store(p + i, value);
     }
   }
-  // After the `size` elements of the block whose first element is `first` are stored.
-  void finish(int64_t first, int64_t size, const float* buffer) const {
-    if (rounding.on) round_stochastically(param + first, buffer, size, rounding.start + first, rounding);
+  // After elements [0, size) are stored.
+  void finish(int64_t size) const {
+    if (rounding.on) round_stochastically(p, buffer, size, index, rounding);
   }
-  c10::BFloat16* param;
+  c10::BFloat16* p;
   Rounding rounding;
+  int64_t index;
+  float* buffer;
+};
+
+// Block-local fp32 buffers of one thread (on its stack): a block's new first moments, square roots of its new
+// second moments, and its new parameter values before stochastic rounding.
+struct Scratch {
+  alignas(64) float moments[kMaxBlockSize];
+  alignas(64) float roots[kMaxBlockSize];
+  alignas(64) float updated[kMaxBlockSize];
+};
+
+// Elements of fp32 state updated as one unit of work (a multiple of every vector width).
+constexpr int64_t kTile = 2048;
+
+// adamw_update_: m = lerp(m, g, 1 - b1); v = v b2 + g^2 (1 - b2);
+// p = p (1 - lr wd) - m / (sqrt(v) / sqrt(1 - b2^t) + eps) lr / (1 - b1^t).
+struct AdamW {
+  static constexpr const char* kBatchName = "adamw_batch_";
+  static constexpr const char* kSegmentName = "adamw_fp32_";
+  static constexpr int64_t kStates = 2;
+  static constexpr bool kSigned[kStates] = {true, false};
+  // decay, avg_weight, beta2, sq_weight, eps, step_size, inv_bias_correction2_sqrt
+  static constexpr int64_t kScalars = 7;
+
+  struct Constants {
+    explicit Constants(const float* s)
+        : average(s[1]),
+          decay(Vec::splat(s[0])),
+          beta2(Vec::splat(s[2])),
+          sq_weight(Vec::splat(s[3])),
+          eps(Vec::splat(s[4])),
+          step_size(Vec::splat(s[5])),
+          inv_bias_correction2_sqrt(Vec::splat(s[6])) {}
+    Lerp average;
+    F decay, beta2, sq_weight, eps, step_size, inv_bias_correction2_sqrt;
+  };
+
+  // One vector of elements: the new moment and second moment, the square root of the latter, the new parameter.
+  static void step(const Constants& c, F param, F gradient, F moment, F second, F& new_param, F& new_moment,
+                   F& new_second, F& root) {
+    new_moment = c.average(moment, gradient);
+    new_second = Vec::add(Vec::mul(second, c.beta2), Vec::mul(Vec::mul(gradient, gradient), c.sq_weight));
+    root = Vec::sqrt(new_second);
+    const F denominator = Vec::add(Vec::mul(root, c.inv_bias_correction2_sqrt), c.eps);
+    new_param = Vec::sub(Vec::mul(param, c.decay), Vec::mul(Vec::div(new_moment, denominator), c.step_size));
+  }
+
+  // Block `block` of blockwise `states`, whose parameter and gradient elements are p[0, size) and g[0, size).
+  template <class Codes, typename P, typename G>
+  static void block(P* p, const G* g, const State* states, int64_t block, int64_t size, const Constants& c,
+                    const Rounding& rounding, int64_t index, Scratch& scratch) {
+    const typename Codes::SignedDecoder old_moments(states[0], block, size);
+    const typename Codes::UnsignedDecoder old_seconds(states[1], block, size);
+    const ParamWriter<P> writer(p, rounding, index, scratch.updated);
+    AbsMax moment_max, second_max;
+    for (int64_t i = 0; i < size; i += kWidth) {
+      F new_param, moment, second, root;
+      step(c, Vec::load(p + i), Vec::load(g + i), old_moments(i), old_seconds(i), new_param, moment, second, root);
+      writer.store(i, new_param);
+      Vec::store(scratch.moments + i, moment);
+      Vec::store(scratch.roots + i, root);  // the encoding takes sqrt(v)
+      moment_max.add(moment);
+      second_max.add(second);
+    }
+    writer.finish(size);
+    Codes::encode_signed(states[0], block, size, scratch.moments, moment_max.value());
+    Codes::encode_unsigned_roots(states[1], block, size, scratch.roots, second_max.value());
+  }
+
+  // Elements [i, i + kWidth) of fp32 states.
+  template <typename P, typename G>
+  static void elements(const ParamWriter<P>& writer, const P* p, const G* g, float* const* values, int64_t i,
+                       const Constants& c) {
+    F new_param, moment, second, root;
+    step(c, Vec::load(p + i), Vec::load(g + i), Vec::load(values[0] + i), Vec::load(values[1] + i), new_param, moment,
+         second, root);
+    writer.store(i, new_param);
+    Vec::store(values[0] + i, moment);
+    Vec::store(values[1] + i, second);
+  }
+};
+
+// lion_update_: p = p (1 - lr wd) - lr sign(lerp(m, g, 1 - b1)); m = lerp(m, g, 1 - b2).
+struct Lion {
+  static constexpr const char* kBatchName = "lion_batch_";
+  static constexpr const char* kSegmentName = "lion_fp32_";
+  static constexpr int64_t kStates = 1;
+  static constexpr bool kSigned[kStates] = {true};
+  // lr, decay, direction_weight, avg_weight
+  static constexpr int64_t kScalars = 4;
+
+  struct Constants {
+    explicit Constants(const float* s)
+        : direction(s[2]), average(s[3]), lr(Vec::splat(s[0])), decay(Vec::splat(s[1])) {}
+    Lerp direction, average;
+    F lr, decay;
+  };
+
+  static void step(const Constants& c, F param, F gradient, F moment, F& new_param, F& new_moment) {
+    const F direction = Vec::sign(c.direction(moment, gradient));
+    new_param = Vec::sub(Vec::mul(param, c.decay), Vec::mul(direction, c.lr));
+    new_moment = c.average(moment, gradient);
+  }
+
+  template <class Codes, typename P, typename G>
+  static void block(P* p, const G* g, const State* states, int64_t block, int64_t size, const Constants& c,
+                    const Rounding& rounding, int64_t index, Scratch& scratch) {
+    const typename Codes::SignedDecoder old_moments(states[0], block, size);
+    const ParamWriter<P> writer(p, rounding, index, scratch.updated);
+    AbsMax moment_max;
+    for (int64_t i = 0; i < size; i += kWidth) {
+      F new_param, moment;
+      step(c, Vec::load(p + i), Vec::load(g + i), old_moments(i), new_param, moment);
+      writer.store(i, new_param);
+      Vec::store(scratch.moments + i, moment);
+      moment_max.add(moment);
+    }
+    writer.finish(size);
+    Codes::encode_signed(states[0], block, size, scratch.moments, moment_max.value());
+  }
+
+  template <typename P, typename G>
+  static void elements(const ParamWriter<P>& writer, const P* p, const G* g, float* const* values, int64_t i,
+                       const Constants& c) {
+    F new_param, moment;
+    step(c, Vec::load(p + i), Vec::load(g + i), Vec::load(values[0] + i), new_param, moment);
+    writer.store(i, new_param);
+    Vec::store(values[0] + i, moment);
+  }
 };
 
 int64_t grain_blocks(int64_t block_size) { return std::max<int64_t>(1, 32768 / block_size); }
 
-// adamw_update_ on every block: m = lerp(m, g, 1 - b1); v = v b2 + g^2 (1 - b2);
-// p = p (1 - lr wd) - m / (sqrt(v) / sqrt(1 - b2^t) + eps) lr / (1 - b1^t).
-template <class Codes, typename P, typename G>
-void adamw_blocks(P* param, const G* grad, State avg, State avg_sq, int64_t blocks, int64_t size,
-                  const AdamWScalars& s, const Rounding& rounding) {
-  const ParamWriter<P> writer(param, rounding);
+// The rule on every block of a segment of whole blocks (the per-segment operators); `start` is the index in its
+// parameter of the segment's first element.
+template <class Rule, class Codes, typename P, typename G>
+void segment_blocks(P* param, const G* grad, const State* states, int64_t blocks, int64_t size,
+                    const float* scalars, const Rounding& rounding, int64_t start) {
   at::parallel_for(0, blocks, grain_blocks(size), [&](int64_t begin, int64_t end) {
-    alignas(64) float moments[kMaxBlockSize];
-    alignas(64) float roots[kMaxBlockSize];
-    alignas(64) float updated[kMaxBlockSize];
-    const Lerp average(s.avg_weight);
-    const F decay = Vec::splat(s.decay), beta2 = Vec::splat(s.beta2), sq_weight = Vec::splat(s.sq_weight),
-            eps = Vec::splat(s.eps), step_size = Vec::splat(s.step_size),
-            inv_bias_correction2_sqrt = Vec::splat(s.inv_bias_correction2_sqrt);
+    Scratch scratch;
+    const typename Rule::Constants constants(scalars);
     for (int64_t block = begin; block < end; ++block) {
-      const typename Codes::SignedDecoder old_moments(avg, block, size);
-      const typename Codes::UnsignedDecoder old_seconds(avg_sq, block, size);
       const int64_t first = block * size;
-      const P* p = param + first;
-      const G* g = grad + first;
-      AbsMax moment_max, second_max;
-      for (int64_t i = 0; i < size; i += kWidth) {
-        const F gradient = Vec::load(g + i);
-        const F moment = average(old_moments(i), gradient);
-        const F second = Vec::add(Vec::mul(old_seconds(i), beta2), Vec::mul(Vec::mul(gradient, gradient), sq_weight));
-        const F root = Vec::sqrt(second);
-        const F denominator = Vec::add(Vec::mul(root, inv_bias_correction2_sqrt), eps);
-        writer.store(first, i,
-                     Vec::sub(Vec::mul(Vec::load(p + i), decay), Vec::mul(Vec::div(moment, denominator), step_size)),
-                     updated);
-        Vec::store(moments + i, moment);
-        Vec::store(roots + i, root);  // the encoding takes sqrt(v)
-        moment_max.add(moment);
-        second_max.add(second);
-      }
-      writer.finish(first, size, updated);
-      Codes::encode_signed(avg, block, size, moments, moment_max.value());
-      Codes::encode_unsigned_roots(avg_sq, block, size, roots, second_max.value());
+      Rule::template block<Codes>(param + first, grad + first, states, block, size, constants, rounding,
+                                  start + first, scratch);
     }
   });
 }
 
-// lion_update_ on every block: p = p (1 - lr wd) - lr sign(lerp(m, g, 1 - b1)); m = lerp(m, g, 1 - b2).
-template <class Codes, typename P, typename G>
-void lion_blocks(P* param, const G* grad, State avg, int64_t blocks, int64_t size, const LionScalars& s,
-                 const Rounding& rounding) {
-  const ParamWriter<P> writer(param, rounding);
-  at::parallel_for(0, blocks, grain_blocks(size), [&](int64_t begin, int64_t end) {
-    alignas(64) float moments[kMaxBlockSize];
-    alignas(64) float updated[kMaxBlockSize];
-    const Lerp direction_lerp(s.direction_weight), average(s.avg_weight);
-    const F lr = Vec::splat(s.lr), decay = Vec::splat(s.decay);
-    for (int64_t block = begin; block < end; ++block) {
-      const typename Codes::SignedDecoder old_moments(avg, block, size);
-      const int64_t first = block * size;
-      const P* p = param + first;
-      const G* g = grad + first;
-      AbsMax moment_max;
-      for (int64_t i = 0; i < size; i += kWidth) {
-        const F gradient = Vec::load(g + i);
-        const F previous = old_moments(i);
-        const F direction = Vec::sign(direction_lerp(previous, gradient));
-        writer.store(first, i, Vec::sub(Vec::mul(Vec::load(p + i), decay), Vec::mul(direction, lr)), updated);
-        const F moment = average(previous, gradient);
-        Vec::store(moments + i, moment);
-        moment_max.add(moment);
-      }
-      writer.finish(first, size, updated);
-      Codes::encode_signed(avg, block, size, moments, moment_max.value());
+// Blocks [first, last) of a segment of `length` elements (its parameter and gradient elements from p and g) whose
+// first block is block `first_block` of the page's `states`. A partial last block is updated through zero-padded
+// copies of its parameter and gradient elements, as the per-segment path pads it; `index` is the index in its
+// parameter of p[0].
+template <class Rule, class Codes, typename P, typename G>
+void batch_blocks(P* p, const G* g, const State* states, int64_t first_block, int64_t length, int64_t first,
+                  int64_t last, int64_t size, const typename Rule::Constants& constants, const Rounding& rounding,
+                  int64_t index, Scratch& scratch) {
+  for (int64_t j = first; j < last; ++j) {
+    const int64_t e = j * size;
+    const int64_t count = std::min(size, length - e);
+    if (count == size) {
+      Rule::template block<Codes>(p + e, g + e, states, first_block + j, size, constants, rounding, index + e,
+                                  scratch);
+      continue;
     }
-  });
+    P padded_param[kMaxBlockSize];
+    G padded_grad[kMaxBlockSize];
+    std::copy_n(p + e, count, padded_param);
+    std::fill(padded_param + count, padded_param + size, P(0.0f));
+    std::copy_n(g + e, count, padded_grad);
+    std::fill(padded_grad + count, padded_grad + size, G(0.0f));
+    Rule::template block<Codes>(padded_param, padded_grad, states, first_block + j, size, constants, rounding,
+                                index + e, scratch);
+    std::copy_n(padded_param, count, p + e);
+  }
+}
+
+// Tiles [first, last) of kTile elements of a segment of `length` elements of fp32 state (`values`: its states'
+// first elements). A last run of fewer than kWidth elements goes through zero-padded copies.
+template <class Rule, typename P, typename G>
+void batch_tiles(P* p, const G* g, float* const* values, int64_t length, int64_t first, int64_t last,
+                 const typename Rule::Constants& constants, const Rounding& rounding, int64_t index,
+                 Scratch& scratch) {
+  for (int64_t j = first; j < last; ++j) {
+    const int64_t e = j * kTile;
+    const int64_t count = std::min(kTile, length - e);
+    const int64_t body = count - count % kWidth;
+    float* tile_values[Rule::kStates];
+    for (int64_t k = 0; k < Rule::kStates; ++k) tile_values[k] = values[k] + e;
+    const ParamWriter<P> writer(p + e, rounding, index + e, scratch.updated);
+    for (int64_t i = 0; i < body; i += kWidth) Rule::elements(writer, p + e, g + e, tile_values, i, constants);
+    writer.finish(body);
+    if (body == count) continue;
+    const int64_t rest = count - body;
+    P padded_param[kWidth];
+    G padded_grad[kWidth];
+    float padded_values[Rule::kStates][kWidth];
+    float* padded_pointers[Rule::kStates];
+    std::copy_n(p + e + body, rest, padded_param);
+    std::fill(padded_param + rest, padded_param + kWidth, P(0.0f));
+    std::copy_n(g + e + body, rest, padded_grad);
+    std::fill(padded_grad + rest, padded_grad + kWidth, G(0.0f));
+    for (int64_t k = 0; k < Rule::kStates; ++k) {
+      std::copy_n(tile_values[k] + body, rest, padded_values[k]);
+      std::fill(padded_values[k] + rest, padded_values[k] + kWidth, 0.0f);
+      padded_pointers[k] = padded_values[k];
+    }
+    const ParamWriter<P> rest_writer(padded_param, rounding, index + e + body, scratch.updated);
+    Rule::elements(rest_writer, padded_param, padded_grad, padded_pointers, 0, constants);
+    rest_writer.finish(rest);
+    std::copy_n(padded_param, rest, p + e + body);
+    for (int64_t k = 0; k < Rule::kStates; ++k) std::copy_n(padded_values[k], rest, tile_values[k] + body);
+  }
 }
 
 bool is_float_type(c10::ScalarType type) {
   return type == at::kFloat || type == at::kBFloat16 || type == at::kHalf;
 }
 
-// Checks every argument before anything is written; returns the number of blocks.
+// Checks the per-segment operators' arguments before anything is written; returns the number of blocks.
 int64_t check_arguments(const char* op, const at::Tensor& param, const at::Tensor& grad,
                         std::initializer_list<std::pair<const at::Tensor*, const at::Tensor*>> states,
                         std::initializer_list<bool> signed_states, int64_t bits, int64_t block_size) {
@@ -584,13 +721,12 @@ void dispatch(const at::Tensor& param, const at::Tensor& grad, int64_t bits, con
   });
 }
 
-// The stochastic rounding arguments of an operator, checked: keys are 32-bit, the start an element index.
-Rounding rounding_of(bool on, int64_t key_a, int64_t key_b, int64_t start) {
+// The stochastic rounding keys of an operator, checked: 32-bit.
+Rounding rounding_of(const char* op, bool on, int64_t key_a, int64_t key_b) {
   for (const int64_t key : {key_a, key_b}) {
-    TORCH_CHECK(key >= 0 && key <= 0xFFFFFFFFLL, "round_key_a and round_key_b must be in [0, 2**32), got ", key);
+    TORCH_CHECK(key >= 0 && key <= 0xFFFFFFFFLL, op, ": stochastic rounding keys must be in [0, 2**32), got ", key);
   }
-  TORCH_CHECK(start >= 0, "round_start must be >= 0, got ", start);
-  return {on, static_cast<uint32_t>(key_a), static_cast<uint32_t>(key_b), start};
+  return {on, static_cast<uint32_t>(key_a), static_cast<uint32_t>(key_b)};
 }
 
 void adamw_blockwise(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& avg_codes,
@@ -601,14 +737,15 @@ void adamw_blockwise(const at::Tensor& param, const at::Tensor& grad, const at::
   const int64_t blocks = check_arguments("adamw_blockwise_", param, grad,
                                          {{&avg_codes, &avg_scales}, {&avg_sq_codes, &avg_sq_scales}},
                                          {true, false}, bits, block_size);
-  const AdamWScalars scalars{static_cast<float>(decay),     static_cast<float>(avg_weight),
-                             static_cast<float>(beta2),     static_cast<float>(sq_weight),
-                             static_cast<float>(eps),       static_cast<float>(step_size),
-                             static_cast<float>(inv_bias_correction2_sqrt)};
-  const State avg = state_of(avg_codes, avg_scales), avg_sq = state_of(avg_sq_codes, avg_sq_scales);
-  const Rounding rounding = rounding_of(stochastic_round, round_key_a, round_key_b, round_start);
+  const float scalars[] = {static_cast<float>(decay),     static_cast<float>(avg_weight),
+                           static_cast<float>(beta2),     static_cast<float>(sq_weight),
+                           static_cast<float>(eps),       static_cast<float>(step_size),
+                           static_cast<float>(inv_bias_correction2_sqrt)};
+  const State states[] = {state_of(avg_codes, avg_scales), state_of(avg_sq_codes, avg_sq_scales)};
+  const Rounding rounding = rounding_of("adamw_blockwise_", stochastic_round, round_key_a, round_key_b);
+  TORCH_CHECK(round_start >= 0, "adamw_blockwise_: round_start must be >= 0, got ", round_start);
   dispatch(param, grad, bits, [&](auto codes, auto* p, const auto* g) {
-    adamw_blocks<decltype(codes)>(p, g, avg, avg_sq, blocks, block_size, scalars, rounding);
+    segment_blocks<AdamW, decltype(codes)>(p, g, states, blocks, block_size, scalars, rounding, round_start);
   });
 }
 
@@ -618,12 +755,285 @@ void lion_blockwise(const at::Tensor& param, const at::Tensor& grad, const at::T
                     int64_t round_key_b, int64_t round_start) {
   const int64_t blocks =
       check_arguments("lion_blockwise_", param, grad, {{&avg_codes, &avg_scales}}, {true}, bits, block_size);
-  const LionScalars scalars{static_cast<float>(lr), static_cast<float>(decay), static_cast<float>(direction_weight),
-                            static_cast<float>(avg_weight)};
-  const State avg = state_of(avg_codes, avg_scales);
-  const Rounding rounding = rounding_of(stochastic_round, round_key_a, round_key_b, round_start);
+  const float scalars[] = {static_cast<float>(lr), static_cast<float>(decay), static_cast<float>(direction_weight),
+                           static_cast<float>(avg_weight)};
+  const State states[] = {state_of(avg_codes, avg_scales)};
+  const Rounding rounding = rounding_of("lion_blockwise_", stochastic_round, round_key_a, round_key_b);
+  TORCH_CHECK(round_start >= 0, "lion_blockwise_: round_start must be >= 0, got ", round_start);
   dispatch(param, grad, bits, [&](auto codes, auto* p, const auto* g) {
-    lion_blocks<decltype(codes)>(p, g, avg, blocks, block_size, scalars, rounding);
+    segment_blocks<Lion, decltype(codes)>(p, g, states, blocks, block_size, scalars, rounding, round_start);
+  });
+}
+
+// The rule on one segment of fp32 state (the per-segment operators adamw_fp32_ and lion_fp32_): `states` are its
+// states' values, as many elements as the parameter; `round_start` is the index in its parameter of its first element.
+template <class Rule>
+void fp32_segment(const at::Tensor& param, const at::Tensor& grad, at::TensorList states, at::ArrayRef<double> scalars,
+                  bool stochastic_round, int64_t round_key_a, int64_t round_key_b, int64_t round_start) {
+  const char* op = Rule::kSegmentName;
+  const int64_t numel = param.numel();
+  for (const at::Tensor* tensor : {&param, &grad}) {
+    TORCH_CHECK(tensor->device().is_cpu() && tensor->is_contiguous() && is_float_type(tensor->scalar_type()), op,
+                ": param and grad must be contiguous CPU tensors of fp32, bf16 or fp16, got ",
+                tensor->scalar_type(), " on ", tensor->device(), tensor->is_contiguous() ? "" : " (not contiguous)");
+  }
+  TORCH_CHECK(grad.numel() == numel, op, ": grad has ", grad.numel(), " elements, param ", numel);
+  TORCH_CHECK(static_cast<int64_t>(states.size()) == Rule::kStates, op, ": states must hold ", Rule::kStates,
+              " tensors, got ", states.size());
+  float* values[Rule::kStates];
+  for (int64_t k = 0; k < Rule::kStates; ++k) {
+    TORCH_CHECK(states[k].device().is_cpu() && states[k].is_contiguous() && states[k].scalar_type() == at::kFloat &&
+                    states[k].numel() == numel,
+                op, ": a state must be a contiguous CPU fp32 tensor of ", numel, " elements, got ", states[k].numel(),
+                " ", states[k].scalar_type(), " on ", states[k].device());
+    values[k] = states[k].data_ptr<float>();
+  }
+  TORCH_CHECK(static_cast<int64_t>(scalars.size()) == Rule::kScalars, op, ": scalars must hold ", Rule::kScalars,
+              " values, got ", scalars.size());
+  float constants_row[Rule::kScalars];
+  for (int64_t k = 0; k < Rule::kScalars; ++k) constants_row[k] = static_cast<float>(scalars[k]);
+  const Rounding rounding = rounding_of(op, stochastic_round && param.scalar_type() == at::kBFloat16, round_key_a,
+                                        round_key_b);
+  TORCH_CHECK(round_start >= 0, op, ": round_start must be >= 0, got ", round_start);
+  with_type(param.scalar_type(), [&](auto param_value) {
+    using P = decltype(param_value);
+    with_type(grad.scalar_type(), [&](auto grad_value) {
+      using G = decltype(grad_value);
+      auto* p = static_cast<P*>(param.data_ptr());
+      const auto* g = static_cast<const G*>(grad.data_ptr());
+      at::parallel_for(0, (numel + kTile - 1) / kTile, grain_blocks(kTile), [&](int64_t begin, int64_t end) {
+        Scratch scratch;
+        const typename Rule::Constants constants(constants_row);
+        batch_tiles<Rule>(p, g, values, numel, begin, end, constants, rounding, round_start, scratch);
+      });
+    });
+  });
+}
+
+// The batch operators ---------------------------------------------------------------------------------------------
+
+// One row of a batch's table, checked, with the addresses it names.
+template <class Rule>
+struct BatchSegment {
+  void* param;       // the parameter's element `start`
+  const void* grad;  // the gradient's element `start`
+  c10::ScalarType param_type, grad_type;
+  int64_t start, length;
+  State states[Rule::kStates];   // blockwise: the page's codes and scales
+  float* values[Rule::kStates];  // fp32 state: the segment's first elements
+  int64_t first_block;           // blockwise: the segment's first block in the page
+  const float* scalars;
+  Rounding rounding;
+};
+
+// A byte range [begin, end) of one segment, and the segment.
+struct Extent {
+  uintptr_t begin, end;
+  int64_t segment;
+  bool operator<(const Extent& other) const { return begin < other.begin; }
+};
+
+// Raises where two non-empty extents share a byte.
+void check_disjoint(const char* op, std::vector<Extent>& extents, const char* what) {
+  std::sort(extents.begin(), extents.end());
+  for (size_t k = 1; k < extents.size(); ++k) {
+    TORCH_CHECK(extents[k].begin >= extents[k - 1].end, op, ": segments ", extents[k - 1].segment, " and ",
+                extents[k].segment, " of the table overlap in ", what);
+  }
+}
+
+void check_cpu_contiguous(const char* op, const at::Tensor& tensor, const char* name) {
+  TORCH_CHECK(tensor.device().is_cpu() && tensor.is_contiguous(), op, ": ", name,
+              " must be a contiguous CPU tensor, got one on ", tensor.device(),
+              tensor.is_contiguous() ? "" : " (not contiguous)");
+}
+
+// Checks every argument of a batch operator before anything is written, and reads the table: one BatchSegment per
+// row. `bits` is 8 or 4 for blockwise state of `block_size` elements a block, 32 for fp32 state (block_size 1).
+template <class Rule>
+std::vector<BatchSegment<Rule>> check_batch(at::TensorList params, at::TensorList grads, at::TensorList buffers,
+                                            const at::Tensor& table, const at::Tensor& scalars,
+                                            const std::optional<at::Tensor>& rounding, int64_t bits,
+                                            int64_t block_size) {
+  const char* op = Rule::kBatchName;
+  TORCH_CHECK(bits == 8 || bits == 4 || bits == 32, op, ": bits must be 8, 4 or 32 (fp32 state), got ", bits);
+  if (bits == 32) {
+    TORCH_CHECK(block_size == 1, op, ": block_size must be 1 for fp32 state, got ", block_size);
+  } else {
+    TORCH_CHECK(block_size >= 16 && block_size <= kMaxBlockSize && (block_size & (block_size - 1)) == 0, op,
+                ": block_size must be a power of two from 16 to ", kMaxBlockSize, ", got ", block_size);
+  }
+  TORCH_CHECK(params.size() == grads.size(), op, ": params has ", params.size(), " tensors, grads ", grads.size());
+  for (size_t t = 0; t < params.size(); ++t) {
+    for (const at::Tensor* tensor : {&params[t], &grads[t]}) {
+      TORCH_CHECK(tensor->device().is_cpu() && tensor->is_contiguous() && is_float_type(tensor->scalar_type()), op,
+                  ": params and grads must be contiguous CPU tensors of fp32, bf16 or fp16, got ",
+                  tensor->scalar_type(), " on ", tensor->device(), tensor->is_contiguous() ? "" : " (not contiguous)",
+                  " at position ", t);
+    }
+    TORCH_CHECK(grads[t].numel() == params[t].numel(), op, ": grads[", t, "] has ", grads[t].numel(),
+                " elements, params[", t, "] ", params[t].numel());
+  }
+  const int64_t per_page = bits == 32 ? Rule::kStates : 2 * Rule::kStates;
+  TORCH_CHECK(buffers.size() % per_page == 0, op, ": buffers must hold ", per_page, " tensors per page, got ",
+              buffers.size());
+  const int64_t pages = static_cast<int64_t>(buffers.size()) / per_page;
+  for (size_t b = 0; b < buffers.size(); ++b) {
+    const int64_t k = static_cast<int64_t>(b) % per_page;
+    c10::ScalarType expected = at::kFloat;  // fp32 values, and the scales of blockwise states
+    if (bits != 32 && k % 2 == 0) expected = bits == 8 && Rule::kSigned[k / 2] ? at::kChar : at::kByte;
+    TORCH_CHECK(buffers[b].device().is_cpu() && buffers[b].is_contiguous() && buffers[b].scalar_type() == expected,
+                op, ": buffers[", b, "] must be a contiguous CPU tensor of ", expected, ", got ",
+                buffers[b].scalar_type(), " on ", buffers[b].device(),
+                buffers[b].is_contiguous() ? "" : " (not contiguous)");
+  }
+  check_cpu_contiguous(op, table, "table");
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(1) == 6, op,
+              ": table must be int64 of shape (segments, 6), got ", table.scalar_type(), " of shape ", table.sizes());
+  check_cpu_contiguous(op, scalars, "scalars");
+  TORCH_CHECK(scalars.scalar_type() == at::kFloat && scalars.dim() == 2 && scalars.size(1) == Rule::kScalars, op,
+              ": scalars must be fp32 of shape (rows, ", Rule::kScalars, "), got ", scalars.scalar_type(),
+              " of shape ", scalars.sizes());
+  const int64_t segments = table.size(0);
+  const int64_t* keys = nullptr;
+  if (rounding.has_value()) {
+    check_cpu_contiguous(op, *rounding, "rounding");
+    TORCH_CHECK(rounding->scalar_type() == at::kLong && rounding->dim() == 2 && rounding->size(0) == segments &&
+                    rounding->size(1) == 2,
+                op, ": rounding must be int64 of shape (", segments, ", 2), got ", rounding->scalar_type(),
+                " of shape ", rounding->sizes());
+    keys = rounding->data_ptr<int64_t>();
+  }
+  const int64_t* rows = table.data_ptr<int64_t>();
+  const int64_t tensors = static_cast<int64_t>(params.size());
+  std::vector<BatchSegment<Rule>> result(segments);
+  std::vector<Extent> param_extents, state_extents;
+  param_extents.reserve(segments);
+  state_extents.reserve(segments);
+  for (int64_t s = 0; s < segments; ++s) {
+    const int64_t* row = rows + 6 * s;
+    const int64_t tensor = row[0], start = row[1], length = row[2], page = row[3], offset = row[4], row_index = row[5];
+    TORCH_CHECK(tensor >= 0 && tensor < tensors, op, ": table[", s, "] names tensor ", tensor, " of ", tensors);
+    const int64_t numel = params[tensor].numel();
+    TORCH_CHECK(start >= 0 && length >= 0 && length <= numel - start, op, ": table[", s, "] takes elements [", start,
+                ", ", start, " + ", length, ") of a tensor of ", numel);
+    TORCH_CHECK(page >= 0 && page < pages, op, ": table[", s, "] names page ", page, " of ", pages);
+    TORCH_CHECK(offset >= 0 && offset % block_size == 0, op, ": table[", s, "] starts at element ", offset,
+                " of its page, which must be a multiple of the block size ", block_size);
+    TORCH_CHECK(row_index >= 0 && row_index < scalars.size(0), op, ": table[", s, "] names scalar row ", row_index,
+                " of ", scalars.size(0));
+    BatchSegment<Rule>& segment = result[s];
+    const at::Tensor& param = params[tensor];
+    const at::Tensor& grad = grads[tensor];
+    segment.param = static_cast<char*>(param.data_ptr()) + start * param.element_size();
+    segment.grad = static_cast<const char*>(grad.data_ptr()) + start * grad.element_size();
+    segment.param_type = param.scalar_type();
+    segment.grad_type = grad.scalar_type();
+    segment.start = start;
+    segment.length = length;
+    segment.scalars = scalars.data_ptr<float>() + Rule::kScalars * row_index;
+    segment.rounding = {false, 0, 0};
+    if (keys != nullptr && !(keys[2 * s] == -1 && keys[2 * s + 1] == -1)) {
+      TORCH_CHECK(param.scalar_type() == at::kBFloat16, op, ": table[", s,
+                  "] has stochastic rounding keys, but its parameter is ", param.scalar_type(),
+                  " (only bf16 parameters round stochastically; -1 marks a segment that does not round)");
+      segment.rounding = rounding_of(op, true, keys[2 * s], keys[2 * s + 1]);
+    }
+    const at::Tensor* page_buffers = buffers.data() + page * per_page;
+    uintptr_t state_begin = 0, state_end = 0;
+    if (bits == 32) {
+      for (int64_t k = 0; k < Rule::kStates; ++k) {
+        TORCH_CHECK(length <= page_buffers[k].numel() - offset, op, ": table[", s, "] takes elements [", offset, ", ",
+                    offset, " + ", length, ") of page ", page, "'s state of ", page_buffers[k].numel());
+        segment.values[k] = page_buffers[k].data_ptr<float>() + offset;
+      }
+      state_begin = reinterpret_cast<uintptr_t>(segment.values[0]);
+      state_end = state_begin + length * sizeof(float);
+    } else {
+      const int64_t blocks = (length + block_size - 1) / block_size;
+      const int64_t first_block = offset / block_size;
+      const int64_t code_bytes = (first_block + blocks) * block_size / (bits == 8 ? 1 : 2);
+      for (int64_t k = 0; k < Rule::kStates; ++k) {
+        const at::Tensor& codes = page_buffers[2 * k];
+        const at::Tensor& scales = page_buffers[2 * k + 1];
+        TORCH_CHECK(code_bytes <= codes.numel() && first_block + blocks <= scales.numel(), op, ": table[", s,
+                    "] takes blocks [", first_block, ", ", first_block + blocks, ") of page ", page, ", whose state ",
+                    k, " has ", codes.numel(), " code bytes and ", scales.numel(), " scales");
+        segment.states[k] = state_of(codes, scales);
+      }
+      segment.first_block = first_block;
+      const int64_t block_bytes = block_size / (bits == 8 ? 1 : 2);
+      state_begin = reinterpret_cast<uintptr_t>(segment.states[0].codes) + first_block * block_bytes;
+      state_end = state_begin + blocks * block_bytes;
+    }
+    if (length > 0) {
+      const uintptr_t param_begin = reinterpret_cast<uintptr_t>(segment.param);
+      param_extents.push_back({param_begin, param_begin + length * param.element_size(), s});
+      state_extents.push_back({state_begin, state_end, s});
+    }
+  }
+  check_disjoint(op, param_extents, "their parameter elements");
+  check_disjoint(op, state_extents, "their pages' state");
+  return result;
+}
+
+// Units of work of a segment: blocks of blockwise state, tiles of fp32 state.
+int64_t units_of(int64_t length, int64_t bits, int64_t block_size) {
+  const int64_t unit = bits == 32 ? kTile : block_size;
+  return (length + unit - 1) / unit;
+}
+
+// Units [first, last) of one segment of a batch.
+template <class Rule>
+void update_units(const BatchSegment<Rule>& segment, int64_t first, int64_t last, int64_t bits, int64_t block_size,
+                  Scratch& scratch) {
+  with_type(segment.param_type, [&](auto param_value) {
+    using P = decltype(param_value);
+    with_type(segment.grad_type, [&](auto grad_value) {
+      using G = decltype(grad_value);
+      auto* p = static_cast<P*>(segment.param);
+      const auto* g = static_cast<const G*>(segment.grad);
+      const typename Rule::Constants constants(segment.scalars);
+      if (bits == 32) {
+        batch_tiles<Rule>(p, g, segment.values, segment.length, first, last, constants, segment.rounding,
+                          segment.start, scratch);
+      } else if (bits == 8) {
+        batch_blocks<Rule, Codes8>(p, g, segment.states, segment.first_block, segment.length, first, last,
+                                   block_size, constants, segment.rounding, segment.start, scratch);
+      } else {
+        batch_blocks<Rule, Codes4>(p, g, segment.states, segment.first_block, segment.length, first, last,
+                                   block_size, constants, segment.rounding, segment.start, scratch);
+      }
+    });
+  });
+}
+
+// Every segment of a batch in one parallel pass over all its blocks (or tiles); see hf_paged/kernels/batch.py.
+template <class Rule>
+void update_batch(at::TensorList params, at::TensorList grads, at::TensorList buffers, const at::Tensor& table,
+                  const at::Tensor& scalars, const std::optional<at::Tensor>& rounding, int64_t bits,
+                  int64_t block_size) {
+  const std::vector<BatchSegment<Rule>> segments =
+      check_batch<Rule>(params, grads, buffers, table, scalars, rounding, bits, block_size);
+  std::vector<int64_t> ends(segments.size());  // the units of segments [0, s], for each s
+  int64_t total = 0;
+  for (size_t s = 0; s < segments.size(); ++s) {
+    total += units_of(segments[s].length, bits, block_size);
+    ends[s] = total;
+  }
+  const int64_t grain = bits == 32 ? grain_blocks(kTile) : grain_blocks(block_size);
+  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
+    // the first segment with units at or after `begin`
+    size_t s = std::upper_bound(ends.begin(), ends.end(), begin) - ends.begin();
+    for (int64_t unit = begin; unit < end; ++s) {
+      const int64_t segment_first = s == 0 ? 0 : ends[s - 1];
+      const int64_t last = std::min(end, ends[s]);
+      if (last > unit) {
+        update_units(segments[s], unit - segment_first, last - segment_first, bits, block_size, scratch);
+        unit = last;
+      }
+    }
   });
 }
 
@@ -642,9 +1052,29 @@ TORCH_LIBRARY(hf_paged, m) {
       "lion_blockwise_(Tensor(a!) param, Tensor grad, Tensor(b!) avg_codes, Tensor(c!) avg_scales, int bits, "
       "int block_size, float lr, float decay, float direction_weight, float avg_weight, bool stochastic_round=False, "
       "int round_key_a=0, int round_key_b=0, int round_start=0) -> ()");
+  // One segment of fp32 state: states are its values (exp_avg, exp_avg_sq for AdamW; exp_avg for Lion), scalars
+  // the rule's in the order of the blockwise operators.
+  m.def(
+      "adamw_fp32_(Tensor(a!) param, Tensor grad, Tensor(b!)[] states, float[] scalars, bool stochastic_round=False, "
+      "int round_key_a=0, int round_key_b=0, int round_start=0) -> ()");
+  m.def(
+      "lion_fp32_(Tensor(a!) param, Tensor grad, Tensor(b!)[] states, float[] scalars, bool stochastic_round=False, "
+      "int round_key_a=0, int round_key_b=0, int round_start=0) -> ()");
+  // A page batch (hf_paged/kernels/batch.py): buffers are the pages' buffers, page after page; bits 8 or 4 for
+  // blockwise state, 32 (block_size 1) for fp32 state.
+  m.def(
+      "adamw_batch_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] buffers, Tensor table, Tensor scalars, "
+      "Tensor? rounding, int bits, int block_size) -> ()");
+  m.def(
+      "lion_batch_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] buffers, Tensor table, Tensor scalars, "
+      "Tensor? rounding, int bits, int block_size) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(hf_paged, CPU, m) {
   m.impl("adamw_blockwise_", &hf_paged::adamw_blockwise);
   m.impl("lion_blockwise_", &hf_paged::lion_blockwise);
+  m.impl("adamw_fp32_", &hf_paged::fp32_segment<hf_paged::AdamW>);
+  m.impl("lion_fp32_", &hf_paged::fp32_segment<hf_paged::Lion>);
+  m.impl("adamw_batch_", &hf_paged::update_batch<hf_paged::AdamW>);
+  m.impl("lion_batch_", &hf_paged::update_batch<hf_paged::Lion>);
 }
