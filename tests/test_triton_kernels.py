@@ -15,6 +15,9 @@ import copy
 import importlib.metadata
 import importlib.util
 import os
+import platform
+import subprocess
+import sys
 from unittest import mock
 
 import pytest
@@ -198,6 +201,53 @@ def test_stochastic_rounding_draws_the_eager_bits(triton_kernels, rule_name, sta
     reference_update(rule, codecs, nearest, grad, [b.clone() for b in buffers], 0, scalars_of(rule_name))
     assert not torch.equal(results[0][0], nearest)  # stochastic rounding changed some bits
     assert_equal_bits(results[1], results[0])
+
+
+_DEFAULT_CAPABILITY_SCRIPT = """
+import torch
+from hf_paged.codecs import Float32Codec
+from hf_paged.kernels import triton_kernels
+from hf_paged.kernels.pytorch import SegmentKernel, update_segment
+from hf_paged.kernels.rules import adamw_scalars, adamw_update_, lion_update_
+
+assert torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+generator = torch.Generator().manual_seed(0)
+cases = [
+    (adamw_update_, 2, adamw_scalars({"lr": 1e-2, "betas": (0.9, 0.999), "weight_decay": 0.1, "eps": 1e-8}, 3)),
+    (lion_update_, 1, {"lr": 1e-3, "decay": 0.9999, "direction_weight": 0.1, "avg_weight": 0.01}),
+]
+for rule, states, scalars in cases:
+    codecs = (Float32Codec(),) * states
+    weight = scalars["avg_weight"]
+    param, grad = torch.randn(4096, generator=generator), torch.randn(4096, generator=generator)
+    old = [torch.rand(4096, generator=generator) for _ in range(states)]
+    results = []
+    for kernel in (None, triton_kernels.TritonKernel(rule, codecs, SegmentKernel(rule, codecs, False))):
+        p, moments = param.clone(), [m.clone() for m in old]
+        if kernel is None:
+            update_segment(rule, codecs, p, grad, [(m,) for m in moments], scalars)
+        else:
+            kernel(p, grad, [(m,) for m in moments], scalars)
+        results.append(moments[0])
+    eager, triton = results
+    product = (weight * (grad - old[0])).abs()
+    bound = (torch.nextafter(product, product + 1) - product) + (torch.nextafter(eager.abs(), eager.abs() + 1) - eager.abs())
+    assert ((triton - eager).abs() <= bound).all(), rule.__name__
+    print(rule.__name__, int((triton != eager).sum()))
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86's default capability lacks FMA")
+def test_without_fma_the_pytorch_kernels_differ_only_within_the_lerps_rounding():
+    """Where PyTorch's CPU kernels have no fused multiply-add (ATEN_CPU_CAPABILITY=default), their lerp rounds its
+    product and its sum apart: a momentum differs from the Triton kernels' by at most an ulp of the product
+    ``w (g - m)`` and one of the result (a subprocess, in that capability)."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "TRITON_INTERPRET": "1", "HF_PAGED_NATIVE": "0"}
+    command = [sys.executable, "-c", _DEFAULT_CAPABILITY_SCRIPT]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    differing = dict(line.split() for line in result.stdout.splitlines())
+    assert int(differing["adamw_update_"]) > 0  # the bound is reached for some elements, not vacuous
 
 
 def make_batch(triton_kernels, rule_name, state_format, generator):
