@@ -14,8 +14,19 @@ a device memory limit matching hf_paged's 25% budget. On the CPU, where pages mo
 host memory, the bytes moved are counted but the efficiency column stays empty, and the bitsandbytes paged
 row is listed as skipped.
 
-    PYTHONPATH=. python benchmarks/optimizer_step.py [--params 16M] [--dtype fp32|bf16|both] [--steps 10]
-        [--warmup 3] [--page-size 1MiB 4MiB 16MiB] [--device cpu|cuda] [--interleaved] [--quick]
+    PYTHONPATH=. python benchmarks/optimizer_step.py [--params 16M | --layout llama] [--dtype fp32|bf16|both]
+        [--steps 10] [--warmup 3] [--page-size 1MiB 4MiB 16MiB] [--device cpu|cuda] [--interleaved] [--quick]
+        [--accelerator-layouts 1B 8B] [--accelerator-optimizers PagedAdamW8bit ...] [--accelerator-steps 1]
+
+``--layout llama`` takes the parameters of a Llama of 291 tensors (hidden 512, 32 layers, vocabulary 32000, 133.5M
+parameters) instead of a stack of ``--params`` elements. Beside each optimizer's ratios the table gives the operators
+one step dispatches (ATen calls counted by a ``TorchDispatchMode``) and its kernel calls (calls of hf_paged's
+kernel objects, per segment or per batch, and of torch's fused AdamW).
+
+The accelerator table times the step that pages on an accelerator take today (the PyTorch kernels, compiled, in
+chunks of ``page_size / 8`` elements) with each kernel call replaced by a no-op, on Llama 3.2 1B- and Llama 3 8B-shaped
+layouts of fake tensors in 4 MiB pages: the host's work per step, its kernel calls and operators, beside the one
+kernel launch per tensor and step of bitsandbytes.
 
 ``--interleaved`` builds and warms up every optimizer first and then times rounds of one step of each, so that the
 load of a shared machine falls on all of them alike (``--steps`` rounds); use it for ratios on a busy machine.
@@ -27,7 +38,7 @@ parameter: the parameter, its gradient and the optimizer state. DeepSpeed's ``De
 ``deepspeed`` extra) is the ZeRO-Offload reference there; it is skipped where DeepSpeed is absent.
 
 ``--quick`` is a small, short run that checks everything works (``tests/test_benchmarks.py`` runs it): 64 KiB
-pages, so that the 25% budget pages, no torchao, whose compiled steps take tens of seconds to compile, and no
+pages, so that the 25% budget pages, the accelerator path on the tiny layout only, no torchao, whose compiled steps take tens of seconds to compile, and no
 DeepSpeed, whose C++ op takes minutes to build the first time.
 
 Set ``HF_PAGED_COMPILE=0`` to run hf_paged's kernels eagerly.
@@ -48,15 +59,18 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_paged
 from hf_paged.kernels import COMPILE_MIN_ELEMENTS, resolve_compiled
-from hf_paged.native import build_failure, host_kernels_enabled, native_setting
+from hf_paged.native import build_failure, host_kernels_disabled, host_kernels_enabled, native_setting
 from hf_paged.optim.base import DEFAULT_PAGE_SIZE
 from hf_paged.sizes import format_size, parse_size
 
@@ -70,6 +84,8 @@ ALLOCATOR_SLACK = 64 * 2**20
 """Bytes the memory limit of bitsandbytes' paged run allows beyond parameters, gradients and state."""
 HYPERPARAMETERS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
 """AdamW hyperparameters shared by every AdamW variant."""
+ACCELERATOR_OPTIMIZERS = ("PagedAdamW", "PagedAdamW8bit", "PagedAdamW4bit", "PagedLion", "PagedLion8bit")
+"""hf_paged's optimizers, each of which the accelerator path can time."""
 
 Builder = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
@@ -97,6 +113,11 @@ class Result:
     """Bytes paged out per timed step (``None`` unless budgeted)."""
     efficiency: float | None = None
     """Streaming efficiency of a budgeted run, where the copy bandwidth was measured."""
+    operator_calls: int | None = None
+    """Operators dispatched by one step (``None`` where counting failed)."""
+    kernel_calls: int | None = None
+    """Calls into update kernels in one step (see :func:`counted_kernel_calls`); ``None`` for optimizers other
+    than hf_paged's and torch's fused AdamW."""
 
 
 # Parameters -------------------------------------------------------------------------------------------
@@ -124,6 +145,41 @@ def layer_shapes(numel: int) -> list[tuple[int, ...]]:
     layer = [(hidden, hidden)] * 4 + [(2 * hidden, hidden), (hidden, 2 * hidden)]
     layer += [(hidden,), (hidden,), (2 * hidden,), (hidden,)]
     return layer * layers + [(hidden,)]
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The shape of a Llama model: what its parameter tensors are made from."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    vocabulary: int
+    key_value: int
+    """Rows of the key and value projections (key-value heads x head dimension)."""
+    tied: bool
+    """Whether the output head is the embedding (no tensor of its own)."""
+
+
+LLAMA_LAYOUTS = {
+    "llama-133M": LlamaShape(hidden=512, intermediate=1536, layers=32, vocabulary=32000, key_value=256, tied=False),
+    "tiny": LlamaShape(hidden=64, intermediate=192, layers=2, vocabulary=1000, key_value=32, tied=False),
+    "1B": LlamaShape(hidden=2048, intermediate=8192, layers=16, vocabulary=128256, key_value=512, tied=True),
+    "8B": LlamaShape(hidden=4096, intermediate=14336, layers=32, vocabulary=128256, key_value=1024, tied=False),
+}
+"""Llama layouts: ``llama-133M`` (291 tensors, 133,464,576 parameters; ``--layout llama``), Llama 3.2 1B and
+Llama 3 8B shapes (8 key-value heads of 64 and 128) for the accelerator path, and a tiny one for tests."""
+
+
+def llama_shapes(shape: LlamaShape) -> list[tuple[int, ...]]:
+    """The parameter shapes of a Llama in ``model.parameters()`` order: the embedding, per layer the attention's
+    query, key, value and output projections, the MLP's gate, up and down projections and two norms, the final norm
+    and, unless tied, the output head."""
+    hidden, intermediate, key_value = shape.hidden, shape.intermediate, shape.key_value
+    layer = [(hidden, hidden), (key_value, hidden), (key_value, hidden), (hidden, hidden)]
+    layer += [(intermediate, hidden), (intermediate, hidden), (hidden, intermediate), (hidden,), (hidden,)]
+    head = [] if shape.tied else [(shape.vocabulary, hidden)]
+    return [(shape.vocabulary, hidden), *layer * shape.layers, (hidden,), *head]
 
 
 def make_master(
@@ -222,6 +278,79 @@ def tensor_bytes(value: Any, seen: set[tuple[int, int]]) -> int:
     return 0
 
 
+class OperatorCounter(TorchDispatchMode):
+    """Counts the operators dispatched while it is active (each ATen call, views included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def kernel_methods() -> list[tuple[Any, str]]:
+    """What a kernel call is: torch's fused AdamW (``torch._fused_adamw_``, which PagedAdamW's fp32 pages also
+    call), and the per-segment calls (``__call__``) and batch calls (``update_batch``) of the kernel classes of the
+    modules of ``hf_paged.kernels`` imported so far."""
+    methods: list[tuple[Any, str]] = [(torch, "_fused_adamw_")]
+    for module_name, module in sorted(sys.modules.items()):
+        if module is None or not module_name.startswith("hf_paged.kernels"):
+            continue
+        for value in vars(module).values():
+            if not isinstance(value, type) or value.__module__ != module_name:
+                continue
+            if "allocates_nothing" in vars(value) or "update_batch" in vars(value):
+                methods += [(value, name) for name in ("__call__", "update_batch") if name in vars(value)]
+    return methods
+
+
+@contextlib.contextmanager
+def counted_kernel_calls(replacement: Callable[..., None] | None = None) -> Iterator[list[int]]:
+    """Count the kernel calls (:func:`kernel_methods`) made inside; a kernel that hands its call to another (a host
+    kernel's fallback) counts once. With ``replacement``, kernels call it instead of updating (stubs). Yields a
+    one-element list holding the count."""
+    count = [0]
+    depth = [0]
+
+    def counting(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if depth[0]:
+                return original(*args, **kwargs)
+            count[0] += 1
+            depth[0] += 1
+            try:
+                return (replacement or original)(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return call
+
+    methods = kernel_methods()
+    originals = [getattr(owner, name) for owner, name in methods]
+    for (owner, name), original in zip(methods, originals):
+        setattr(owner, name, counting(original))
+    try:
+        yield count
+    finally:
+        for (owner, name), original in zip(methods, originals):
+            setattr(owner, name, original)
+
+
+def count_calls(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """The operators dispatched and the kernel calls made by one more step of ``optimizer``. Compiled kernels run
+    eagerly under the counting mode (Dynamo does not trace under a dispatch mode), so their operators count."""
+    with counted_kernel_calls() as kernels, OperatorCounter() as operators:
+        optimizer.step()
+    return operators.calls, kernels[0]
+
+
+def counts_kernels(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s kernel calls are counted: hf_paged's and torch's fused AdamW."""
+    return isinstance(optimizer, hf_paged.PagedOptimizer) or bool(optimizer.defaults.get("fused"))
+
+
 @dataclass
 class Run:
     """An optimizer built and warmed up, whose steps are being timed."""
@@ -277,6 +406,11 @@ def finish(run: Run, args: argparse.Namespace) -> Result | str:
         state_bytes, device_bytes = stats["device_bytes"] + stats["host_bytes"], stats["device_bytes"]
     else:
         state_bytes = device_bytes = tensor_bytes(dict(run.optimizer.state), set())
+    try:  # one more step, after the figures above
+        operator_calls, kernel_calls = count_calls(run.optimizer)
+    except Exception as error:  # noqa: BLE001 (the counts stay empty, the timings stand)
+        print(f"  {run.name}: counting calls failed: {failure(error)}", file=sys.stderr, flush=True)
+        operator_calls = kernel_calls = None
     median = statistics.median(run.seconds)
     print(f"  {run.name} [{run.budget}]: {1e3 * median:.2f} ms", file=sys.stderr, flush=True)
     steps = len(run.seconds)
@@ -294,6 +428,8 @@ def finish(run: Run, args: argparse.Namespace) -> Result | str:
         extra_peak_mib=peak,
         bytes_to_device=(moved_after[0] - run.moved_before[0]) / steps if run.budgeted else None,
         bytes_to_host=(moved_after[1] - run.moved_before[1]) / steps if run.budgeted else None,
+        operator_calls=operator_calls,
+        kernel_calls=kernel_calls if counts_kernels(run.optimizer) else None,
     )
 
 
@@ -548,6 +684,8 @@ def format_table(results: list[Result]) -> str:
         "median step ms",
         "ratio to torch fused",
         "fastest steps' ratio",
+        "operator calls/step",
+        "kernel calls/step",
         "state bytes/param",
         "device bytes/param",
         "offload host bytes/param",
@@ -564,6 +702,8 @@ def format_table(results: list[Result]) -> str:
             f"{result.median_ms:.2f}",
             f"{result.median_ms / reference.median_ms:.2f}x" if reference else "",
             f"{result.fastest_ms / reference.fastest_ms:.2f}x" if reference else "",
+            "" if result.operator_calls is None else f"{result.operator_calls:,}",
+            "" if result.kernel_calls is None else f"{result.kernel_calls:,}",
             f"{result.state_bytes / result.numel:.3f}",
             f"{result.device_bytes / result.numel:.3f}",
             f"{(result.param_bytes + result.state_bytes) / result.numel:.3f}",
@@ -699,8 +839,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="build and warm up every optimizer first, then time rounds of one step of each (for shared machines)",
     )
+    parser.add_argument(
+        "--layout",
+        choices=("stack", "llama"),
+        default="stack",
+        help="parameter shapes: a transformer-like stack of --params elements, or llama: the Llama of 291 tensors "
+        "(hidden 512, 32 layers, vocabulary 32000; 133.5M parameters; --params is then ignored)",
+    )
+    parser.add_argument(
+        "--accelerator-layouts",
+        nargs="*",
+        choices=[name for name in LLAMA_LAYOUTS if name != "llama-133M"],
+        help="Llama layouts whose accelerator path is timed with its kernels stubbed (default 1B 8B; tiny with "
+        "--quick; none for no such table)",
+    )
+    parser.add_argument(
+        "--accelerator-optimizers",
+        nargs="*",
+        choices=ACCELERATOR_OPTIMIZERS,
+        default=["PagedAdamW8bit"],
+        help="hf_paged optimizers timed on the accelerator path (default PagedAdamW8bit)",
+    )
+    parser.add_argument(
+        "--accelerator-page-size",
+        type=lambda text: parse_size(text, "--accelerator-page-size"),
+        default=4 * 2**20,
+        help="page size of the accelerator path (default 4MiB)",
+    )
+    parser.add_argument("--accelerator-steps", type=int, default=1, help="timed steps of the accelerator path")
     parser.add_argument("--quick", action="store_true", help="a small, short run to check that everything works")
     args = parser.parse_args(argv)
+    if args.accelerator_layouts is None:
+        args.accelerator_layouts = ["tiny"] if args.quick else ["1B", "8B"]
+    if args.accelerator_steps < 1:
+        parser.error(f"--accelerator-steps must be at least 1, got {args.accelerator_steps}")
     if args.page_size is None:
         args.page_size = [parse_size("64KiB" if args.quick else DEFAULT_PAGE_SIZE, "--page-size")]
     args.params = args.params or parse_count("1M" if args.quick else "16M")
@@ -770,9 +942,111 @@ def step_overheads(master: list[tuple[torch.Tensor, torch.Tensor]], args: argpar
     return f"{label}: fused torch AdamW {reference:.0f} us; " + "; ".join(checks)
 
 
+@dataclass
+class AcceleratorPath:
+    """One optimizer's step on the accelerator path over a Llama layout of fake tensors, its kernels stubbed."""
+
+    layout: str
+    optimizer: str
+    params: int
+    tensors: int
+    pages: int
+    kernel_calls: int
+    operator_calls: int
+    host_ms: float
+    """Median wall time of a step (kernels stubbed), under ``FakeTensorMode``."""
+
+
+def accelerator_path(layout: str, name: str, args: argparse.Namespace) -> AcceleratorPath:
+    """Step ``name`` (bf16 parameters, ``--accelerator-page-size`` pages, ``compiled=True``) on the Llama layout
+    ``layout`` as the pages of an accelerator take it today: the PyTorch kernels (host kernels off), in chunks of
+    ``page_size / 8`` elements, each kernel call replaced by a no-op, so that only the host's Python and dispatch
+    work is timed. Parameters, gradients and state are fake tensors (``FakeTensorMode``, as
+    :mod:`hf_paged.planner` traces a step): no memory, and each operator costs its dispatch through the fake mode
+    (slower than a device's dispatch, so the times bound the real ones from above). The first step lays the pages
+    out and is not timed; operators and kernel calls are counted in the timed steps."""
+    shapes = llama_shapes(LLAMA_LAYOUTS[layout])
+
+    def skip(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    print(f"{time.strftime('%H:%M:%S')} accelerator path {layout} {name} ...", file=sys.stderr, flush=True)
+    with (
+        FakeTensorMode(),
+        host_kernels_disabled(),
+        counted_kernel_calls(skip) as kernel_calls,
+        warnings.catch_warnings(),
+    ):
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        params = []
+        for shape in shapes:
+            param = torch.nn.Parameter(torch.empty(shape, dtype=torch.bfloat16))
+            param.grad = torch.empty_like(param)
+            params.append(param)
+        optimizer = getattr(hf_paged, name)(params, page_size=args.accelerator_page_size, compiled=True)
+        optimizer.step()
+        kernel_calls[0] = 0
+        seconds = []
+        with OperatorCounter() as operators:
+            for _ in range(args.accelerator_steps):
+                start = time.perf_counter()
+                optimizer.step()
+                seconds.append(time.perf_counter() - start)
+        pages = optimizer.paging_stats()["pages_total"]
+    steps = args.accelerator_steps
+    return AcceleratorPath(
+        layout=layout,
+        optimizer=name,
+        params=sum(math.prod(shape) for shape in shapes),
+        tensors=len(shapes),
+        pages=pages,
+        kernel_calls=kernel_calls[0] // steps,
+        operator_calls=operators.calls // steps,
+        host_ms=1e3 * statistics.median(seconds),
+    )
+
+
+def accelerator_table(args: argparse.Namespace) -> str:
+    """The accelerator path of each ``--accelerator-layouts`` layout and ``--accelerator-optimizers`` optimizer as a
+    markdown table, beside bitsandbytes' one kernel launch per tensor and step; a failed row says why."""
+    header = [
+        "layout",
+        "parameters",
+        "tensors",
+        "optimizer",
+        "pages",
+        "kernel calls/step",
+        "operator calls/step",
+        "host ms/step (kernels stubbed)",
+        "bitsandbytes launches/step",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for layout in args.accelerator_layouts:
+        for name in args.accelerator_optimizers:
+            try:
+                row = accelerator_path(layout, name, args)
+            except Exception as error:  # noqa: BLE001 (a benchmark reports failures and goes on)
+                tensors = len(llama_shapes(LLAMA_LAYOUTS[layout]))
+                lines.append(f"| {layout} | | {tensors} | {name} | | | | failed: {failure(error)} | {tensors} |")
+                continue
+            cells = [
+                layout,
+                f"{row.params:,}",
+                str(row.tensors),
+                name,
+                f"{row.pages:,}",
+                f"{row.kernel_calls:,}",
+                f"{row.operator_calls:,}",
+                f"{row.host_ms:.1f}",
+                str(row.tensors),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    shapes = layer_shapes(args.params)
+    shapes = layer_shapes(args.params) if args.layout == "stack" else llama_shapes(LLAMA_LAYOUTS["llama-133M"])
     numel = sum(math.prod(shape) for shape in shapes)
     matrices = sum(len(shape) == 2 for shape in shapes)
     print(f"# Optimizer step benchmark\n\n{machine(args.device)}\n")
@@ -803,6 +1077,14 @@ def main(argv: list[str] | None = None) -> None:
         if dtype_name == "fp32":
             verdicts.append(overhead)
     print("Targets:\n" + "\n".join(verdicts))
+    if args.accelerator_layouts and args.accelerator_optimizers:
+        print(
+            f"\n## Accelerator path: host time per step, kernels stubbed\n\n"
+            f"bf16 parameters, {format_size(args.accelerator_page_size)} pages, the PyTorch kernels in chunks of "
+            f"page_size / 8 (compiled), fake tensors; median of {args.accelerator_steps} steps after the first. "
+            "bitsandbytes launches one kernel per tensor and step.\n"
+        )
+        print(accelerator_table(args))
     print(f"\nAt the end: {load_average()}")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import re
 import subprocess
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import hf_paged
+
 ROOT = Path(__file__).resolve().parents[1]
 OPTIMIZER_STEP_COLUMNS = [
     "optimizer",
@@ -19,6 +22,8 @@ OPTIMIZER_STEP_COLUMNS = [
     "median step ms",
     "ratio to torch fused",
     "fastest steps' ratio",
+    "operator calls/step",
+    "kernel calls/step",
     "state bytes/param",
     "device bytes/param",
     "offload host bytes/param",
@@ -58,6 +63,31 @@ def markdown_tables(text: str) -> list[list[dict[str, str]]]:
     return tables
 
 
+ACCELERATOR_COLUMNS = [
+    "layout",
+    "parameters",
+    "tensors",
+    "optimizer",
+    "pages",
+    "kernel calls/step",
+    "operator calls/step",
+    "host ms/step (kernels stubbed)",
+    "bitsandbytes launches/step",
+]
+COUNTED_KERNELS = {"torch AdamW fused", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW4bit", "PagedLion8bit"}
+"""The optimizers whose kernel calls the table counts (hf_paged's kernels and torch's fused AdamW)."""
+
+
+def load_benchmark(monkeypatch):
+    """``benchmarks/optimizer_step.py`` as a module."""
+    load_streaming()
+    spec = importlib.util.spec_from_file_location("optimizer_step", ROOT / "benchmarks" / "optimizer_step.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "optimizer_step", benchmark)  # its dataclasses look their module up there
+    spec.loader.exec_module(benchmark)
+    return benchmark
+
+
 def load_streaming():
     """``benchmarks/_streaming.py`` as a module (``benchmarks`` is not a package)."""
     if "_streaming" not in sys.modules:
@@ -76,13 +106,24 @@ def optimizer_step_output() -> str:
 def test_optimizer_step_quick_tables(optimizer_step_output):
     assert "## fp32 parameters" in optimizer_step_output and "## bf16 parameters" in optimizer_step_output
     tables = markdown_tables(optimizer_step_output)
-    assert len(tables) == 2
+    assert len(tables) == 3, "fp32, bf16 and the accelerator path"
     numel = int(re.search(r"\((\d+) exactly", optimizer_step_output).group(1))
     for dtype, table in zip(("fp32", "bf16"), tables):
         assert list(table[0]) == OPTIMIZER_STEP_COLUMNS
+        for row in table:  # every step dispatches operators; kernel calls are counted for hf_paged and fused AdamW
+            assert int(row["operator calls/step"].replace(",", "")) > 0, row
+            counted = row["optimizer"] in COUNTED_KERNELS
+            assert (row["kernel calls/step"] != "") == counted, row
+            if counted:
+                assert (
+                    0
+                    < int(row["kernel calls/step"].replace(",", ""))
+                    <= int(row["operator calls/step"].replace(",", ""))
+                ), row
         rows = {(row["optimizer"], row["budget"].startswith("unlimited")): row for row in table}
         reference = next(row for row in table if row["optimizer"] == "torch AdamW fused")
         assert float(reference["median step ms"]) > 0 and reference["ratio to torch fused"] == "1.00x"
+        assert reference["kernel calls/step"] == "1", "one fused call for the parameters of one dtype and device"
         assert reference["fastest steps' ratio"] == "1.00x"
         for row in table:  # an offloaded step keeps the parameter and its gradient in host memory with the state
             offload, state = float(row["offload host bytes/param"]), float(row["state bytes/param"])
@@ -104,6 +145,57 @@ def test_optimizer_step_quick_tables(optimizer_step_output):
             assert float(rows["PagedAdamW", True]["state bytes/param"]) == pytest.approx(
                 float(reference["state bytes/param"]), abs=0.01
             )
+
+
+def test_optimizer_step_quick_accelerator_path(optimizer_step_output):
+    """The tiny Llama's accelerator path: one row, its tensors and parameters those of the layout, at least a kernel
+    call per tensor (the PyTorch kernels take a segment or chunk per call), bitsandbytes one launch per tensor."""
+    table = markdown_tables(optimizer_step_output)[2]
+    assert list(table[0]) == ACCELERATOR_COLUMNS
+    (row,) = table
+    # 2 layers of 4 attention and 3 MLP matrices and 2 norms, the embedding, the final norm and the output head
+    hidden, intermediate, key_value, vocabulary = 64, 192, 32, 1000
+    layer = 2 * hidden * hidden + 2 * key_value * hidden + 3 * intermediate * hidden + 2 * hidden
+    assert (row["layout"], row["optimizer"], row["tensors"]) == ("tiny", "PagedAdamW8bit", str(2 * 9 + 3))
+    assert int(row["parameters"].replace(",", "")) == 2 * layer + 2 * vocabulary * hidden + hidden
+    assert row["bitsandbytes launches/step"] == row["tensors"]
+    assert int(row["kernel calls/step"]) >= int(row["tensors"]) and int(row["pages"]) >= 1
+    assert int(row["operator calls/step"].replace(",", "")) > int(row["kernel calls/step"])
+    assert float(row["host ms/step (kernels stubbed)"]) > 0
+
+
+def test_llama_layouts_have_the_models_tensors_and_parameters(monkeypatch):
+    """The benchmark's Llama layouts against the published sizes: Llama 3 8B's 8,030,261,248 parameters in 291 tensors,
+    Llama 3.2 1B's 1,235,814,400 (tied embedding: 146 tensors), and issue 27's layout of 291 tensors, 133.5M."""
+    benchmark = load_benchmark(monkeypatch)
+    sizes = {}
+    for name in ("8B", "1B", "llama-133M"):
+        shapes = benchmark.llama_shapes(benchmark.LLAMA_LAYOUTS[name])
+        sizes[name] = (len(shapes), sum(math.prod(shape) for shape in shapes))
+    assert sizes["8B"] == (291, 8_030_261_248)
+    assert sizes["1B"] == (146, 1_235_814_400)
+    assert sizes["llama-133M"][0] == 291 and round(sizes["llama-133M"][1] / 1e5) == 1335
+
+
+def test_counted_calls_of_fused_adamw_and_a_host_kernel(monkeypatch):
+    """One step of torch's fused AdamW is one kernel call; a paged 8-bit step makes one call per segment (a parameter
+    that fits a page is one segment), or fewer where its kernel takes a batch of pages, and dispatches them."""
+    from hf_paged import native
+
+    benchmark = load_benchmark(monkeypatch)
+    params = [torch.nn.Parameter(torch.randn(64, 64)) for _ in range(3)]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    fused = torch.optim.AdamW(params, fused=True)
+    fused.step()
+    operators, kernels = benchmark.count_calls(fused)
+    assert kernels == 1 and operators >= 1
+    paged = hf_paged.PagedAdamW8bit(params, min_8bit_size=1024, compiled=False)
+    paged.step()
+    operators, kernels = benchmark.count_calls(paged)
+    assert 1 <= kernels <= len(params)
+    if native.build_failure() is None:  # the C++ operator of each call is dispatched as one operator
+        assert operators >= kernels
 
 
 def test_optimizer_step_quick_lists_skips_and_targets(optimizer_step_output):
@@ -129,7 +221,16 @@ def test_optimizer_step_quick_lists_skips_and_targets(optimizer_step_output):
 
 def test_optimizer_step_interleaved_times_the_same_optimizers_and_the_step_overhead(optimizer_step_output):
     output = run_benchmark(
-        "optimizer_step.py", "--quick", "--interleaved", "--dtype", "fp32", "--params", "16K", "--steps", "2"
+        "optimizer_step.py",
+        "--quick",
+        "--interleaved",
+        "--dtype",
+        "fp32",
+        "--params",
+        "16K",
+        "--steps",
+        "2",
+        "--accelerator-layouts",
     )
     (table,) = markdown_tables(output)
     sequential = markdown_tables(optimizer_step_output)[0]
@@ -155,11 +256,7 @@ def test_step_overhead_reports_an_optimizer_that_fails_to_build(monkeypatch):
 
     if native.build_failure() is not None:
         pytest.skip("the overhead is measured with the host kernels")
-    load_streaming()
-    spec = importlib.util.spec_from_file_location("optimizer_step", ROOT / "benchmarks" / "optimizer_step.py")
-    benchmark = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "optimizer_step", benchmark)  # its dataclasses look their module up there
-    spec.loader.exec_module(benchmark)
+    benchmark = load_benchmark(monkeypatch)
 
     def broken(*args, **kwargs):
         raise RuntimeError("cannot build")
