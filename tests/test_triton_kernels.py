@@ -400,6 +400,32 @@ def test_hf_paged_kernels_chooses_the_family(triton_kernels, monkeypatch):
         kernel_family(cpu)
 
 
+@pytest.mark.parametrize(
+    ("hip", "capability", "triton_backends", "expected"),
+    [
+        (None, (8, 0), ["nvidia"], "triton"),
+        (None, (9, 0), ["amd", "nvidia"], "triton"),
+        (None, (7, 5), ["nvidia"], "torch"),  # before Ampere: the PyTorch kernels
+        (None, (9, 0), ["amd"], "torch"),  # a Triton without the NVIDIA backend
+        ("6.4", (9, 4), ["amd"], "triton"),  # ROCm
+        ("6.4", (9, 4), ["nvidia"], "torch"),
+    ],
+)
+def test_cuda_pages_default_to_triton_where_it_runs(
+    triton_kernels, monkeypatch, hip, capability, triton_backends, expected
+):
+    """Unset, HF_PAGED_KERNELS is triton on a GPU whose backend the installed Triton has (NVIDIA from compute
+    capability 8.0, AMD under ROCm), else torch; outside the interpreter CPU pages never take Triton."""
+    monkeypatch.delenv("HF_PAGED_KERNELS", raising=False)
+    monkeypatch.setattr(triton_kernels, "INTERPRETED", False)
+    monkeypatch.setattr(triton_kernels, "backends", dict.fromkeys(triton_backends))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    assert kernel_family(torch.device("cuda", 0)) == expected
+    assert not triton_kernels.runs_on(torch.device("cpu"))
+
+
 # The whole optimizer on the CPU (the tests' pseudo-device) with HF_PAGED_KERNELS=triton ----------------------------
 
 CASES = {
