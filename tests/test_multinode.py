@@ -323,8 +323,9 @@ def test_deepspeed_zero3_two_nodes(tmp_path, launcher, per_node, save_on_each_no
             folder = tmp_path / "runs" / (f"node{node}" if save_on_each_node else "") / setup / name / "full"
             checkpoint = folder / f"checkpoint-{DEEPSPEED_SAVE_AT}" / f"global_step{DEEPSPEED_SAVE_AT}"
             ranks = range(node * per_node, (node + 1) * per_node) if save_on_each_node else range(world)
-            partitions = {
-                f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt" for rank in ranks for kind in ("model", "optim")
+            bf16 = "bf16_" if setup == "accelerate" else ""  # DeepSpeed's name of a bf16 run's optimizer states
+            partitions = {f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" for rank in ranks} | {
+                f"{bf16}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in ranks
             }
             assert partitions <= set(os.listdir(checkpoint)), (node, sorted(os.listdir(checkpoint)))
 
