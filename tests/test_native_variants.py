@@ -1,8 +1,9 @@
 """The host kernels in every CPU capability this machine runs, each against the eager kernels.
 
 ``ATEN_CPU_CAPABILITY`` lowers the capability PyTorch's kernels (and so the host kernels' build) use. The
-comparisons of tests/test_native_kernels.py run in this process for the capability it has; here they run again in
-a subprocess for each other capability the machine can run (about 25 s per capability the first time, to build).
+comparisons of tests/test_native_kernels.py (per segment) and tests/test_batch_kernels.py (page batches) run in this
+process for the capability it has; here they run again in a subprocess for each other capability the machine can run
+(about 25 s per capability the first time, to build).
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ import torch
 from hf_paged import native
 
 TESTS = Path(__file__).parent
-COMPARISONS = "matches_the_eager or tracks_the_eager or targets_the_cpu_capability"
+COMPARISONS = {
+    "per segment": ("test_native_kernels.py", "matches_the_eager or tracks_the_eager or targets_the_cpu_capability"),
+    "batch": (
+        "test_batch_kernels.py",
+        "matches_the_per_segment_path or independent_of_the_number_of_threads or rounds_by_its_index",
+    ),
+}
+"""The comparisons rerun per capability: a test file and the ``-k`` expression of its comparisons."""
 
 
 @functools.cache
@@ -38,18 +46,20 @@ def runnable_capabilities() -> list[str]:
     return ladder[: ladder.index(top) + 1] if top in ladder else ["default", top]
 
 
+@pytest.mark.parametrize("suite", sorted(COMPARISONS))
 @pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
-def test_host_kernels_match_the_eager_kernels_in_every_capability(capability):
+def test_host_kernels_match_the_eager_kernels_in_every_capability(capability, suite):
     if capability not in runnable_capabilities():
         pytest.skip(f"this machine runs {machine_capability()} at most")
     if capability == torch.backends.cpu.get_cpu_capability().lower():
-        pytest.skip("this process's capability: tests/test_native_kernels.py compares it")
+        pytest.skip(f"this process's capability: tests/{COMPARISONS[suite][0]} compares it")
     if native.native_setting() is False or native.build_failure() is not None:
         pytest.skip("host kernels off or unavailable here")
     environment = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "HF_PAGED_NATIVE": "1"}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "test_native_kernels.py")]
+    test_file, comparisons = COMPARISONS[suite]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / test_file)]
     result = subprocess.run(
-        [*command, "-k", COMPARISONS],
+        [*command, "-k", comparisons],
         env=environment,
         capture_output=True,
         text=True,
