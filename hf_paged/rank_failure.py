@@ -139,12 +139,15 @@ class RankFailureWatcher:
             self._thread.join(timeout=self.poll_interval + 5)
         self._thread = None
 
-    def publish(self, failure: RankFailure) -> None:
-        """Tell every rank of the job that this one failed (the first failure published stays)."""
+    def publish(self, failure: RankFailure) -> RankFailure:
+        """Tell every rank of the job that this one failed; returns the job's first failure (another rank's where
+        it was published earlier, as a peer's error that follows from it)."""
         try:
-            self.store.compare_set(self.key, "", json.dumps(asdict(failure)))
+            first = self.store.compare_set(self.key, "", json.dumps(asdict(failure)))
+            return RankFailure(**json.loads(first))
         except Exception as error:  # noqa: BLE001  (the rank's own error matters more than the store's)
             logger.warning("hf-paged: could not publish rank %d's failure in the job's store: %s", self.rank, error)
+            return failure
 
     @contextlib.contextmanager
     def checkpointing(self) -> Iterator[None]:

@@ -10,10 +10,11 @@ FSDP2, DeepSpeed ZeRO-3 and torchrun's restarts.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
-import signal
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -39,6 +40,16 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (from ``/proc``; none where it is missing or the process has ended)."""
+    found = []
+    for task in glob.glob(f"/proc/{pid}/task/*/children"):
+        with contextlib.suppress(OSError), open(task) as file:
+            for child in map(int, file.read().split()):
+                found += [child, *descendants(child)]
+    return found
 
 
 def read_json(path: str) -> dict | None:
@@ -112,7 +123,6 @@ def launch(
             stderr=subprocess.STDOUT,
             text=True,
             env=environment,
-            start_new_session=True,  # a launcher that runs past its time is killed with its workers
         )
         for command in commands
     ]
@@ -123,8 +133,9 @@ def launch(
             ended.append(time.time())
     finally:
         for process in processes:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
+            for pid in [process.pid, *descendants(process.pid)]:  # torchrun starts its workers in sessions of their own
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             process.communicate()
     failure = read_json(os.path.join(folder, "failure.json"))
     results = {rank: read_json(os.path.join(folder, f"rank{rank}.json")) for rank in range(2)}
@@ -164,8 +175,9 @@ def test_watcher_ends_the_process_when_another_rank_fails(store, caplog):
 def test_watcher_ignores_its_own_failure_and_keeps_the_first(store):
     ended = []
     watcher = RankFailureWatcher(store, rank=1, poll_interval=0.05, end_process=ended.append).start()
-    watcher.publish(RankFailure.of(RuntimeError("first"), rank=1, step=2, phase="optimizer step"))
-    watcher.publish(RankFailure.of(RuntimeError("second"), rank=0, step=2, phase="forward/backward"))
+    first = RankFailure.of(RuntimeError("first"), rank=1, step=2, phase="optimizer step")
+    assert watcher.publish(first) == first
+    assert watcher.publish(RankFailure.of(RuntimeError("second"), rank=0, step=2, phase="forward/backward")) == first
     time.sleep(0.5)
     watcher.stop()
     assert ended == []
@@ -337,3 +349,31 @@ def test_torchrun_restarts_from_the_last_checkpoint(clean_run, tmp_path):
     for rank in (0, 1):
         assert run.results[rank]["resumed_from"] == str(tmp_path / "checkpoint-2")
         assert run.results[rank]["checksum"] == clean_run.results[rank]["checksum"]
+
+
+@needs_torchrun
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["fsdp2", "deepspeed"])
+def test_optimizer_step_recovers_on_its_rank_under_sharding(tmp_path, engine):
+    """An out-of-memory error in rank 1's optimizer step under FSDP2 or DeepSpeed ZeRO-3 (the step updates that rank's
+    shards only) is recovered there; the run ends bitwise as a clean one."""
+    clean = launch(tmp_path / "clean", "--engine", engine, *ACCUMULATE, "--fail-in", "none", timeout=300)
+    assert clean.returncodes == [0], clean.output[-4000:]
+    run = launch(
+        tmp_path / "recovered",
+        "--engine",
+        engine,
+        *ACCUMULATE,
+        "--fail-step",
+        "3",
+        "--fail-in",
+        "optimizer",
+        "--fail-times",
+        "1",
+        timeout=300,
+    )
+    assert run.returncodes == [0], run.output[-4000:]
+    assert (run.results[0]["oom_recoveries"], run.results[1]["oom_recoveries"]) == (0, 1)
+    for rank in (0, 1):
+        assert run.results[rank]["checksum"] == clean.results[rank]["checksum"]
+        assert run.results[rank]["losses"] == clean.results[rank]["losses"]

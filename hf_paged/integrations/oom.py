@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -152,7 +153,13 @@ class _RankFailures(TrainerCallback):
         self.trainer = trainer
         self.optimizer = optimizer
         self.rank = trainer.args.process_index
-        self.watcher = RankFailureWatcher(rank=self.rank).start()
+        self.watcher = RankFailureWatcher(rank=self.rank).start() if dist.is_initialized() else None
+        if self.watcher is None:
+            logger.warning(
+                "hf-paged: %d processes without a torch.distributed process group: a failure on one rank is not "
+                "published to the others",
+                trainer.args.world_size,
+            )
         self._saving = contextlib.ExitStack()
         self._closed = False
         self._snapshot_hook: torch.utils.hooks.RemovableHandle | None = None
@@ -198,15 +205,22 @@ class _RankFailures(TrainerCallback):
         output_dir = self.trainer.args.output_dir
         checkpoint = get_last_checkpoint(output_dir) if output_dir and os.path.isdir(output_dir) else None
         failure = RankFailure.of(error, self.rank, self.trainer.state.global_step + 1, phase, checkpoint)
-        self.watcher.publish(failure)
-        error.add_note(f"hf-paged: {failure.describe()} Every other rank of the job ends within seconds.")
+        if self.watcher is None:
+            error.add_note(f"hf-paged: {failure.describe()}")
+            return
+        first = self.watcher.publish(failure)
+        if first.rank == self.rank:
+            error.add_note(f"hf-paged: {failure.describe()} Every other rank of the job ends within seconds.")
+        else:
+            error.add_note(f"hf-paged: this error on rank {self.rank} follows another: {first.describe()}")
 
     def close(self) -> None:
         """Stop watching and give the optimizer its own step back (idempotent)."""
         if self._closed:
             return
         self._closed = True
-        self.watcher.stop()
+        if self.watcher is not None:
+            self.watcher.stop()
         self._saving.close()
         if self._snapshot_hook is not None:
             self._snapshot_hook.remove()
@@ -219,7 +233,7 @@ class _RankFailures(TrainerCallback):
         self._saving.close()
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
-        if control.should_save and not self._closed:
+        if control.should_save and not self._closed and self.watcher is not None:
             self._saving.enter_context(self.watcher.checkpointing())
 
     def on_save(self, args, state, control, **kwargs) -> None:
