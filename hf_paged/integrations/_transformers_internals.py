@@ -8,6 +8,7 @@ transformers has no public registry of optimizers: names are members of the ``Op
 the frame of ``CallbackHandler.call_event``, and the trainer running a callback in the frame of the loop that
 called it. Resuming replaces ``Trainer._load_optimizer_and_scheduler`` for our optimizers, to load their
 state to the CPU, and wraps ``Trainer._load_callback_state`` so that our callbacks keep their instance.
+``Trainer._save`` is wrapped so that ``save_on_each_node`` writes the model's weights on every node.
 TRL's trainers keep metrics per micro-batch in ``_metrics`` and ``_total_train_tokens``, which a replayed
 micro-batch must not count twice. All are used here and nowhere else;
 ``tests/test_transformers_internals.py`` fails loudly when a release changes them.
