@@ -377,3 +377,17 @@ def test_optimizer_step_recovers_on_its_rank_under_sharding(tmp_path, engine):
     for rank in (0, 1):
         assert run.results[rank]["checksum"] == clean.results[rank]["checksum"]
         assert run.results[rank]["losses"] == clean.results[rank]["losses"]
+
+
+@needs_torchrun
+@pytest.mark.slow
+def test_a_failed_optimizer_step_ends_every_rank(tmp_path):
+    """Rank 1's optimizer step runs out of memory more often than it may recover and rank 1 holds on: rank 0, gone
+    on to the next step's collectives, ends within seconds, told that the optimizer step failed."""
+    run = launch(tmp_path, *ACCUMULATE, *HOLD_ON, "--fail-in", "optimizer", timeout=150)
+    assert run.returncodes != [0]
+    assert run.seconds_after_failure < ENDS_WITHIN, run.output[-4000:]
+    assert "hf-paged: ending rank 0 because rank 1 failed in the optimizer step of step 3 with OutOfMemoryError" in (
+        run.output
+    )
+    assert "hf-paged: rank 1 failed in the optimizer step of step 3" in run.failure["traceback"]
