@@ -7,7 +7,7 @@ For each hf-paged optimizer (fp32 parameters, 1024x1024 matrices and their biase
 fraction of the state so that pages stream), the table gives the median step time:
 
 * as shipped: each chunk's update runs after a copy of what it writes (undone if the update fails);
-* without those copies (``_update_whole`` replaced by a plain kernel call: what a step cost before issue 19);
+* without those copies (``executor.update_whole`` replaced by a plain kernel call: what a step cost before issue 19);
 * with one out-of-memory error injected at the middle page allocation of the step, recovered (state to the host,
   cached memory freed after a garbage collection, the pages left under a smaller budget).
 
@@ -26,7 +26,7 @@ import torch
 from optimizer_step import parse_count
 
 import hf_paged
-from hf_paged.optim import base
+from hf_paged.optim import executor
 
 OPTIMIZERS = {
     "PagedAdamW": hf_paged.PagedAdamW,
@@ -115,7 +115,7 @@ def main() -> None:
         "| step with one OOM recovered (ms) | recoveries |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    atomic_update = base._update_whole
+    atomic_update = executor.update_whole
     for name, cls in OPTIMIZERS.items():
         optimizer = cls(params, lr=1e-4, page_size=args.page_size)
         optimizer.step()
@@ -123,11 +123,11 @@ def main() -> None:
         budget = max(optimizer.page_size, int(state_bytes * args.budget_fraction))
         optimizer.set_device_budget(budget)
         with_copies = timed(optimizer.step, args.steps)
-        base._update_whole = plain_update
+        executor.update_whole = plain_update
         try:
             without = timed(optimizer.step, args.steps)
         finally:
-            base._update_whole = atomic_update
+            executor.update_whole = atomic_update
         recoveries = []
         optimizer.on_oom_recovery = recoveries.append
         recovered = timed(fail_middle_page_allocation(optimizer), args.steps)

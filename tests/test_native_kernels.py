@@ -177,16 +177,21 @@ def test_host_kernel_allocates_nothing(built):
 
 
 def test_a_cpu_segment_takes_one_host_kernel_call_however_long(built, monkeypatch):
-    """The host kernels allocate nothing, so the step hands them each segment's whole blocks at once; the chunks
-    that bound the PyTorch kernels' temporaries would only add calls."""
+    """The host kernels allocate nothing, so the step hands them each segment's whole blocks at once (in a page
+    batch: one table row); the chunks that bound the PyTorch kernels' temporaries would only add calls."""
     calls: list[int] = []
-    update = HostKernel.__call__
+    update, update_batch = HostKernel.__call__, HostKernel.update_batch
 
     def counted(self, param, grad, encoded, scalars):
         calls.append(param.numel())
         update(self, param, grad, encoded, scalars)
 
+    def counted_batch(self, batch):
+        calls.extend(batch.table[:, 2].tolist())
+        update_batch(self, batch)
+
     monkeypatch.setattr(HostKernel, "__call__", counted)
+    monkeypatch.setattr(HostKernel, "update_batch", counted_batch)
     param = torch.nn.Parameter(torch.randn(256, 1024))
     param.grad = torch.randn(256, 1024)
     optimizer = hf_paged.PagedAdamW8bit([param], page_size=2**20, block_size=256, compiled=False)

@@ -27,7 +27,8 @@ from ..codecs import Float32Codec
 from ..kernels.rules import adamw_scalars, adamw_update_, adamw_update_multi_
 from ..stochastic_rounding import check_stochastic_rounding, rounding_defaults
 from ..store import Page
-from .base import DEFAULT_PAGE_SIZE, PagedOptimizer, WorkItem, check_betas, check_eps, check_lr, check_weight_decay
+from .base import DEFAULT_PAGE_SIZE, PagedOptimizer, check_betas, check_eps, check_lr, check_weight_decay
+from .executor import StateViews, WorkItem
 
 
 class _PagedAdamWBase(PagedOptimizer):
@@ -48,11 +49,20 @@ class _PagedAdamWBase(PagedOptimizer):
     def rule_scalars(self, group: dict[str, Any], step: float) -> dict[str, float]:
         return adamw_scalars(group, step)
 
+    def takes_pages_fast(self, page: Page, dtypes: set[tuple[torch.dtype, torch.dtype]]) -> bool:
+        """Pages of fp32 state on CPU or CUDA whose tensors are all fp32, gradients too."""
+        return (
+            page.device[0].device.type in ("cpu", "cuda")
+            and all(isinstance(codec, Float32Codec) for codec in page.format.codecs)
+            and dtypes == {(torch.float32, torch.float32)}
+        )
+
     def update_pages_fast(
         self,
         batch: list[tuple[Page, list[WorkItem]]],
         step_tensors: dict[tuple[torch.device, float], torch.Tensor],
         finished: Callable[[list[WorkItem]], None],
+        state_views: StateViews,
     ) -> list[tuple[Page, list[WorkItem]]]:
         """fp32 parameters with fp32 state on CPU or CUDA: PyTorch's fused AdamW kernel, one call for the
         segments of each param group and device in the batch, each with its own group's hyperparameters (a
@@ -67,11 +77,9 @@ class _PagedAdamWBase(PagedOptimizer):
                 and all(isinstance(codec, Float32Codec) for codec in page.format.codecs)
                 and all(param.dtype == torch.float32 and grad.dtype == torch.float32 for _, param, grad, _, _ in work)
             ):
-                (moment_codec, square_codec), (moments, squares) = page.format.codecs, page.format.arrays(page.device)
                 for item in work:
                     segment, group = item[0], item[4]
-                    exp_avg = moment_codec.select(moments, segment.offset, segment.length)[0]
-                    exp_avg_sq = square_codec.select(squares, segment.offset, segment.length)[0]
+                    (exp_avg,), (exp_avg_sq,) = state_views(page, segment)
                     calls[id(group), device].append((item, exp_avg, exp_avg_sq))
             else:
                 left.append((page, work))

@@ -7,11 +7,8 @@ of ``torch.optim`` (``state`` keyed by parameter index, ``param_groups``) with C
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import logging
 import math
-import traceback
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -21,30 +18,18 @@ import torch
 from torch.optim import Optimizer
 
 from ..budget import AutoBudget
-from ..codecs import ADDRESS_ALIGNMENT, QUANTIZED_CODECS, Float32Codec, PageFormat, to_blocks
+from ..codecs import QUANTIZED_CODECS, Float32Codec, PageFormat
 from ..device import backend_for
-from ..kernels import SegmentKernel, UpdateRule, prepare_scalars, resolve_compiled, runs_compiled, segment_kernel
-from ..memory import probe_for
-from ..recovery import Recovery, device_out_of_memory, empty_device_cache, is_out_of_memory
-from ..sizes import format_size, parse_size
-from ..stochastic_rounding import (
-    ROUNDING_BYTES_PER_ELEMENT,
-    ROUNDING_SLICE_ELEMENTS,
-    ElementRounding,
-    parameter_seed,
-    step_keys,
-)
-from ..store import Page, PageStore, Segment
+from ..kernels import UpdateRule, resolve_compiled, runs_compiled, segment_kernel
+from ..recovery import Recovery
+from ..sizes import parse_size
+from ..stochastic_rounding import ROUNDING_BYTES_PER_ELEMENT, ROUNDING_SLICE_ELEMENTS
+from ..store import Page, PageStore
 from ..stores import DeviceBudget, DeviceStores
-from ._params import (
-    StridedElements,
-    StridedRange,
-    check_update_rule_options,
-    describe_parameter,
-    flat_elements,
-    normalize_param_group,
-)
+from ._params import check_update_rule_options, describe_parameter, normalize_param_group
+from .executor import StateViews, StepRun, WorkItem, run_step
 from .layout import StateLayout, local_tensor, state_device
+from .plan import StepPlan
 from .state_dict import (
     export_state,
     import_state,
@@ -54,8 +39,6 @@ from .state_dict import (
     sharded_entry,
     write_state_values,
 )
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_PAGE_SIZE = 4 * 2**20
 """Default page size in bytes (see ``benchmarks/optimizer_step.py``)."""
@@ -76,10 +59,6 @@ _WORKSPACE_BYTES_PER_ELEMENT = {
 measured peak (fp32 and bf16 parameters, tests/test_workspace.py) rounded up. They include the copy of what a
 chunk's update writes (its parameter elements and encoded state), taken so that a failed update can be undone.
 A step's workspace is thus two to three pages, whatever the page and model size."""
-
-WorkItem = tuple[Segment, torch.Tensor, torch.Tensor, float, dict[str, Any]]
-"""One segment's update in a step: the segment, its parameter and gradient elements, the step, the group (as the step
-reads it: a copy with a tensor ``lr`` read as a float, once per step)."""
 
 _BETWEEN_STEPS = "hf_paged.optimizer.between_steps"
 """The probe mark automatic budgets set at the end of each step: the forward/backward phase. Every optimizer on a
@@ -209,6 +188,10 @@ class PagedOptimizer(Optimizer):
         self._compiled_setting = compiled
         self._store = DeviceStores(self._new_store)
         self._layout = StateLayout(self._store, self._formats, self.page_size, self._state_device)
+        self._plan: StepPlan | None = None
+        """The plan of the last step, reused while the layout and the tensors with gradients stay; ``None`` once
+        the layout changes."""
+        self._store.add_observer(self._forget_views)
         self._stepped_params: dict[int, tuple[dict[str, Any], list[torch.Tensor], int]] = {}
         """By ``id``: each group given to the optimizer, the tensors it listed at its last step (or when given), and
         its position then, for :meth:`_check_replacements`."""
@@ -280,6 +263,7 @@ class PagedOptimizer(Optimizer):
         by_group: dict[int, list[tuple[torch.Tensor, str]]] = defaultdict(list)
         for param, group in params:
             by_group[id(group)].append((param, self._state_format(param, group)))
+        self._plan = None
         for tensors in by_group.values():
             self._layout.place(tensors)
 
@@ -298,17 +282,24 @@ class PagedOptimizer(Optimizer):
         """The rule's scalar arguments for a parameter of ``group`` at ``step`` (1 for the first update)."""
         raise NotImplementedError
 
+    def takes_pages_fast(self, page: Page, dtypes: set[tuple[torch.dtype, torch.dtype]]) -> bool:
+        """Whether :meth:`update_pages_fast` may update ``page``, whose tensors have these (parameter, gradient)
+        ``dtypes``: only such pages get work items (views of each segment's elements) before the other kernels."""
+        return False
+
     def update_pages_fast(
         self,
         batch: list[tuple[Page, list[WorkItem]]],
         step_tensors: dict[tuple[torch.device, float], torch.Tensor],
         finished: Callable[[list[WorkItem]], None],
+        state_views: StateViews,
     ) -> list[tuple[Page, list[WorkItem]]]:
         """Update whole pages of a batch with a multi-tensor kernel where the subclass has one; return the
-        pages left to the segment kernel.
+        pages left to the other kernels.
 
         ``step_tensors`` holds each step count of this step as a 0-d fp32 tensor on each parameter device,
-        made before the page loop, for kernels that read the step on the device. Each kernel call must update its
+        made before the page loop, for kernels that read the step on the device; ``state_views(page, segment)``
+        gives a segment's state views (one encoded segment per codec), kept between steps. Each kernel call must update its
         work items whole or not at all (allocate nothing after its first write), and be followed by
         ``finished(items)`` before the next call: an error in a later call then leaves a step whose progress is
         known, that an out-of-memory recovery finishes without updating an item twice.
@@ -328,9 +319,9 @@ class PagedOptimizer(Optimizer):
         device = torch.device("cpu") if first is None else local_tensor(first).device
         return resolve_compiled(self._compiled_setting, device, elements)
 
-    def _gradients(self) -> list[tuple[torch.Tensor, torch.Tensor | StridedElements, dict[str, Any]]]:
-        """The parameters of the param groups now that have gradients, with their flat local gradients and
-        their groups; checks them all before any update."""
+    def _gradients(self) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
+        """The parameters of the param groups now that have gradients, with their local gradients and their
+        groups; checks them all before any update."""
         work = []
         for group_index, group in enumerate(self.param_groups):
             self._check_replacements(group_index, group)
@@ -356,7 +347,7 @@ class PagedOptimizer(Optimizer):
                             f"laid out for shape {tuple(pages.shape)} on {pages.device}: a tensor with optimizer state "
                             "cannot change shape or device (save the state dict and load it after the change)"
                         )
-                work.append((param, flat_elements(grad), group))
+                work.append((param, grad, group))
         return work
 
     def _check_replacements(self, group_index: int, group: dict[str, Any]) -> None:
@@ -417,6 +408,7 @@ class PagedOptimizer(Optimizer):
         away = [tensor for tensor in self._layout if id(tensor) not in listed]
         if not away:
             return
+        self._plan = None
         held = {id(tensor): _HeldWeakly(tensor) for tensor in away}
         state = [(held.get(id(key), key), entry) for key, entry in self.state.items()]
         detached = [(held[id(tensor)], self._layout.detach(tensor)) for tensor in away]
@@ -454,175 +446,31 @@ class PagedOptimizer(Optimizer):
         work = self._gradients()
         if not work:
             return loss
-        self._place([(param, group) for param, _, group in work if param not in self._layout])
-        compiled = self.compiled
-        states = [self.state[param] for param, _, _ in work]
-        for state in states:
-            if "step" not in state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        step_counts = [state["step"] for state in states]
-        progress = _StepProgress(step_counts, torch._foreach_add(step_counts, 1.0))
-        by_page: dict[int, list[WorkItem]] = defaultdict(list)
-        step_devices: set[tuple[torch.device, float]] = set()
-        step_groups: dict[int, dict[str, Any]] = {}
-        for index, (param, grad, group) in enumerate(work):
-            if id(group) not in step_groups:
-                step_groups[id(group)] = _read_once(group)
-            group = step_groups[id(group)]
-            step = progress.new_counts[index].item()
-            local = local_tensor(param)
-            flat_param = flat_elements(local.detach())
-            segments = self._layout[param].segments
-            progress.expect(index, [segment for _, segment in segments])
-            for page, segment in segments:
-                end = segment.start + segment.length
-                by_page[page.index].append(
-                    (segment, flat_param[segment.start : end], grad[segment.start : end], step, group)
-                )
-            step_devices.add((local.device, step))
-        budgets = {device: store.device_budget for device, store in self._store.stores.items()}
-        # Made once per step: a tensor built from a number on a device per page would wait for a host copy.
-        step_tensors = {key: torch.full((), key[1], dtype=torch.float32, device=key[0]) for key in step_devices}
-        scalars_cache: dict[tuple[int, float], dict[str, float | torch.Tensor]] = {}
-        rounding_keys = _rounding_keys(work, progress.new_counts, self._layout)
-        recoveries = 0
-        try:
-            if self._auto_budgets:
-                self._begin_auto_step()
-            while True:
-                pages = [self._store.pages[i] for i in sorted(by_page) if not progress.page_done(by_page[i])]
-                if not pages:
-                    break
-                try:
-                    self._stream_pages(pages, by_page, progress, step_tensors, compiled, scalars_cache, rounding_keys)
-                except RuntimeError as error:  # torch.OutOfMemoryError is one
-                    if not is_out_of_memory(error) or recoveries >= self.oom_retries:
-                        error.add_note(progress.describe(len(work), recoveries))
-                        raise
-                    recoveries += 1
-                    self._recover_in_step(error, recoveries, len(pages))
-                    del error
-        finally:
-            progress.advance_step_counts()
-            if recoveries:
-                for device, budget in budgets.items():
-                    if device not in self._auto_budgets:
-                        self._store.stores[device].set_budget(budget)
-            if self._auto_budgets:  # after a step that raised too: a loop that goes on gets the forward's budget
-                self._end_auto_step()
+        new = [(param, group) for param, _, group in work if param not in self._layout]
+        if new:
+            self._place(new)
+        params, grads, groups = (list(column) for column in zip(*work))
+        if self._plan is None or not self._plan.holds_for(params, groups):
+            self._plan = StepPlan(self._layout, params, groups)
+        run_step(self, self._plan, grads, self.compiled)
         self._record_stepped()
         self._free_dropped_tensors()
         return loss
 
-    def _stream_pages(
-        self,
-        pages: list[Page],
-        by_page: dict[int, list[WorkItem]],
-        progress: _StepProgress,
-        step_tensors: dict[tuple[torch.device, float], torch.Tensor],
-        compiled: bool,
-        scalars_cache: dict[tuple[int, float], dict[str, float | torch.Tensor]],
-        rounding_keys: dict[int, tuple[int, int]],
-    ) -> None:
-        """Stream ``pages`` through the devices and update them; on an error, no page is left in flight.
-        ``rounding_keys`` holds the stochastic rounding keys of the segments (by ``id``) of bf16 parameters that
-        round so."""
-        with contextlib.closing(self._store.stream(pages)) as batches:
-            for batch in batches:
-                # Pages of non-contiguous parameters are updated one at a time: their contiguous copies stay within
-                # one page's share of the parameters, however many pages are resident.
-                whole = [page for page in batch if not _has_strided(by_page[page.index])]
-                one_by_one = [[page] for page in batch if _has_strided(by_page[page.index])]
-                for pages_at_once in ([whole] if whole else []) + one_by_one:
-                    self._update_pages(
-                        pages_at_once, by_page, progress, step_tensors, compiled, scalars_cache, rounding_keys
-                    )
+    def _stream_pages(self, pages: list[Page], run: StepRun) -> None:
+        """Stream ``pages`` through the devices and update them for ``run``; on an error, no page is left in
+        flight."""
+        run.stream(pages)
 
-    def _update_pages(
-        self,
-        pages: list[Page],
-        by_page: dict[int, list[WorkItem]],
-        progress: _StepProgress,
-        step_tensors: dict[tuple[torch.device, float], torch.Tensor],
-        compiled: bool,
-        scalars_cache: dict[tuple[int, float], dict[str, float | torch.Tensor]],
-        rounding_keys: dict[int, tuple[int, int]],
-    ) -> None:
-        """Update the segments of resident ``pages`` that ``progress`` has not finished: a multi-tensor kernel
-        where the subclass has one (it allocates nothing, so each of its calls updates its segments whole), else
-        chunk by chunk, each chunk whole or not at all. A non-contiguous parameter's copy is written back after
-        each segment's update, whether it finished or not."""
-        gathered = {
-            page.index: [_gathered(item) for item in by_page[page.index] if not progress.finished(item[0])]
-            for page in pages
-        }
-        strided_of = {id(item[0]): strided for page in pages for item, strided in gathered[page.index]}
+    def _kernel_for(self, page: Page, compiled: bool) -> Any:
+        """The kernel that updates ``page``'s segments (its format and device; see
+        :func:`~hf_paged.kernels.segment_kernel`)."""
+        return segment_kernel(self.update_rule(), page.format.codecs, compiled, page.device[0].device)
 
-        def finished(items: list[WorkItem]) -> None:
-            for segment, param_slice, *_ in items:
-                if strided_of[id(segment)] is not None:
-                    strided_of[id(segment)].scatter(param_slice)
-                progress.finish(segment)
-
-        batch = [(page, [item for item, _ in gathered[page.index]]) for page in pages if gathered[page.index]]
-        left = self.update_pages_fast(batch, step_tensors, finished)
-        for page, _ in left:
-            kernel = segment_kernel(self.update_rule(), page.format.codecs, compiled, page.device[0].device)
-            arrays = page.format.arrays(page.device)
-            for (segment, param_slice, grad_slice, step, group), strided in gathered[page.index]:
-                key = (id(group), step)
-                if key not in scalars_cache:
-                    scalars_cache[key] = prepare_scalars(self.rule_scalars(group, step), compiled)
-                try:
-                    self._update_segment(
-                        kernel,
-                        page,
-                        arrays,
-                        segment,
-                        param_slice,
-                        grad_slice,
-                        scalars_cache[key],
-                        progress,
-                        rounding_keys.get(id(segment)),
-                    )
-                finally:
-                    if strided is not None:
-                        strided.scatter(param_slice)
-
-    def _recover_in_step(self, error: RuntimeError, attempt: int, pages_left: int) -> None:
-        """After an out-of-memory error in the step: give the state back to the host, free cached memory and lower
-        each device's budget for the rest of the step (halved, and one page at the last retry)."""
-        traceback.clear_frames(error.__traceback__)  # the failed chunk's temporaries
-        held = {device: store.device_bytes for device, store in self._store.stores.items()}
-        evicted = self._store.evict()
-        last = attempt >= self.oom_retries
-        for device, store in self._store.stores.items():
-            empty_device_cache(torch.device(device))
-            budget = held[device] if store.device_budget is None else min(store.device_budget, held[device])
-            store.set_budget(store.max_page_bytes if last else max(store.max_page_bytes, budget // 2))
-        devices = list(self._store.stores)
-        ran_out = device_out_of_memory(error, devices) or devices[0]
-        recovery = Recovery(
-            step=None,
-            micro_batch=None,
-            micro_batches_replayed=0,
-            attempt=attempt,
-            state_bytes_evicted=evicted,
-            other_bytes=max(0, probe_for(torch.device(ran_out)).allocated() - self._store.stores[ran_out].device_bytes),
-            error=error,
-            phase="optimizer step",
-        )
-        logger.warning(
-            "hf-paged: out of memory in the optimizer step; moved %s of optimizer state to the host, freed cached "
-            "memory, updating the %d page(s) left under a budget of %s (retry %d of %d)",
-            format_size(evicted),
-            pages_left,
-            format_size(self._store.device_budget or 0),
-            attempt,
-            self.oom_retries,
-        )
-        if self.on_oom_recovery is not None:
-            self.on_oom_recovery(recovery)
+    def _forget_views(self, operation: str, page: Page) -> None:
+        """Drop the plan's views of ``page``'s device buffers when they leave the device."""
+        if operation == "page_out" and self._plan is not None:
+            self._plan.forget_views(page)
 
     # Saving and loading -------------------------------------------------------------------------------
 
@@ -736,54 +584,12 @@ class PagedOptimizer(Optimizer):
         self.state = defaultdict(dict)
         self.state.update(entries)
         self.state.update(other_state)
+        self._plan = None
         self._layout.clear()
         self._stepped_params = {id(group): (group, list(group["params"]), i) for i, group in enumerate(new_groups)}
         group_of = {param: group for group in self.param_groups for param in group["params"]}
         self._place([(param, group_of[param]) for param in sources])
         import_state(self._layout, self.state_names, sources)
-
-    def _update_segment(
-        self,
-        kernel: SegmentKernel,
-        page: Page,
-        arrays: list[tuple[torch.Tensor, ...]],
-        segment: Segment,
-        param: torch.Tensor,
-        grad: torch.Tensor,
-        scalars: dict[str, float | torch.Tensor],
-        progress: _StepProgress,
-        keys: tuple[int, int] | None = None,
-    ) -> None:
-        """Run ``kernel`` on the elements of a segment that ``progress`` has not reached: its whole blocks in place,
-        chunk by chunk (in one call where the kernel allocates nothing), each chunk whole or not at all; a partial
-        last block through padded copies. With stochastic rounding ``keys``, each chunk rounds its bf16 elements by
-        their index in the parameter.
-
-        Every tensor the kernel takes starts at a 16-byte boundary: the layout aligns the parameter, gradient, values
-        and codes of each chunk (see :class:`~hf_paged.codecs.PageFormat`), and scales that start elsewhere go
-        through an aligned copy."""
-        codecs = page.format.codecs
-        alignment = page.format.alignment
-        body = segment.length - segment.length % alignment
-        if kernel.allocates_nothing(param, grad):
-            chunk = max(alignment, body)
-        else:
-            chunk = self._chunk_elements(page.format, kernel.compiled)
-        for start in range(progress.reached(segment), body, chunk):
-            end = min(start + chunk, body)
-            encoded = [codec.select(array, segment.offset + start, end - start) for codec, array in zip(codecs, arrays)]
-            param_chunk, grad_chunk = to_blocks(param[start:end], alignment), to_blocks(grad[start:end], alignment)
-            rounding = None if keys is None else ElementRounding(*keys, segment.start + start)
-            _update_aligned(kernel, param_chunk, grad_chunk, encoded, scalars, rounding)
-            progress.reach(segment, end)
-        if body < segment.length:
-            tail = segment.length - body
-            encoded = [codec.select(array, segment.offset + body, tail) for codec, array in zip(codecs, arrays)]
-            padded = to_blocks(param[body:], alignment)
-            rounding = None if keys is None else ElementRounding(*keys, segment.start + body)
-            _update_aligned(kernel, padded, to_blocks(grad[body:], alignment), encoded, scalars, rounding)
-            param[body:].copy_(padded.view(-1)[:tail])
-        progress.finish(segment)
 
     def _chunk_elements(self, page_format: PageFormat, compiled: bool) -> int:
         """Elements of a segment updated by one kernel call: ``page_size // 16`` eagerly, ``page_size // 8``
@@ -816,6 +622,7 @@ class PagedOptimizer(Optimizer):
         "_store",
         "_auto_budgets",
         "_layout",
+        "_plan",
         "_stepped_params",
     )
     """Attributes that hold the page store and the layout: rebuilt from the param groups, never copied."""
@@ -851,6 +658,8 @@ class PagedOptimizer(Optimizer):
             self.defaults.pop("differentiable", None)
         self._store, self._auto_budgets = DeviceStores(self._new_store), auto_budgets
         self._layout = StateLayout(self._store, self._formats, self.page_size, self._state_device)
+        self._plan = None
+        self._store.add_observer(self._forget_views)
         self._stepped_params = {}
         for group in param_groups:
             self.add_param_group(group)
@@ -994,173 +803,7 @@ def _store_stats(store: PageStore | DeviceStores) -> dict[str, int | float | Non
     }
 
 
-def _read_once(group: dict[str, Any]) -> dict[str, Any]:
-    """``group`` as one step reads it: a tensor ``lr`` (as schedulers keep it for capturable optimizers) read here,
-    once per step, as a float. Reading a device tensor waits for the device; each page reading it would stall the
-    host and stop page copies from overlapping the updates."""
-    lr = group["lr"]
-    return {**group, "lr": float(lr)} if isinstance(lr, torch.Tensor) else group
-
-
-def _rounding_keys(
-    work: list[tuple[torch.Tensor, Any, dict[str, Any]]], new_counts: list[torch.Tensor], layout: StateLayout
-) -> dict[int, tuple[int, int]]:
-    """The stochastic rounding keys of this step, by ``id`` of each segment of a bf16 parameter whose group sets
-    ``bf16_stochastic_round``: from the group's ``stochastic_round_seed``, the parameter's position in its group and
-    the step (see :mod:`hf_paged.stochastic_rounding`)."""
-    keys: dict[int, tuple[int, int]] = {}
-    positions: dict[int, dict[int, int]] = {}
-    for (param, _, group), count in zip(work, new_counts):
-        if not group.get("bf16_stochastic_round", False) or local_tensor(param).dtype != torch.bfloat16:
-            continue
-        if id(group) not in positions:
-            positions[id(group)] = {id(tensor): position for position, tensor in enumerate(group["params"])}
-        seed = parameter_seed(group.get("stochastic_round_seed", 0), positions[id(group)][id(param)])
-        param_keys = step_keys(seed, int(count.item()))
-        keys.update((id(segment), param_keys) for _, segment in layout[param].segments)
-    return keys
-
-
-def _has_strided(items: list[WorkItem]) -> bool:
-    """Whether a page's work items read a non-contiguous parameter or gradient (through a copy)."""
-    return any(isinstance(param, StridedRange) or isinstance(grad, StridedRange) for _, param, grad, *_ in items)
-
-
-def _gathered(item: WorkItem) -> tuple[WorkItem, StridedRange | None]:
-    """A work item with its range of a non-contiguous parameter or gradient copied to a contiguous tensor, and
-    the parameter's range to write the copy back to after the update (``None`` for a contiguous parameter)."""
-    segment, param_slice, grad_slice, *rest = item
-    strided = None
-    if isinstance(param_slice, StridedRange):
-        strided, param_slice = param_slice, param_slice.gather()
-    if isinstance(grad_slice, StridedRange):
-        grad_slice = grad_slice.gather()
-    return (segment, param_slice, grad_slice, *rest), strided
-
-
-def _update_whole(
-    kernel: SegmentKernel,
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    encoded: list[tuple[torch.Tensor, ...]],
-    scalars: dict[str, float | torch.Tensor],
-    rounding: ElementRounding | None,
-) -> None:
-    """Run ``kernel`` so that it updates ``param`` and the ``encoded`` state whole or not at all.
-
-    A kernel may allocate temporaries after it has written some of its outputs (an eager update writes the
-    parameter, then encodes the state; a compiled one allocates between its kernels), so an out-of-memory error
-    could stop it half way. Unless the kernel says it allocates nothing after its first write
-    (``writes_after_allocating``), what it writes is copied first and copied back if it fails: the copies are
-    allocated before anything is written, and putting them back allocates nothing.
-    """
-    rounding_argument = () if rounding is None else (rounding,)  # kernels take it only where it applies
-    if getattr(kernel, "writes_after_allocating", False):
-        kernel(param, grad, encoded, scalars, *rounding_argument)
-        return
-    targets = [param, *(array for segment in encoded for array in segment)]
-    saved = [target.clone() for target in targets]
-    try:
-        kernel(param, grad, encoded, scalars, *rounding_argument)
-    except BaseException:
-        for target, copy_of_target in zip(targets, saved):
-            target.copy_(copy_of_target)
-        raise
-
-
-def _update_aligned(
-    kernel: SegmentKernel,
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    encoded: list[tuple[torch.Tensor, ...]],
-    scalars: dict[str, float | torch.Tensor],
-    rounding: ElementRounding | None,
-) -> None:
-    """:func:`_update_whole` with each ``encoded`` array that does not start at a 16-byte boundary (a chunk's scales,
-    4 bytes a block, where the chunk does not start at every fourth block) replaced by an aligned copy, written back
-    once the update succeeded: a compiled kernel assumes aligned inputs."""
-    copies = []
-    aligned = []
-    for arrays in encoded:
-        aligned_arrays = []
-        for array in arrays:
-            if array.data_ptr() % ADDRESS_ALIGNMENT:
-                copies.append((array, array.clone()))
-                array = copies[-1][1]
-            aligned_arrays.append(array)
-        aligned.append(tuple(aligned_arrays))
-    _update_whole(kernel, param, grad, aligned, scalars, rounding)
-    for array, copy_of_array in copies:
-        array.copy_(copy_of_array)
-
-
 class _HeldWeakly(weakref.ref):
     """A weak reference to a tensor away from the param groups, while the optimizer checks whether it lives on."""
 
     __slots__ = ()
-
-
-class _StepProgress:
-    """How far one step got: the elements of each segment updated, and which parameters are updated in full.
-
-    A parameter's step count advances (to ``new_counts``) once every segment of it is finished, so a step that
-    stops part way leaves the counts of the parameters it did not finish as they were.
-    """
-
-    def __init__(self, step_counts: list[torch.Tensor], new_counts: list[torch.Tensor]) -> None:
-        self.step_counts = step_counts
-        self.new_counts = new_counts
-        self._reached: dict[int, int] = {}
-        self._finished: set[int] = set()
-        self._owner: dict[int, int] = {}
-        self._segments_left: list[int] = [0] * len(step_counts)
-        self._started: set[int] = set()
-        self._advanced = False
-
-    def expect(self, index: int, segments: list[Segment]) -> None:
-        """Record that parameter ``index`` is updated when all ``segments`` are."""
-        self._segments_left[index] = len(segments)
-        for segment in segments:
-            self._owner[id(segment)] = index
-
-    def reached(self, segment: Segment) -> int:
-        """Elements of ``segment`` updated so far."""
-        return self._reached.get(id(segment), 0)
-
-    def reach(self, segment: Segment, elements: int) -> None:
-        self._reached[id(segment)] = elements
-        self._started.add(self._owner[id(segment)])
-
-    def finish(self, segment: Segment) -> None:
-        self.reach(segment, segment.length)
-        self._finished.add(id(segment))
-        self._segments_left[self._owner[id(segment)]] -= 1
-
-    def finished(self, segment: Segment) -> bool:
-        return id(segment) in self._finished
-
-    def page_done(self, items: list[WorkItem]) -> bool:
-        return all(id(item[0]) in self._finished for item in items)
-
-    def advance_step_counts(self) -> None:
-        """Advance the step counts of the parameters updated in full (once)."""
-        if self._advanced:
-            return
-        self._advanced = True
-        done = [index for index, left in enumerate(self._segments_left) if left == 0]
-        if done:
-            torch._foreach_copy_([self.step_counts[i] for i in done], [self.new_counts[i] for i in done])
-
-    def describe(self, parameters: int, recoveries: int) -> str:
-        """A note for an error that stops the step: what it updated, and what that means for the state."""
-        done = sum(left == 0 for left in self._segments_left)
-        started = sum(1 for index in self._started if self._segments_left[index])
-        after = f" after {recoveries} recoveries from out-of-memory errors" if recoveries else ""
-        if not done and not started:
-            return f"hf-paged: the optimizer step stopped{after} before updating any parameter; nothing changed"
-        return (
-            f"hf-paged: the optimizer step stopped{after} having updated {done} of {parameters} parameters in full "
-            f"(their step counts advanced) and {started} in part (whole chunks of elements; their step counts did "
-            "not advance). Every chunk is either updated or as it was, but the optimizer is not at a step's end: "
-            "resume from a checkpoint rather than go on training"
-        )

@@ -1,0 +1,173 @@
+"""The step plan: what a step over the same tensors, groups and pages reuses from the step before.
+
+A plan is built when the layout changes (a first step, tensors swapped or dropped, a param group added, a state
+dict loaded) or when the tensors that have gradients, or their groups, change; the optimizer keeps it while they
+hold. It holds each page's segments, flat views of the parameters, the page batches' segment tables
+(:class:`~hf_paged.kernels.batch.PageBatch`) and the views of the state that segments read, so that a step does
+Python work and operator calls in proportion to tensors and page batches, not to segments or chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..kernels.batch import NO_ROUNDING
+from ..store import Page, Segment
+from ._params import StridedElements, StridedRange, flat_elements
+from .layout import StateLayout, local_tensor
+
+
+def segment_slices(
+    flat: torch.Tensor | StridedElements, segments: Sequence[Segment]
+) -> list[torch.Tensor | StridedRange]:
+    """The elements of each of ``segments`` (which cover ``flat`` in order): ``flat`` itself for one segment, else
+    one split (one operator call) of a contiguous tensor, or a range of a non-contiguous one per segment."""
+    if len(segments) == 1:
+        return [flat if isinstance(flat, torch.Tensor) else flat[0 : segments[0].length]]
+    if isinstance(flat, torch.Tensor):
+        return list(flat.split([segment.length for segment in segments]))
+    return [flat[segment.start : segment.start + segment.length] for segment in segments]
+
+
+class StepPlan:
+    """The segments of the tensors a step updates, by page, and the views and tables built from them.
+
+    Args:
+        layout: the optimizer's layout, in which every one of ``params`` has pages.
+        params: the tensors the step updates (those with gradients), in the step's order.
+        groups: the param group of each of ``params``.
+    """
+
+    def __init__(self, layout: StateLayout, params: Sequence[torch.Tensor], groups: Sequence[dict[str, Any]]) -> None:
+        self.params = list(params)
+        self.groups = list(groups)
+        self.distinct_groups: list[dict[str, Any]] = []
+        """Each group once, in the order its first tensor comes."""
+        group_index: dict[int, int] = {}
+        self.group_of: list[int] = []
+        """The index into :attr:`distinct_groups` of each tensor's group."""
+        for group in self.groups:
+            if id(group) not in group_index:
+                group_index[id(group)] = len(self.distinct_groups)
+                self.distinct_groups.append(group)
+            self.group_of.append(group_index[id(group)])
+        self.segments: list[list[tuple[Page, Segment]]] = [layout[param].segments for param in self.params]
+        """Each tensor's pages and segments, in the tensor's element order."""
+        by_page: dict[int, list[tuple[int, Segment]]] = {}
+        pages: dict[int, Page] = {}
+        for index, segments in enumerate(self.segments):
+            for page, segment in segments:
+                by_page.setdefault(page.index, []).append((index, segment))
+                pages[page.index] = page
+        self.pages = [pages[index] for index in sorted(pages)]
+        """The pages the step updates, in index order."""
+        self.page_segments = by_page
+        """By page index: the ``(tensor index, segment)`` pairs of the page that the step updates."""
+        self._located = {
+            id(segment): (index, position)
+            for index, segments in enumerate(self.segments)
+            for position, (_, segment) in enumerate(segments)
+        }
+        self.page_tensors = {index: sorted({tensor for tensor, _ in pairs}) for index, pairs in by_page.items()}
+        """By page index: the indices of the tensors with segments on the page."""
+        self._flat_params: list[torch.Tensor | StridedElements | None] = [None] * len(self.params)
+        self._param_slices: list[list[torch.Tensor | StridedRange]] = [[] for _ in self.params]
+        self._param_keys: list[tuple[int, torch.dtype, torch.Size] | None] = [None] * len(self.params)
+        self._tables: dict[tuple[int, ...], tuple[tuple[int, ...], torch.Tensor, list[int]]] = {}
+        self._state_views: dict[int, dict[int, tuple[Any, ...]]] = {}
+
+    def holds_for(self, params: Sequence[torch.Tensor], groups: Sequence[dict[str, Any]]) -> bool:
+        """Whether the plan is that of a step over ``params`` in ``groups`` (the same objects, in order)."""
+        return (
+            len(params) == len(self.params)
+            and all(new is old for new, old in zip(params, self.params))
+            and all(new is old for new, old in zip(groups, self.groups))
+        )
+
+    def tensor_index(self, segment: Segment) -> int:
+        """The index of the tensor ``segment`` belongs to."""
+        return self._located[id(segment)][0]
+
+    def position(self, segment: Segment) -> int:
+        """The position of ``segment`` among its tensor's segments."""
+        return self._located[id(segment)][1]
+
+    # Parameters -----------------------------------------------------------------------------------------
+
+    def flat_param(self, index: int) -> torch.Tensor | StridedElements:
+        """Tensor ``index``'s local elements, flat: a view made once and kept while the tensor keeps its memory,
+        dtype and shape (``param.data = ...`` gives it a new one)."""
+        local = local_tensor(self.params[index])
+        key = (local.data_ptr(), local.dtype, local.shape)
+        if self._param_keys[index] != key:
+            flat = flat_elements(local.detach())
+            self._flat_params[index] = flat
+            self._param_slices[index] = segment_slices(flat, [segment for _, segment in self.segments[index]])
+            self._param_keys[index] = key
+        return self._flat_params[index]
+
+    def param_slices(self, index: int) -> list[torch.Tensor | StridedRange]:
+        """Tensor ``index``'s elements of each of its segments, in order (views kept as :meth:`flat_param`'s)."""
+        self.flat_param(index)
+        return self._param_slices[index]
+
+    # Page batches ---------------------------------------------------------------------------------------
+
+    def batch_table(self, pages: Sequence[Page], rows: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
+        """The segment table of ``pages`` as one :class:`~hf_paged.kernels.batch.PageBatch` (int64, CPU,
+        ``(segments, 6)``) and the tensor indices its ``TENSOR`` column numbers, where tensor ``i`` reads scalar row
+        ``rows[i]``. Built once per set of pages and rows, then reused."""
+        key = tuple(page.index for page in pages)
+        row_key = tuple(rows[index] for page in pages for index in self.page_tensors[page.index])
+        cached = self._tables.get(key)
+        if cached is not None and cached[0] == row_key:
+            return cached[1], cached[2]
+        position: dict[int, int] = {}
+        tensors: list[int] = []
+        entries = []
+        for page_position, page in enumerate(pages):
+            for index, segment in self.page_segments[page.index]:
+                if index not in position:
+                    position[index] = len(tensors)
+                    tensors.append(index)
+                entries.append(
+                    (position[index], segment.start, segment.length, page_position, segment.offset, rows[index])
+                )
+        table = torch.tensor(entries, dtype=torch.int64).reshape(-1, 6)
+        self._tables[key] = (row_key, table, tensors)
+        return table, tensors
+
+    @staticmethod
+    def rounding_table(
+        pages: Sequence[Page], segments: dict[int, list[tuple[int, Segment]]], keys: dict[int, tuple[int, int]]
+    ) -> torch.Tensor | None:
+        """The stochastic rounding keys of the segments of ``pages`` in table order (``keys`` by tensor index, for
+        the tensors that round), or ``None`` where none rounds."""
+        if not keys:
+            return None
+        rows = [keys.get(index, (NO_ROUNDING, NO_ROUNDING)) for page in pages for index, _ in segments[page.index]]
+        if all(row[0] == NO_ROUNDING for row in rows):
+            return None
+        return torch.tensor(rows, dtype=torch.int64).reshape(-1, 2)
+
+    # State views ----------------------------------------------------------------------------------------
+
+    def state_views(self, page: Page, segment: Segment) -> tuple[Any, ...]:
+        """The views of ``segment``'s state in ``page``'s device buffers, one encoded segment per codec, made once
+        while the page stays resident (:meth:`forget_views` drops them when it leaves)."""
+        views = self._state_views.setdefault(page.index, {})
+        selected = views.get(id(segment))
+        if selected is None:
+            arrays = page.format.arrays(page.device)
+            selected = tuple(
+                codec.select(array, segment.offset, segment.length) for codec, array in zip(page.format.codecs, arrays)
+            )
+            views[id(segment)] = selected
+        return selected
+
+    def forget_views(self, page: Page) -> None:
+        """Drop the state views of ``page``: its device buffers are going (written back or freed)."""
+        self._state_views.pop(page.index, None)

@@ -1,0 +1,119 @@
+"""The step plan (issue 27 points 1 and 5): a step's operator calls grow with the tensors, not with the segments
+or chunks their state is cut into.
+
+A step counted with a ``TorchDispatchMode`` (every aten operator call) on a Llama-shaped layout of 48 tensors: page
+batches of a kernel that takes batches (the host kernels) cost one call per batch and page format, so the count is
+the same with 4 KiB pages (three to eight times the segments) as with 4 MiB pages (a few); PyTorch's fused AdamW (fp32
+``PagedAdamW``) takes each segment's gradient view, at most a reshape and a split per tensor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import hf_paged
+from hf_paged.kernels import segment_kernel
+from hf_paged.native import host_kernels_enabled
+
+SMALL_PAGE, LARGE_PAGE = "4KiB", "4MiB"
+
+
+class OperatorCalls(TorchDispatchMode):
+    """Counts every operator call dispatched while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def llama_shapes(hidden: int = 64, layers: int = 5, vocab: int = 1000, mlp: int = 172) -> list[tuple[int, ...]]:
+    """The parameter shapes of a Llama decoder (untied embeddings): 9 tensors a layer and 3 more."""
+    shapes = [(vocab, hidden)]
+    for _ in range(layers):
+        shapes += [(hidden, hidden)] * 4 + [(mlp, hidden), (mlp, hidden), (hidden, mlp), (hidden,), (hidden,)]
+    return shapes + [(hidden,), (vocab, hidden)]
+
+
+def operator_calls_of_a_step(name: str, dtype: torch.dtype, page_size: str) -> tuple[int, int]:
+    """Operator calls of the third step of ``name`` on the Llama layout, and the number of segments."""
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.randn(shape, generator=generator).to(dtype).requires_grad_() for shape in llama_shapes()]
+    for param in params:
+        param.grad = (torch.randn(param.shape, generator=generator) * 1e-2).to(dtype)
+    optimizer = getattr(hf_paged, name)(params, lr=1e-3, page_size=page_size, compiled=False)
+    optimizer.step()
+    optimizer.step()
+    with OperatorCalls() as counted:
+        optimizer.step()
+    segments = sum(len(page.segments) for store in optimizer._store.stores.values() for page in store.pages)
+    return counted.calls, segments
+
+
+BATCHED = ("PagedAdamW8bit", "PagedAdamW4bit", "PagedLion8bit", "PagedLion")
+
+
+def _host_kernels_take_batches(name: str) -> bool:
+    if not host_kernels_enabled():
+        return False
+    optimizer = getattr(hf_paged, name)([torch.zeros(8, requires_grad=True)])
+    return all(
+        hasattr(segment_kernel(optimizer.update_rule(), page_format.codecs, False, torch.device("cpu")), "update_batch")
+        for page_format in optimizer._formats.values()
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", BATCHED)
+def test_operator_calls_do_not_grow_with_segments(name, dtype):
+    """With kernels that take page batches, a step costs the same operator calls at 4 KiB pages as at 4 MiB pages
+    (three to eight times the segments), and at most a reshape of each tensor's gradient plus a constant."""
+    if not _host_kernels_take_batches(name):
+        pytest.skip("the host kernels do not take page batches here")
+    tensors = len(llama_shapes())
+    small, small_segments = operator_calls_of_a_step(name, dtype, SMALL_PAGE)
+    large, large_segments = operator_calls_of_a_step(name, dtype, LARGE_PAGE)
+    assert small_segments >= 3 * large_segments > 0
+    assert small == large, (small, large)
+    assert large <= tensors + 12, large
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_operator_calls_of_paged_adamw_are_bounded_by_tensors(dtype):
+    """PagedAdamW (fp32 parameters: PyTorch's fused AdamW over segment views; bf16: the batch kernels where they
+    are, else the segment kernels): at most two operator calls per tensor and a constant, at any page size."""
+    if dtype == torch.bfloat16 and not _host_kernels_take_batches("PagedAdamW"):
+        pytest.skip("the host kernels do not take page batches here")
+    tensors = len(llama_shapes())
+    for page_size in (SMALL_PAGE, LARGE_PAGE):
+        calls, segments = operator_calls_of_a_step("PagedAdamW", dtype, page_size)
+        assert calls <= 2 * tensors + 12, (page_size, calls, segments)
+
+
+def test_a_tensor_given_new_memory_between_steps_is_updated_there():
+    """The plan keeps flat views of the parameters between steps; ``param.data = ...`` (same shape, new memory)
+    makes the next step update the new memory, bitwise as an optimizer that never saw the old one would."""
+    generator = torch.Generator().manual_seed(1)
+    shapes = llama_shapes(layers=1)
+    values = [torch.randn(shape, generator=generator) for shape in shapes]
+    grads = [[torch.randn(shape, generator=generator) for shape in shapes] for _ in range(2)]
+
+    def run(swap: bool) -> list[torch.Tensor]:
+        params = [value.clone().requires_grad_() for value in values]
+        optimizer = hf_paged.PagedAdamW8bit(params, lr=1e-2, page_size="16KiB", min_8bit_size=0, compiled=False)
+        for step, step_grads in enumerate(grads):
+            if swap and step == 1:
+                for param in params:
+                    param.data = param.data.clone()
+            for param, grad in zip(params, step_grads):
+                param.grad = grad.clone()
+            optimizer.step()
+        return [param.detach() for param in params]
+
+    for swapped, kept in zip(run(swap=True), run(swap=False)):
+        assert torch.equal(swapped, kept)
