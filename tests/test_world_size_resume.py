@@ -15,7 +15,8 @@ on the full model in one process, loaded with ``load_state_dict``.
 The default run has one case of each (8-bit state, 2 ranks to 1); the whole matrix is marked slow
 (``HF_PAGED_SLOW=1 python -m pytest -q tests/test_world_size_resume.py``). Before hf-paged's DeepSpeed adapter
 wrote fp32 moments into the checkpoint, ``ds_to_universal`` stopped with ``KeyError: 'exp_avg'`` on an 8-bit or
-4-bit client, and a universal load left a paged client's moments in ``optimizer.state`` where its step ignored them.
+4-bit client, and nothing moved the moments that a universal load puts in ``optimizer.state[partition]`` into a
+paged client's pages.
 """
 
 from __future__ import annotations
