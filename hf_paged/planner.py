@@ -388,6 +388,38 @@ class _KernelCalls:
                 setattr(kind, name, original)
 
 
+def _do_nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _takes_any_segment_whole(kernel: Any, param: torch.Tensor, grad: torch.Tensor) -> bool:
+    return True
+
+
+@contextlib.contextmanager
+def _idle_kernels() -> Iterator[None]:
+    """Update kernels that do nothing and say they allocate nothing, so that the optimizer hands each of them a
+    segment whole, in one call, without undo copies: a step that leaves its state as a real one does, without the
+    kernels' temporaries."""
+    replacements = {"__call__": _do_nothing, "update_batch": _do_nothing}
+    patches: list[tuple[type, str, Any]] = []
+    for kind in (SegmentKernel, HostKernel):
+        patches += [(kind, name, value) for name, value in replacements.items() if name in vars(kind)]
+        patches += [(kind, "allocates_nothing", _takes_any_segment_whole), (kind, "writes_after_allocating", True)]
+    missing = object()
+    originals = [vars(kind).get(name, missing) for kind, name, _ in patches]
+    for kind, name, value in patches:
+        setattr(kind, name, value)
+    try:
+        yield
+    finally:
+        for (kind, name, _), original in zip(patches, originals):
+            if original is missing:
+                delattr(kind, name)
+            else:
+                setattr(kind, name, original)
+
+
 class _PlanningBackend(SyncBackend):
     """The page store backend while planning: its buffers are optimizer state, and host buffers take no device
     memory unless the device is the host."""
@@ -590,6 +622,7 @@ def plan(
     accumulation: int = 1,
     device: str | torch.device = "cpu",
     extra_state: Callable[[nn.Module], Mapping[str, Iterable[torch.Tensor]]] | None = None,
+    step_temporaries: bool = True,
 ) -> MemoryPlan:
     """Predict the device memory of training, in bytes, by tracing ``steps`` training steps under fake tensors.
 
@@ -611,6 +644,10 @@ def plan(
             temporaries), not the host kernels.
         extra_state: names tensors of the model that are neither parameters nor buffers (for example the
             quantization state of 4-bit weights), by kind of :data:`KINDS`.
+        step_temporaries: ``False`` traces the optimizer step for the state it leaves only: hf-paged's update
+            kernels do nothing and take each segment in one call, so :attr:`MemoryPlan.optimizer_state_bytes` and
+            :attr:`MemoryPlan.paged_state_bytes` are exact, and faster to trace, but the optimizer step's peak
+            leaves out the kernels' temporaries.
 
     Returns:
         the :class:`MemoryPlan`: each phase's peak and what it holds.
@@ -674,7 +711,7 @@ def plan(
                             value.backward()
                             del value, inputs
                     else:
-                        with kernel_calls.installed():
+                        with kernel_calls.installed() if step_temporaries else _idle_kernels():
                             built_optimizer.step()
                         built_optimizer.zero_grad(set_to_none=True)
                 at_peak = ledger.live_at_peak()

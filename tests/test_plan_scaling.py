@@ -92,3 +92,42 @@ def test_chunked_kernels_planned_as_measured(monkeypatch: pytest.MonkeyPatch, op
     assert not check_plan(planned, measured_peaks(build, _batch, optimizer))
     step = planned.peak(OPTIMIZER_STEP).by_kind
     assert step["temporaries"] > 0, "a chunk's decoded state"
+
+
+@pytest.mark.parametrize("optimizer_name", ["PagedAdamW", "PagedAdamW8bit", "PagedAdamW4bit", "PagedLion8bit"])
+def test_a_trace_for_the_state_alone_runs_no_kernel_and_counts_the_same_state(
+    monkeypatch: pytest.MonkeyPatch, optimizer_name: str
+) -> None:
+    """``step_temporaries=False`` (what the report's comparison of optimizers needs): no kernel update runs, and the
+    state, paged and all, is that of the full trace; the step's peak leaves out the chunks' temporaries (fused AdamW,
+    which fp32 parameters take, has none)."""
+    updates: list[int] = []
+    original = pytorch_kernels.update_segment
+
+    def counted(*args, **kwargs) -> None:
+        updates.append(1)
+        original(*args, **kwargs)
+
+    monkeypatch.setattr(pytorch_kernels, "update_segment", counted)
+
+    def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+        arguments = {"min_8bit_size": 1024} if optimizer_name.endswith("8bit") else {}
+        if optimizer_name.endswith("4bit"):
+            arguments = {"min_4bit_size": 1024}
+        return getattr(hf_paged, optimizer_name)(model.parameters(), page_size=PAGE_SIZE, compiled=False, **arguments)
+
+    def build() -> nn.Module:
+        return _stack(2)
+
+    full = plan(build, _batch, optimizer, steps=1, device="cuda")
+    updates.clear()
+    state_only = plan(build, _batch, optimizer, steps=1, device="cuda", step_temporaries=False)
+    assert updates == []
+    assert state_only.optimizer_state_bytes == full.optimizer_state_bytes > 0
+    assert state_only.paged_state_bytes == full.paged_state_bytes > 0
+    full_step, state_step = full.peak(OPTIMIZER_STEP), state_only.peak(OPTIMIZER_STEP)
+    assert state_step.by_kind["optimizer_state"] == full_step.by_kind["optimizer_state"]
+    if optimizer_name == "PagedAdamW":  # fp32 parameters: torch's fused AdamW, which allocates nothing
+        assert state_step.peak_bytes == full_step.peak_bytes
+    else:
+        assert state_step.peak_bytes < full_step.peak_bytes

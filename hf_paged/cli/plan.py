@@ -438,6 +438,7 @@ def optimizer_state_comparison(setup: TrainingSetup, result: MemoryPlan, device:
             loss=lambda model, _: model(),
             steps=1,
             device=device,
+            step_temporaries=False,
         )
         states[name] = traced.optimizer_state_bytes
     return states
