@@ -85,9 +85,10 @@ class StepProgress:
     counts of the tensors it did not finish as they were.
     """
 
-    def __init__(self, plan: StepPlan, step_counts: list[torch.Tensor]) -> None:
+    def __init__(self, plan: StepPlan, step_counts: list[torch.Tensor], steps: list[float]) -> None:
         self.plan = plan
         self.step_counts = step_counts
+        self.steps = steps
         self._pages_done: set[int] = set()
         self._touched: set[int] = set()
         self._reached: dict[int, int] = {}
@@ -142,6 +143,7 @@ class StepProgress:
         done = self._done_tensors()
         if done:
             torch._foreach_add_([self.step_counts[index] for index in done], 1.0)
+            self.plan.record_steps(done, self.step_counts, self.steps)
 
     def describe(self, recoveries: int) -> str:
         """A note for an error that stops the step: what it updated, and what that means for the state."""
@@ -183,9 +185,9 @@ class StepRun:
             if "step" not in state:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
         step_counts = [state["step"] for state in states]
-        self.progress = StepProgress(plan, step_counts)
-        self.steps = _next_steps(step_counts)
+        self.steps = plan.next_steps(step_counts)
         """Each tensor's step this step (its count + 1), as floats."""
+        self.progress = StepProgress(plan, step_counts, self.steps)
         self.groups = [_read_once(group) for group in plan.distinct_groups]
         row_of: dict[tuple[int, float], int] = {}
         self.rows: list[int] = []
@@ -388,16 +390,6 @@ class StepRun:
         )
         kernel.update_batch(batch)
         self.progress.finish_pages(pages)
-
-
-def _next_steps(step_counts: list[torch.Tensor]) -> list[float]:
-    """Each step count plus one, as floats: one stack and one addition for 0-d fp32 CPU counts, in fp32 as the
-    counts advance."""
-    if step_counts and all(
-        count.dim() == 0 and count.dtype == torch.float32 and count.device.type == "cpu" for count in step_counts
-    ):
-        return (torch.stack(step_counts) + 1.0).tolist()
-    return [float(count.item()) + 1.0 for count in step_counts]
 
 
 def _read_once(group: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,9 @@ from ..store import Page, Segment
 from ._params import StridedElements, StridedRange, flat_elements
 from .layout import StateLayout, local_tensor
 
+_EXACT_STEPS = 2.0**24
+"""fp32 step counts are whole numbers that one more step advances by one below this."""
+
 
 def segment_slices(
     flat: torch.Tensor | StridedElements, segments: Sequence[Segment]
@@ -75,7 +78,8 @@ class StepPlan:
         """By page index: the indices of the tensors with segments on the page."""
         self._flat_params: list[torch.Tensor | StridedElements | None] = [None] * len(self.params)
         self._param_slices: list[list[torch.Tensor | StridedRange]] = [[] for _ in self.params]
-        self._param_keys: list[tuple[int, torch.dtype, torch.Size] | None] = [None] * len(self.params)
+        self._param_keys: list[tuple[int, int, torch.dtype, torch.Size] | None] = [None] * len(self.params)
+        self._steps: list[tuple[torch.Tensor, int, float] | None] = [None] * len(self.params)
         self._tables: dict[tuple[int, ...], tuple[tuple[int, ...], torch.Tensor, list[int]]] = {}
         self._state_views: dict[int, dict[int, tuple[Any, ...]]] = {}
 
@@ -101,7 +105,8 @@ class StepPlan:
         """Tensor ``index``'s local elements, flat: a view made once and kept while the tensor keeps its memory,
         dtype and shape (``param.data = ...`` gives it a new one)."""
         local = local_tensor(self.params[index])
-        key = (local.data_ptr(), local.dtype, local.shape)
+        # the storage and offset, read without an operator call (a fake tensor has no data pointer)
+        key = (local.untyped_storage()._cdata, local.storage_offset(), local.dtype, local.shape)
         if self._param_keys[index] != key:
             flat = flat_elements(local.detach())
             self._flat_params[index] = flat
@@ -113,6 +118,34 @@ class StepPlan:
         """Tensor ``index``'s elements of each of its segments, in order (views kept as :meth:`flat_param`'s)."""
         self.flat_param(index)
         return self._param_slices[index]
+
+    # Step counts ----------------------------------------------------------------------------------------
+
+    def next_steps(self, step_counts: Sequence[torch.Tensor]) -> list[float]:
+        """Each tensor's step count plus one, as floats. A count this plan advanced last (the same tensor, not
+        written since: its version is the one after the advance) is known without reading it; the others are read
+        (an operator call each)."""
+        steps: list[float | None] = []
+        unknown = []
+        for index, count in enumerate(step_counts):
+            known = self._steps[index]
+            if known is not None and known[0] is count and known[1] == count._version:
+                steps.append(known[2] + 1.0)
+            else:
+                steps.append(None)
+                unknown.append(index)
+        if unknown:
+            added = torch._foreach_add([step_counts[index] for index in unknown], 1.0)
+            for index, value in zip(unknown, added):
+                steps[index] = value.item()
+        return steps
+
+    def record_steps(self, indices: Sequence[int], step_counts: Sequence[torch.Tensor], steps: Sequence[float]) -> None:
+        """Remember that the counts of tensors ``indices`` now hold ``steps`` (just advanced to them), so that the next
+        step need not read them. Counts from 2**24 on, where fp32 stops counting by ones, are read."""
+        for index in indices:
+            count = step_counts[index]
+            self._steps[index] = (count, count._version, steps[index]) if steps[index] < _EXACT_STEPS else None
 
     # Page batches ---------------------------------------------------------------------------------------
 
