@@ -19,11 +19,21 @@ multiply-add, as ATen's CPU kernels compute it where the CPU has one (AVX2, AVX-
 
 On the CPU they run only under Triton's interpreter (``TRITON_INTERPRET=1`` when Triton and this module are first
 imported, and while they run), which the tests use to run them without an accelerator.
+
+First-use self-check: the first time a process asks a kernel to update segments of a (rule, state format, parameter
+dtype, gradient dtype, device) combination, it updates a small synthetic batch on that device (a few blocks, a partial
+last block, two segments on one page; for bf16 parameters with and without stochastic rounding) and compares the
+parameter, codes, scales and fp32 state with the eager PyTorch kernel's on the CPU (:func:`self_check`): bitwise
+where the CPU's lerp is one fused multiply-add, else within the bound above. Where the launch raises (a compilation
+error, ``OutOfResources``, any other error but running out of memory) or a result differs, the combination takes the
+PyTorch kernels (the fallback) from then on, which is logged once with the reason.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import platform
 from collections.abc import Sequence
 
 import torch
@@ -31,10 +41,13 @@ import triton
 import triton.language as tl
 from triton.backends import backends
 
-from ..codecs import Blockwise4bitCodec, Blockwise8bitCodec, Codec, EncodedSegment, Float32Codec
-from ..stochastic_rounding import ElementRounding
+from ..codecs import Blockwise4bitCodec, Blockwise8bitCodec, Codec, EncodedSegment, Float32Codec, PageFormat, to_blocks
+from ..stochastic_rounding import ElementRounding, step_keys
 from .batch import LENGTH, OFFSET, PAGE, ROW, START, TENSOR, PageBatch
-from .rules import UpdateRule, adamw_update_, lion_update_
+from .pytorch import update_segment
+from .rules import UpdateRule, adamw_scalars, adamw_update_, lion_update_
+
+logger = logging.getLogger(__name__)
 
 FP32_BLOCK = 256
 """Elements of fp32 state the kernels take as one block (fp32 state has no scales: only the tiling)."""
@@ -430,6 +443,151 @@ def _update_batch_kernel(
                     tl.store(second_scales + scale_index, new_second_scale, mask=block < blocks)
 
 
+# The first-use self-check ---------------------------------------------------------------------------------------
+
+_SELF_CHECKS: dict[tuple, str | None] = {}
+"""The verdicts of :func:`self_check` in this process, by (rule name, codecs, parameter dtype, gradient dtype,
+device): ``None`` where it passed, else why it failed."""
+
+_CHECK_SCALARS = {
+    "adamw": adamw_scalars({"lr": 1e-2, "betas": (0.9, 0.999), "weight_decay": 0.1, "eps": 1e-8}, step=3),
+    "lion": {"lr": 1e-3, "decay": 0.9999, "direction_weight": 0.1, "avg_weight": 0.01},
+}
+"""The rules' scalars in the self-check: a learning rate that moves every parameter by much less than itself."""
+
+
+def lerp_rounds_once() -> bool:
+    """Whether the eager PyTorch kernels on this CPU compute lerp as one fused multiply-add, as the Triton kernels
+    do (every CPU capability but x86's ``default``), so that their results agree bitwise."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+    return not x86 or torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX")
+
+
+def self_check(
+    kernel: TritonKernel, device: torch.device, param_dtype: torch.dtype, grad_dtype: torch.dtype
+) -> str | None:
+    """Update a small synthetic batch with ``kernel`` on ``device`` and with the eager PyTorch kernel on the CPU;
+    return ``None`` where the parameter, codes, scales and fp32 state agree (:func:`_disagreement`), else why not.
+
+    The batch: one tensor of two and a half blocks and one element (a partial last block), in two segments on one
+    page (the first at the page's end, the second, with the partial block, at its start), whose state holds random
+    codes over scales of several orders of magnitude and one block of zeros; bf16 parameters are updated twice, with
+    stochastic rounding of the second segment and without. A few KiB on the device. A launch that raises is a
+    failure, but for running out of memory, which is raised."""
+    block = kernel.block_size
+    length = 2 * block + block // 2 + 1
+    page_format = PageFormat(kernel.codecs)
+    alignment = page_format.alignment
+    tail_blocks = -(-(length - block) // block)
+    capacity = (tail_blocks + 1) * block
+    generator = torch.Generator().manual_seed(27)
+    param = torch.randn(length, generator=generator).to(param_dtype)
+    magnitudes = 10.0 ** torch.randint(-4, 1, (length,), generator=generator)
+    grad = (torch.randn(length, generator=generator) * magnitudes).to(grad_dtype)
+    buffers = []
+    for numel, dtype in page_format.buffer_specs(capacity):
+        if dtype == torch.float32:
+            buffer = torch.rand(numel, generator=generator) * 10.0 ** torch.randint(
+                -6, 1, (numel,), generator=generator
+            )
+        else:
+            low, high = (-127, 128) if dtype == torch.int8 else (0, 256)
+            buffer = torch.randint(low, high, (numel,), generator=generator, dtype=dtype)
+        if alignment > 1:
+            buffer[: numel * block // capacity] = 0  # the page's first block: zero codes and scale
+        buffers.append(buffer)
+    scalars = {
+        name: float(torch.tensor(value, dtype=torch.float32))
+        for name, value in _CHECK_SCALARS[kernel.rule_name].items()
+    }
+    # (element start, elements, page offset) of the two segments
+    segments = [(0, block, tail_blocks * block), (block, length - block, 0)]
+    keys = step_keys(seed=27, step=3)
+    roundings = [None, keys] if param_dtype == torch.bfloat16 else [None]
+    for rounding in roundings:
+        expected_param, expected_buffers = param.clone(), [buffer.clone() for buffer in buffers]
+        for start, count, offset in segments:
+            segment_rounding = None if rounding is None or start == 0 else ElementRounding(*rounding, start)
+            _reference_update(
+                kernel, page_format, expected_param[start : start + count], grad[start : start + count],
+                expected_buffers, offset, scalars, segment_rounding,
+            )  # fmt: skip
+        actual_param = param.to(device)
+        actual_buffers = [buffer.to(device) for buffer in buffers]
+        table = torch.tensor([[0, start, count, 0, offset, 0] for start, count, offset in segments])
+        rounding_table = None if rounding is None else torch.tensor([[-1, -1], list(rounding)])
+        batch = PageBatch(
+            [actual_param],
+            [grad.to(device)],
+            [tuple(actual_buffers)],
+            table.to(device),
+            torch.tensor([[scalars[name] for name in kernel.scalar_names]], dtype=torch.float32).to(device),
+            None if rounding_table is None else rounding_table.to(device),
+        )
+        try:
+            kernel._launch(batch, 0)
+            results = [actual_param.cpu(), *(buffer.cpu() for buffer in actual_buffers)]
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:  # noqa: BLE001 (any error of the launch is a verdict on the kernel)
+            message = str(error).strip()
+            return f"{type(error).__name__}: {message.splitlines()[0] if message else ''}"
+        names = ["the parameter", *(f"state buffer {index}" for index in range(len(buffers)))]
+        for name, actual, expected in zip(names, results, [expected_param, *expected_buffers]):
+            packed = kernel.bits == 4 and expected.dtype == torch.uint8
+            differing = _disagreement(actual, expected, packed, exact=lerp_rounds_once())
+            if differing:
+                how = "with" if rounding is not None else "without"
+                return (
+                    f"{name} differs from the PyTorch kernel's in {differing} of {expected.numel()} elements "
+                    f"({how} stochastic rounding)"
+                )
+    return None
+
+
+def _reference_update(kernel, page_format, param, grad, buffers, offset, scalars, rounding) -> None:
+    """The optimizer's per-segment path with the eager PyTorch kernel: whole blocks in place, a partial last block
+    through zero-padded copies."""
+    arrays = page_format.arrays(tuple(buffers))
+    alignment = page_format.alignment
+    body = param.numel() - param.numel() % alignment
+    for begin, end in ((0, body), (body, param.numel())):
+        if end == begin:
+            continue
+        encoded = [codec.select(array, offset + begin, end - begin) for codec, array in zip(kernel.codecs, arrays)]
+        padded = to_blocks(param[begin:end], alignment)
+        chunk_rounding = None if rounding is None else rounding._replace(start=rounding.start + begin)
+        update_segment(
+            kernel.rule, kernel.codecs, padded, to_blocks(grad[begin:end], alignment), encoded, scalars, chunk_rounding
+        )
+        param[begin:end].copy_(padded.reshape(-1)[: end - begin])
+
+
+def _disagreement(actual: torch.Tensor, expected: torch.Tensor, packed: bool, exact: bool) -> int:
+    """The number of elements of ``actual`` that differ from ``expected``: in their bits where ``exact``, else by more
+    than the module's bound allows (a lerp rounded twice: an ulp of its product ``w (g - m)``, at most ``2**-22`` of
+    the largest magnitude, and one of its result): a code by more than one (each nibble of ``packed`` 4-bit codes
+    apart), a value by more than ``2**-20`` of ``expected``'s largest finite magnitude plus 4 ulps of its own (one
+    ulp of its dtype for bf16 and fp16). NaN agrees with NaN only."""
+    if exact:
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[expected.element_size()]
+        return int((actual.view(bits) != expected.view(bits)).sum())
+    if not expected.is_floating_point():
+        if packed:
+            actual = torch.stack([actual & 15, actual >> 4])
+            expected = torch.stack([expected & 15, expected >> 4])
+        return int(((actual.int() - expected.int()).abs() > 1).sum())
+    magnitude = expected.abs()
+    ulp = (torch.nextafter(magnitude, torch.full_like(magnitude, float("inf"))) - magnitude).float()
+    finite = magnitude[magnitude.isfinite()]
+    largest = float(finite.max()) if finite.numel() else 0.0
+    allowed = ulp * (4 if expected.dtype == torch.float32 else 1) + 2**-20 * largest
+    nan = expected.isnan()
+    close = (actual.float() - expected.float()).abs() <= allowed
+    agree = torch.where(nan, actual.isnan(), close | (actual == expected))
+    return int((~agree).sum())
+
+
 # The kernel object ------------------------------------------------------------------------------------------------
 
 
@@ -452,6 +610,7 @@ class TritonKernel:
         if kind is None:
             raise ValueError(f"no Triton kernel for {rule.__name__} on {', '.join(type(c).__name__ for c in codecs)}")
         self.rule_name, self.bits, self.block_size = kind
+        self.rule = rule
         self.codecs = codecs
         self.fallback = fallback
         self.scalar_names: tuple[str, ...] = _RULES[rule][2]
@@ -464,8 +623,41 @@ class TritonKernel:
 
     def takes_batch(self, device: torch.device, param_dtype: torch.dtype, grad_dtype: torch.dtype) -> bool:
         """Whether segments of ``param_dtype`` parameters with ``grad_dtype`` gradients on pages of ``device`` run
-        here: fp32, bf16 or fp16 tensors on a device the Triton kernels run on (:func:`runs_on`)."""
-        return param_dtype in _DTYPES and grad_dtype in _DTYPES and runs_on(device)
+        here: fp32, bf16 or fp16 tensors on a device the Triton kernels run on (:func:`runs_on`), whose
+        combination passed its first-use self-check (:meth:`passes_self_check`)."""
+        return (
+            param_dtype in _DTYPES
+            and grad_dtype in _DTYPES
+            and runs_on(device)
+            and self.passes_self_check(device, param_dtype, grad_dtype)
+        )
+
+    def passes_self_check(self, device: torch.device, param_dtype: torch.dtype, grad_dtype: torch.dtype) -> bool:
+        """Whether this kernel's results on ``param_dtype`` parameters with ``grad_dtype`` gradients on ``device``
+        agree with the PyTorch kernel's: :func:`self_check` at the first call per combination and process (logged
+        once where it fails), its verdict afterwards. Under ``FakeTensorMode`` (a memory plan), where no kernel
+        computes, nothing is checked. A check that runs out of memory raises and is run again at the next call."""
+        if device.type != "cpu" and device.index is None:
+            device = torch.device(device.type, torch.get_device_module(device).current_device())
+        key = (self.rule_name, self.codecs, param_dtype, grad_dtype, device)
+        if key not in _SELF_CHECKS:
+            if torch._guards.detect_fake_mode() is not None:
+                return True
+            failure = self_check(self, device, param_dtype, grad_dtype)
+            _SELF_CHECKS[key] = failure
+            if failure is not None:
+                logger.warning(
+                    "hf_paged: the Triton kernel of the %s update of %s state failed its first-use check on %s with "
+                    "%s parameters and %s gradients (%s); these segments take the PyTorch kernels from now on "
+                    "(HF_PAGED_KERNELS=torch chooses them everywhere)",
+                    self.rule.__name__,
+                    ", ".join(type(codec).__name__ for codec in self.codecs),
+                    device,
+                    param_dtype,
+                    grad_dtype,
+                    failure,
+                )
+        return _SELF_CHECKS[key] is None
 
     def table_device(self, device: torch.device) -> torch.device:
         """Where a batch's table, scalars and rounding keys live: on the pages' device, which the kernel reads."""
