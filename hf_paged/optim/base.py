@@ -468,8 +468,9 @@ class PagedOptimizer(Optimizer):
         return segment_kernel(self.update_rule(), page.format.codecs, compiled, page.device[0].device)
 
     def _forget_views(self, operation: str, page: Page) -> None:
-        """Drop the plan's views of ``page``'s device buffers when they leave the device."""
-        if operation == "page_out" and self._plan is not None:
+        """Drop the plan's views of ``page``'s device buffers when they leave the device: written back, or released
+        by a write (``set_state_tensor``)."""
+        if operation in ("page_out", "written") and self._plan is not None:
             self._plan.forget_views(page)
 
     # Saving and loading -------------------------------------------------------------------------------
