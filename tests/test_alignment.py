@@ -69,6 +69,14 @@ def kernel_views(monkeypatch):
 
     wrap_segment_kernel(kernels.SegmentKernel, "segment kernel")
     wrap_segment_kernel(kernels.HostKernel, "host kernel")
+    update_batch = kernels.HostKernel.update_batch
+
+    def batch_call(self, batch):
+        buffers = [buffer for page in batch.buffers for buffer in page]
+        check("host batch kernel", [*batch.params, *batch.grads, *buffers])
+        return update_batch(self, batch)
+
+    monkeypatch.setattr(kernels.HostKernel, "update_batch", batch_call)
     fused = torch._fused_adamw_
 
     def fused_adamw(*lists, **options):

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import decay_groups, make_mlp, regression_batches, train
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import hf_paged
 from hf_paged import native
 from hf_paged.codecs import Blockwise4bitCodec, Blockwise8bitCodec, Float32Codec, PageFormat, to_blocks
-from hf_paged.kernels import HostKernel, SegmentKernel, host_rule_name
+from hf_paged.kernels import HostKernel, SegmentKernel, host_rule_name, segment_kernel
 from hf_paged.kernels.batch import NO_ROUNDING, PageBatch
 from hf_paged.kernels.rules import adamw_scalars, adamw_update_, lion_update_
 from hf_paged.stochastic_rounding import ElementRounding, parameter_seed, step_keys
@@ -402,3 +404,38 @@ def test_an_fp32_segment_rounds_by_its_index_in_the_parameter(built, rule_name):
         results.append(copies)
     assert torch.equal(results[0][0], results[1][0])
     assert all(torch.equal(a[0], b[0]) for a, b in zip(results[0][1], results[1][1]))
+
+
+@pytest.mark.parametrize(
+    "name, dtype, rounds",
+    [
+        ("PagedLion", torch.float32, False),
+        ("PagedLion", torch.bfloat16, True),
+        ("PagedAdamW", torch.bfloat16, False),
+        ("PagedAdamW", torch.bfloat16, True),
+        ("PagedAdamW", torch.float16, False),
+    ],
+)
+def test_optimizers_of_fp32_state_take_the_host_kernels_with_the_eager_results(built, monkeypatch, name, dtype, rounds):
+    """PagedLion, and PagedAdamW on bf16 and fp16 parameters, update their CPU pages of fp32 state with the host
+    kernels (one call per segment, no chunks, no undo copies): 20 steps over pages of 4 KiB, bitwise the parameters
+    and state of the eager PyTorch kernels."""
+
+    def fit(native_setting: str):
+        monkeypatch.setenv("HF_PAGED_NATIVE", native_setting)
+        model = make_mlp(dtype=dtype)
+        groups = [{**group, "bf16_stochastic_round": rounds} for group in decay_groups(model)]
+        optimizer = getattr(hf_paged, name)(groups, lr=1e-3 if "Lion" in name else 1e-2, page_size=4096)
+        train(model, optimizer, regression_batches(20, dtype=dtype))
+        return model, optimizer
+
+    reference, reference_optimizer = fit("0")
+    model, optimizer = fit("1")
+    codecs = tuple(Float32Codec() for _ in optimizer.state_names)
+    assert isinstance(segment_kernel(optimizer.update_rule(), codecs, False, CPU), HostKernel)
+    for param, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(bits(param.detach()), bits(expected.detach()))
+    saved, expected_state = optimizer.state_dict()["state"], reference_optimizer.state_dict()["state"]
+    for index, entries in expected_state.items():
+        for key, value in entries.items():
+            assert torch.equal(saved[index][key], value), (index, key)

@@ -136,7 +136,8 @@ def test_an_out_of_memory_error_at_any_allocation_of_the_step_is_recovered_bitwi
         counted = allocations_of_a_step(name, BUDGETS[budget])
         assert counted.in_step is not None
         if counted.count == counted.in_step:  # resident pages and kernels that allocate nothing: no failure point
-            assert budget == "no budget" and name in ("PagedAdamW", "PagedAdamW8bit", "PagedAdamW4bit"), name
+            # the host kernels allocate nothing: without a budget no step allocates, with two pages Lion 8-bit's fit
+            assert budget == "no budget" or name == "PagedLion8bit", name
             return
         reference_model, reference = build(name, BUDGETS[budget])
         batches = regression_batches(3)
