@@ -341,6 +341,8 @@ def test_torchrun_restarts_from_the_last_checkpoint(clean_run, tmp_path):
         "1",
         "--resume-from",
         "auto",
+        "--pg-timeout",
+        "120",  # a process group that does not form in the restarted attempt fails the test in minutes
         launcher=("--max-restarts", "1"),
         timeout=300,
     )

@@ -16,7 +16,8 @@ each, in the first attempt of a job only (``TORCHELASTIC_RESTART_COUNT`` 0):
 - ``optimizer``: the optimizer's first page allocations of the step;
 - ``none``: nowhere.
 
-``--resume-from auto`` resumes from the last checkpoint in ``--output-dir`` when torchrun restarted the job.
+``--resume-from auto`` resumes from the last checkpoint in ``--output-dir`` when torchrun restarted the job, and the
+process group's keys then go under a prefix per attempt (:func:`init_process_group_per_attempt`).
 
 With ``--linger S`` the failing rank catches the error and keeps its process (and its connections) for ``S``
 seconds before raising it again: its peers then wait in the collective it never joins, as they would on NCCL
@@ -35,11 +36,13 @@ import os
 import sys
 import time
 import traceback
+from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
+import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -142,6 +145,30 @@ def prepare_engine(options: argparse.Namespace) -> None:
         skip_shm_op_build()
 
 
+def init_process_group_per_attempt(timeout_s: int) -> None:
+    """Create the gloo process group with its keys under a prefix per torchrun attempt.
+
+    torchrun's agent keeps one store for all attempts, and gloo's keys (each rank's address) have the same names in
+    each: a restarted rank may read its peer's address of the first attempt and fail to connect ("Gloo
+    connectFullMesh failed ... Connection refused", or a wait until the group's timeout): 9 of 14 restarts on a busy
+    2-core machine, 3 of 4 of them without hf-paged's watcher; 0 of 3 with this prefix)."""
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and os.environ["RANK"] == "0",
+        timeout=timedelta(seconds=timeout_s),
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"attempt_{attempt}", store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
 def parameters_checksum(model: torch.nn.Module) -> tuple[float, float]:
     local = [getattr(param, "_local_tensor", param) for param in model.parameters()]
     flat = torch.cat([param.detach().double().reshape(-1) for param in local])
@@ -172,6 +199,7 @@ def main() -> None:
     if resume_from == "auto":
         restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
         resume_from = get_last_checkpoint(options.output_dir) if restarted else None
+        init_process_group_per_attempt(options.pg_timeout)
     args = training_args(options)
     model = tiny_llama()
     injector = Injector(model, options, rank)
