@@ -191,7 +191,7 @@ class PagedOptimizer(Optimizer):
         self._plan: StepPlan | None = None
         """The plan of the last step, reused while the layout and the tensors with gradients stay; ``None`` once
         the layout changes."""
-        self._store.add_observer(self._forget_views)
+        self._store.add_observer(_views_forgetter(weakref.ref(self)))
         self._stepped_params: dict[int, tuple[dict[str, Any], list[torch.Tensor], int]] = {}
         """By ``id``: each group given to the optimizer, the tensors it listed at its last step (or when given), and
         its position then, for :meth:`_check_replacements`."""
@@ -467,12 +467,6 @@ class PagedOptimizer(Optimizer):
         :func:`~hf_paged.kernels.segment_kernel`)."""
         return segment_kernel(self.update_rule(), page.format.codecs, compiled, page.device[0].device)
 
-    def _forget_views(self, operation: str, page: Page) -> None:
-        """Drop the plan's views of ``page``'s device buffers when they leave the device: written back, or released
-        by a write (``set_state_tensor``)."""
-        if operation in ("page_out", "written") and self._plan is not None:
-            self._plan.forget_views(page)
-
     # Saving and loading -------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -660,7 +654,7 @@ class PagedOptimizer(Optimizer):
         self._store, self._auto_budgets = DeviceStores(self._new_store), auto_budgets
         self._layout = StateLayout(self._store, self._formats, self.page_size, self._state_device)
         self._plan = None
-        self._store.add_observer(self._forget_views)
+        self._store.add_observer(_views_forgetter(weakref.ref(self)))
         self._stepped_params = {}
         for group in param_groups:
             self.add_param_group(group)
@@ -802,6 +796,18 @@ def _store_stats(store: PageStore | DeviceStores) -> dict[str, int | float | Non
         "stall_seconds": stats.stall_seconds,
         "device_budget": store.device_budget,
     }
+
+
+def _views_forgetter(optimizer: weakref.ref[PagedOptimizer]) -> Callable[[str, Page], None]:
+    """A page store observer that drops the plan's views of a page's device buffers when they leave the device. It
+    holds the optimizer weakly: the store must not keep its optimizer (and the pages' device memory) alive."""
+
+    def forget_views(operation: str, page: Page) -> None:
+        owner = optimizer()
+        if operation in ("page_out", "written") and owner is not None and owner._plan is not None:
+            owner._plan.forget_views(page)
+
+    return forget_views
 
 
 class _HeldWeakly(weakref.ref):
