@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..kernels.batch import NO_ROUNDING
 from ..store import Page, Segment
@@ -78,7 +79,9 @@ class StepPlan:
         """By page index: the indices of the tensors with segments on the page."""
         self._flat_params: list[torch.Tensor | StridedElements | None] = [None] * len(self.params)
         self._param_slices: list[list[torch.Tensor | StridedRange]] = [[] for _ in self.params]
-        self._param_keys: list[tuple[int, int, torch.dtype, torch.Size] | None] = [None] * len(self.params)
+        self._param_keys: list[tuple[int, int, torch.dtype, torch.Size, tuple[int, ...]] | None] = [None] * len(
+            self.params
+        )
         self._steps: list[tuple[torch.Tensor, int, float] | None] = [None] * len(self.params)
         self._tables: dict[tuple[int, ...], tuple[tuple[int, ...], torch.Tensor, list[int]]] = {}
         self._state_views: dict[int, dict[int, tuple[Any, ...]]] = {}
@@ -103,10 +106,10 @@ class StepPlan:
 
     def flat_param(self, index: int) -> torch.Tensor | StridedElements:
         """Tensor ``index``'s local elements, flat: a view made once and kept while the tensor keeps its memory,
-        dtype and shape (``param.data = ...`` gives it a new one)."""
+        dtype, shape and strides (``param.data = ...`` or ``param.set_(...)`` give it new ones)."""
         local = local_tensor(self.params[index])
         # the storage and offset, read without an operator call (a fake tensor has no data pointer)
-        key = (local.untyped_storage()._cdata, local.storage_offset(), local.dtype, local.shape)
+        key = (local.untyped_storage()._cdata, local.storage_offset(), local.dtype, local.shape, local.stride())
         if self._param_keys[index] != key:
             flat = flat_elements(local.detach())
             self._flat_params[index] = flat
@@ -122,27 +125,37 @@ class StepPlan:
     # Step counts ----------------------------------------------------------------------------------------
 
     def next_steps(self, step_counts: Sequence[torch.Tensor]) -> list[float]:
-        """Each tensor's step count plus one, as floats. A count this plan advanced last (the same tensor, not
-        written since: its version is the one after the advance) is known without reading it; the others are read
-        (an operator call each)."""
-        steps: list[float | None] = []
-        unknown = []
+        """Each tensor's step count plus one, as floats, read in one call per device and dtype: a count may have
+        been written where its version does not show it (``count.data.copy_(...)``, as DeepSpeed restores a base
+        optimizer's state). Only a fake count (a step under ``FakeTensorMode``, whose values cannot be read) that
+        this plan advanced last (the same tensor, its version the one after the advance) is known without reading
+        it."""
+        steps: list[float] = [0.0] * len(step_counts)
+        fake = []
+        real: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for index, count in enumerate(step_counts):
+            if not isinstance(count, FakeTensor):
+                real.setdefault((count.device, count.dtype), []).append(index)
+                continue
             known = self._steps[index]
             if known is not None and known[0] is count and known[1] == count._version:
-                steps.append(known[2] + 1.0)
+                steps[index] = known[2] + 1.0
             else:
-                steps.append(None)
-                unknown.append(index)
-        if unknown:
-            added = torch._foreach_add([step_counts[index] for index in unknown], 1.0)
-            for index, value in zip(unknown, added):
+                fake.append(index)
+        for indices in real.values():
+            counts = [step_counts[index] for index in indices]
+            added = torch.stack([count if count.dim() == 0 else count.reshape(()) for count in counts]).add_(1.0)
+            for index, value in zip(indices, added.tolist()):
+                steps[index] = value
+        if fake:
+            added = torch._foreach_add([step_counts[index] for index in fake], 1.0)
+            for index, value in zip(fake, added):
                 steps[index] = value.item()
         return steps
 
     def record_steps(self, indices: Sequence[int], step_counts: Sequence[torch.Tensor], steps: Sequence[float]) -> None:
         """Remember that the counts of tensors ``indices`` now hold ``steps`` (just advanced to them), so that the next
-        step need not read them. Counts from 2**24 on, where fp32 stops counting by ones, are read."""
+        step need not read those that are fake. Counts from 2**24 on, where fp32 stops counting by ones, are read."""
         for index in indices:
             count = step_counts[index]
             self._steps[index] = (count, count._version, steps[index]) if steps[index] < _EXACT_STEPS else None
