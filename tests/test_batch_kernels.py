@@ -186,6 +186,32 @@ def test_a_batch_matches_the_per_segment_path(built, rule_name, format_name, dty
     assert_same(batched, eager)
 
 
+SHAPES = [(20, 50), (11, 47), (7, 11), (2, 5, 13)]
+"""Shapes of the tensors of TENSOR_LENGTHS' lengths (in order)."""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("format_name", sorted(FORMATS))
+@pytest.mark.parametrize("rule_name", sorted(RULES))
+def test_a_batch_takes_contiguous_tensors_of_any_shape(built, rule_name, format_name, dtype):
+    """Parameters and gradients of any shape (a gradient's may differ from its parameter's) are addressed by their
+    flat element order: bitwise the result of their 1-D views, stochastic rounding included."""
+    _, _, rows = RULES[rule_name]
+    fmt = page_format(rule_name, format_name)
+    generator = torch.Generator().manual_seed(5)
+    params, grads = random_tensors(dtype, generator)
+    pages = random_pages(fmt, RULES[rule_name][1], 3, generator)
+    keys = rounding_keys(params, rounds=True)
+    kernel = host_kernel(rule_name, fmt)
+    flat, shaped = clone_all(params, pages), clone_all(params, pages)
+    shaped_params = [param.view(shape) for param, shape in zip(shaped[0], SHAPES)]
+    shaped_grads = [grad.view(shape[::-1]) for grad, shape in zip(grads, SHAPES)]
+    kernel.update_batch(make_batch(kernel, flat[0], grads, flat[1], rows, keys))
+    kernel.update_batch(make_batch(kernel, shaped_params, shaped_grads, shaped[1], rows, keys))
+    assert not all(torch.equal(a, b) for a, b in zip(flat[0], params))
+    assert_same(shaped, flat)
+
+
 @pytest.mark.parametrize("format_name", sorted(FORMATS))
 @pytest.mark.parametrize("rule_name", sorted(RULES))
 def test_a_batch_is_independent_of_the_number_of_threads(built, rule_name, format_name):

@@ -308,6 +308,28 @@ def test_a_batch_updates_each_segment_as_the_per_segment_path(triton_kernels, ru
         assert_equal_bits(list(page), expected)
 
 
+def _shaped(tensor: torch.Tensor) -> torch.Tensor:
+    """A view of a 1-D tensor with more dimensions: two rows where its length is even, else ``(1, n, 1)``."""
+    n = tensor.numel()
+    return tensor.view(2, n // 2) if n % 2 == 0 else tensor.view(1, n, 1)
+
+
+def test_a_batch_takes_contiguous_tensors_of_any_shape(triton_kernels):
+    """Parameters and gradients of more dimensions are addressed by their flat element order: bitwise the result
+    of their 1-D views."""
+    kernel, batch, *_ = make_batch(triton_kernels, "adamw", "8bit", torch.Generator().manual_seed(7))
+    flat_params = [p.clone() for p in batch.params]
+    flat_pages = [tuple(b.clone() for b in page) for page in batch.buffers]
+    kernel.update_batch(PageBatch(flat_params, batch.grads, flat_pages, batch.table, batch.scalars, batch.rounding))
+    shaped = [_shaped(p) for p in batch.params]
+    kernel.update_batch(
+        PageBatch(shaped, [_shaped(g) for g in batch.grads], batch.buffers, batch.table, batch.scalars, batch.rounding)
+    )
+    assert_equal_bits(batch.params, flat_params)
+    for page, expected in zip(batch.buffers, flat_pages):
+        assert_equal_bits(list(page), list(expected))
+
+
 def test_a_batch_that_breaks_the_contract_is_refused_before_any_write(triton_kernels):
     """A table entry outside its tensor, page or scalars, a buffer of another dtype, or a misaligned offset: a
     ValueError that says what is wrong, and nothing written."""

@@ -27,7 +27,7 @@ import torch
 
 TENSOR, START, LENGTH, PAGE, OFFSET, ROW = range(6)
 """The columns of :attr:`PageBatch.table`: the segment's index into ``params``/``grads``; its first element in that
-(flat) tensor; its number of elements; its page's index into ``buffers``; its first element in that page (a
+tensor, counted in its flat (row-major) element order; its number of elements; its page's index into ``buffers``; its first element in that page (a
 multiple of the block size for blockwise formats); its row of ``scalars``."""
 
 TABLE_COLUMNS = 6
@@ -44,10 +44,12 @@ class PageBatch:
     """The segments of a batch of resident pages of one page format on one device, for one kernel call.
 
     Attributes:
-        params: whole local parameter tensors, flat and contiguous (1-D), each fp32, bf16 or fp16, on the pages'
-            device (a non-contiguous parameter goes through a contiguous copy).
-        grads: their gradients, at the same positions, flat and contiguous, each fp32, bf16 or fp16, as many
-            elements as the parameter.
+        params: whole local parameter tensors, contiguous and of any shape (a segment addresses them by element
+            index in their flat, row-major order; no 1-D view is needed), each fp32, bf16 or fp16, on the pages'
+            device. A non-contiguous parameter is not batched: the optimizer updates it segment by segment through
+            a contiguous copy.
+        grads: their gradients, at the same positions, contiguous and of any shape (the parameter's or another
+            with as many elements), each fp32, bf16 or fp16.
         buffers: the buffers of each page of the batch (``page.device``), in the page format's buffer order
             (:meth:`~hf_paged.codecs.PageFormat.buffer_specs`: codec after codec, e.g. codes then scales).
         table: int64, shape ``(segments, 6)``, columns :data:`TENSOR`, :data:`START`, :data:`LENGTH` (elements),

@@ -753,8 +753,8 @@ class TritonKernel:
         device = batch.params[0].device
         for name, tensors in (("params", batch.params), ("grads", batch.grads)):
             for tensor in tensors:
-                if tensor.device != device or tensor.dim() != 1 or not tensor.is_contiguous():
-                    raise ValueError(f"PageBatch: {name} must be flat contiguous tensors on {device}")
+                if tensor.device != device or not tensor.is_contiguous():
+                    raise ValueError(f"PageBatch: {name} must be contiguous tensors on {device}")
                 if tensor.dtype not in _DTYPES:
                     raise ValueError(f"PageBatch: {name} must be fp32, bf16 or fp16, got {tensor.dtype}")
         for param, grad in zip(batch.params, batch.grads):
