@@ -36,8 +36,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WorkItem = tuple[Segment, torch.Tensor, torch.Tensor, float, dict[str, Any]]
-"""One segment's update in a step: the segment, its parameter and gradient elements, the step, the group (as the step
-reads it: a copy with a tensor ``lr`` read as a float, once per step)."""
+"""One segment's update in a step: the segment, its parameter and gradient elements (flat views; for a contiguous
+tensor in one segment, the parameter and gradient as they are, any shape), the step, the group (as the step reads
+it: a copy with a tensor ``lr`` read as a float, once per step)."""
 
 StateViews = Callable[[Page, Segment], tuple[Any, ...]]
 """The views of a segment's state in its page's device buffers, one encoded segment per codec."""
@@ -68,6 +69,7 @@ def run_step(optimizer: PagedOptimizer, plan: StepPlan, grads: list[torch.Tensor
                 recover_in_step(optimizer, error, recoveries, len(pages))
                 del error
     finally:
+        run.release()
         run.progress.advance_step_counts()
         if recoveries:
             for device, budget in budgets.items():
@@ -205,16 +207,64 @@ class StepRun:
         devices = {(local_tensor(param).device, step) for param, step in zip(plan.params, self.steps)}
         # Made once per step: a tensor built from a number on a device per page would wait for a host copy.
         self.step_tensors = {key: torch.full((), key[1], dtype=torch.float32, device=key[0]) for key in devices}
+        self._flat_params: list[torch.Tensor | StridedElements | None] = [None] * len(plan.params)
+        self._param_slices: list[list[torch.Tensor | StridedRange] | None] = [None] * len(plan.params)
         self._flat_grads: list[torch.Tensor | StridedElements | None] = [None] * len(plan.params)
         self._grad_slices: list[list[torch.Tensor | StridedRange] | None] = [None] * len(plan.params)
         self._strided = {
             index
-            for index, grad in enumerate(grads)
-            if not grad.is_contiguous() or isinstance(plan.flat_param(index), StridedElements)
+            for index, (param, grad) in enumerate(zip(plan.params, grads))
+            if not grad.is_contiguous() or not local_tensor(param).is_contiguous()
         }
         self._dtypes = {(local_tensor(param).dtype, grad.dtype) for param, grad in zip(plan.params, grads)}
 
     # Per-tensor views ------------------------------------------------------------------------------------
+    #
+    # Made at most once per step, only for the segments that the multi-tensor and segment kernels update (a batch
+    # kernel takes the tensors as they are), and dropped when the step ends (:meth:`release`): nothing keeps a
+    # parameter's memory alive between steps.
+
+    def flat_param(self, index: int) -> torch.Tensor | StridedElements:
+        """Tensor ``index``'s local elements, flat (a view made once this step; a 1-D tensor as it is)."""
+        flat = self._flat_params[index]
+        if flat is None:
+            local = local_tensor(self.plan.params[index])
+            flat = local if local.dim() == 1 and local.is_contiguous() else flat_elements(local)
+            self._flat_params[index] = flat
+        return flat
+
+    def whole(self, index: int) -> bool:
+        """Whether tensor ``index`` is one segment whose parameter and gradient are contiguous: its work item holds
+        them as they are (no view), and its fp32 state views come in the parameter's shape."""
+        return len(self.plan.segments[index]) == 1 and index not in self._strided
+
+    def param_slices(self, index: int) -> list[torch.Tensor | StridedRange]:
+        """Tensor ``index``'s elements of each of its segments, in order."""
+        slices = self._param_slices[index]
+        if slices is None:
+            if self.whole(index):
+                slices = [local_tensor(self.plan.params[index])]
+            else:
+                segments = [segment for _, segment in self.plan.segments[index]]
+                slices = segment_slices(self.flat_param(index), segments)
+            self._param_slices[index] = slices
+        return slices
+
+    def state_views(self, page: Page, segment: Segment) -> tuple[Any, ...]:
+        """The views of ``segment``'s state (the plan's, kept while the page is resident), fp32 values in the shape
+        of the parameter of a :meth:`whole` tensor, as its work item holds it."""
+        index = self.plan.tensor_index(segment)
+        shape = None
+        if self.whole(index):
+            shape = local_tensor(self.plan.params[index]).shape
+            if len(shape) == 1:
+                shape = None
+        return self.plan.state_views(page, segment, shape)
+
+    def release(self) -> None:
+        """Drop this step's views of the parameters and gradients (at the step's end, whether it raised or not)."""
+        for views in (self._flat_params, self._param_slices, self._flat_grads, self._grad_slices):
+            views[:] = [None] * len(views)
 
     def flat_grad(self, index: int) -> torch.Tensor | StridedElements:
         """Tensor ``index``'s gradient, flat (a view made once this step; a 1-D gradient as it is)."""
@@ -229,8 +279,11 @@ class StepRun:
         """Tensor ``index``'s gradient elements of each of its segments, in order."""
         slices = self._grad_slices[index]
         if slices is None:
-            segments = [segment for _, segment in self.plan.segments[index]]
-            slices = segment_slices(self.flat_grad(index), segments)
+            if self.whole(index):
+                slices = [self.grads[index]]
+            else:
+                segments = [segment for _, segment in self.plan.segments[index]]
+                slices = segment_slices(self.flat_grad(index), segments)
             self._grad_slices[index] = slices
         return slices
 
@@ -241,7 +294,7 @@ class StepRun:
             if self.progress.finished(segment):
                 continue
             position = self.plan.position(segment)
-            param_slice = self.plan.param_slices(index)[position]
+            param_slice = self.param_slices(index)[position]
             grad_slice = self.grad_slices(index)[position]
             group = self.groups[self.plan.group_of[index]]
             items.append((segment, param_slice, grad_slice, self.steps[index], group))
@@ -313,8 +366,7 @@ class StepRun:
         fast = [page for page in pages if self.optimizer.takes_pages_fast(page, self.page_dtypes(page))]
         batch = [(page, [item for item, _ in gather(page)]) for page in fast if gather(page)]
         left = [
-            page
-            for page, _ in self.optimizer.update_pages_fast(batch, self.step_tensors, finished, self.plan.state_views)
+            page for page, _ in self.optimizer.update_pages_fast(batch, self.step_tensors, finished, self.state_views)
         ]
         taken = {page.index for page in fast}
         left += [page for page in pages if page.index not in taken]
@@ -381,8 +433,8 @@ class StepRun:
             table = table.to(device)
             rounding = None if rounding is None else rounding.to(device)
         batch = PageBatch(
-            params=[self.plan.flat_param(index) for index in tensors],
-            grads=[self.flat_grad(index) for index in tensors],
+            params=[local_tensor(self.plan.params[index]) for index in tensors],
+            grads=[self.grads[index] for index in tensors],
             buffers=[page.device for page in pages],
             table=table,
             scalars=self.scalar_table(tuple(kernel.scalar_names), device),
@@ -500,11 +552,16 @@ def update_segment(
     """Run ``kernel`` on the elements of a segment that ``progress`` has not reached: its whole blocks in place,
     chunk by chunk (in one call where the kernel allocates nothing), each chunk whole or not at all; a partial
     last block through padded copies. With stochastic rounding ``keys``, each chunk rounds its bf16 elements by
-    their index in the parameter.
+    their index in the parameter. ``param`` and ``grad`` are the segment's elements (flat, or the whole tensors of
+    a tensor in one segment, read in their flat order).
 
     Every tensor the kernel takes starts at a 16-byte boundary: the layout aligns the parameter, gradient, values
     and codes of each chunk (see :class:`~hf_paged.codecs.PageFormat`), and scales that start elsewhere go
     through an aligned copy."""
+    if param.dim() != 1:  # a tensor in one segment comes as it is
+        param = param.view(-1)
+    if grad.dim() != 1:
+        grad = grad.view(-1)
     codecs = page.format.codecs
     alignment = page.format.alignment
     body = segment.length - segment.length % alignment

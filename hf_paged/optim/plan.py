@@ -2,9 +2,10 @@
 
 A plan is built when the layout changes (a first step, tensors swapped or dropped, a param group added, a state
 dict loaded) or when the tensors that have gradients, or their groups, change; the optimizer keeps it while they
-hold. It holds each page's segments, flat views of the parameters, the page batches' segment tables
-(:class:`~hf_paged.kernels.batch.PageBatch`) and the views of the state that segments read, so that a step does
-Python work and operator calls in proportion to tensors and page batches, not to segments or chunks.
+hold. It holds each page's segments, the page batches' segment tables (:class:`~hf_paged.kernels.batch.PageBatch`) and
+the views of the state that segments read, so that a step does Python work and operator calls in proportion to
+tensors and page batches, not to segments or chunks. It holds no view of a parameter or gradient: a parameter given
+new memory between steps (``param.data = ...``, ``model.to(...)``) frees its old memory at once.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from ..codecs import Float32Codec
 from ..kernels.batch import NO_ROUNDING
 from ..store import Page, Segment
-from ._params import StridedElements, StridedRange, flat_elements
-from .layout import StateLayout, local_tensor
+from ._params import StridedElements, StridedRange
+from .layout import StateLayout
 
 _EXACT_STEPS = 2.0**24
 """fp32 step counts are whole numbers that one more step advances by one below this."""
@@ -77,14 +79,9 @@ class StepPlan:
         }
         self.page_tensors = {index: sorted({tensor for tensor, _ in pairs}) for index, pairs in by_page.items()}
         """By page index: the indices of the tensors with segments on the page."""
-        self._flat_params: list[torch.Tensor | StridedElements | None] = [None] * len(self.params)
-        self._param_slices: list[list[torch.Tensor | StridedRange]] = [[] for _ in self.params]
-        self._param_keys: list[tuple[int, int, torch.dtype, torch.Size, tuple[int, ...]] | None] = [None] * len(
-            self.params
-        )
         self._steps: list[tuple[torch.Tensor, int, float] | None] = [None] * len(self.params)
         self._tables: dict[tuple[int, ...], tuple[tuple[int, ...], torch.Tensor, list[int]]] = {}
-        self._state_views: dict[int, dict[int, tuple[Any, ...]]] = {}
+        self._state_views: dict[int, dict[int, tuple[torch.Size | None, tuple[Any, ...]]]] = {}
 
     def holds_for(self, params: Sequence[torch.Tensor], groups: Sequence[dict[str, Any]]) -> bool:
         """Whether the plan is that of a step over ``params`` in ``groups`` (the same objects, in order)."""
@@ -101,26 +98,6 @@ class StepPlan:
     def position(self, segment: Segment) -> int:
         """The position of ``segment`` among its tensor's segments."""
         return self._located[id(segment)][1]
-
-    # Parameters -----------------------------------------------------------------------------------------
-
-    def flat_param(self, index: int) -> torch.Tensor | StridedElements:
-        """Tensor ``index``'s local elements, flat: a view made once and kept while the tensor keeps its memory,
-        dtype, shape and strides (``param.data = ...`` or ``param.set_(...)`` give it new ones)."""
-        local = local_tensor(self.params[index])
-        # the storage and offset, read without an operator call (a fake tensor has no data pointer)
-        key = (local.untyped_storage()._cdata, local.storage_offset(), local.dtype, local.shape, local.stride())
-        if self._param_keys[index] != key:
-            flat = flat_elements(local.detach())
-            self._flat_params[index] = flat
-            self._param_slices[index] = segment_slices(flat, [segment for _, segment in self.segments[index]])
-            self._param_keys[index] = key
-        return self._flat_params[index]
-
-    def param_slices(self, index: int) -> list[torch.Tensor | StridedRange]:
-        """Tensor ``index``'s elements of each of its segments, in order (views kept as :meth:`flat_param`'s)."""
-        self.flat_param(index)
-        return self._param_slices[index]
 
     # Step counts ----------------------------------------------------------------------------------------
 
@@ -201,18 +178,25 @@ class StepPlan:
 
     # State views ----------------------------------------------------------------------------------------
 
-    def state_views(self, page: Page, segment: Segment) -> tuple[Any, ...]:
+    def state_views(self, page: Page, segment: Segment, shape: torch.Size | None = None) -> tuple[Any, ...]:
         """The views of ``segment``'s state in ``page``'s device buffers, one encoded segment per codec, made once
-        while the page stays resident (:meth:`forget_views` drops them when it leaves)."""
+        while the page stays resident (:meth:`forget_views` drops them when it leaves). With a ``shape`` (that of
+        a tensor in one segment, handed to a multi-tensor kernel as it is), fp32 values come in that shape."""
         views = self._state_views.setdefault(page.index, {})
-        selected = views.get(id(segment))
-        if selected is None:
+        cached = views.get(id(segment))
+        if cached is None or cached[0] != shape:
             arrays = page.format.arrays(page.device)
             selected = tuple(
                 codec.select(array, segment.offset, segment.length) for codec, array in zip(page.format.codecs, arrays)
             )
-            views[id(segment)] = selected
-        return selected
+            if shape is not None:
+                selected = tuple(
+                    tuple(view.view(shape) for view in encoded) if isinstance(codec, Float32Codec) else encoded
+                    for codec, encoded in zip(page.format.codecs, selected)
+                )
+            cached = (shape, selected)
+            views[id(segment)] = cached
+        return cached[1]
 
     def forget_views(self, page: Page) -> None:
         """Drop the state views of ``page``: its device buffers are going (written back or freed)."""
