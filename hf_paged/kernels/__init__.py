@@ -27,6 +27,7 @@ from .pytorch import (
     compile_available,
     prepare_scalars,
     resolve_compiled,
+    update_or_undo,
     update_segment,
 )
 from .rules import UpdateRule
@@ -44,6 +45,7 @@ __all__ = [
     "resolve_compiled",
     "runs_compiled",
     "segment_kernel",
+    "update_or_undo",
     "update_segment",
 ]
 

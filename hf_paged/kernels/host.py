@@ -15,7 +15,7 @@ import torch
 from ..codecs import Blockwise4bitCodec, Blockwise8bitCodec, Codec, EncodedSegment, Float32Codec
 from ..stochastic_rounding import ElementRounding
 from .batch import PageBatch
-from .pytorch import SegmentKernel
+from .pytorch import SegmentKernel, update_or_undo
 from .rules import UpdateRule, adamw_update_, lion_update_
 
 
@@ -69,7 +69,7 @@ class HostKernel:
         :func:`prepare_scalars`, floats or 0-d fp32 CPU tensors; ``rounding`` rounds a bf16 ``param``
         stochastically."""
         if param.device.type != "cpu" or param.dtype not in _HOST_DTYPES or grad.dtype not in _HOST_DTYPES:
-            self._fallback_whole(param, grad, encoded, scalars, rounding)
+            update_or_undo(self.fallback, param, grad, encoded, scalars, rounding)
             return
         arrays = [array for segment in encoded for array in segment]
         values = [float(scalars[name]) for name in self.scalar_names]
@@ -114,24 +114,6 @@ class HostKernel:
         """Whether a call on ``param`` and ``grad`` allocates nothing, so that a segment of any length can be
         updated in one call: on the CPU in a dtype the C++ kernel takes (elsewhere the fallback decodes)."""
         return param.device.type == "cpu" and param.dtype in _HOST_DTYPES and grad.dtype in _HOST_DTYPES
-
-    def _fallback_whole(
-        self,
-        param: torch.Tensor,
-        grad: torch.Tensor,
-        encoded: Sequence[EncodedSegment],
-        scalars: dict,
-        rounding: ElementRounding | None,
-    ) -> None:
-        """The fallback kernel on a copy of what it writes, put back if it fails (the copies come first)."""
-        targets = [param, *(array for segment in encoded for array in segment)]
-        saved = [target.clone() for target in targets]
-        try:
-            self.fallback(param, grad, encoded, scalars, *(() if rounding is None else (rounding,)))
-        except BaseException:
-            for target, copy_of_target in zip(targets, saved):
-                target.copy_(copy_of_target)
-            raise
 
 
 _HOST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

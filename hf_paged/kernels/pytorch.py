@@ -53,6 +53,27 @@ def update_segment(
         param.copy_(param32)
 
 
+def update_or_undo(
+    kernel: Callable[..., None],
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    encoded: Sequence[EncodedSegment],
+    scalars: dict,
+    rounding: ElementRounding | None = None,
+) -> None:
+    """Run ``kernel`` on one segment so that it updates ``param`` and the ``encoded`` state whole or not at all: what
+    it writes is copied first (every allocation of this function comes before the kernel's first write) and copied
+    back if it raises, which allocates nothing. ``rounding`` is passed on only when given."""
+    targets = [param, *(array for segment in encoded for array in segment)]
+    saved = [target.clone() for target in targets]
+    try:
+        kernel(param, grad, encoded, scalars, *(() if rounding is None else (rounding,)))
+    except BaseException:
+        for target, copy_of_target in zip(targets, saved):
+            target.copy_(copy_of_target)
+        raise
+
+
 def compile_available(device: torch.device) -> bool:
     """Whether :func:`torch.compile` can build kernels for ``device`` on this machine.
 

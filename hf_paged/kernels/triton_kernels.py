@@ -44,7 +44,7 @@ from triton.backends import backends
 from ..codecs import Blockwise4bitCodec, Blockwise8bitCodec, Codec, EncodedSegment, Float32Codec, PageFormat, to_blocks
 from ..stochastic_rounding import ElementRounding, step_keys
 from .batch import LENGTH, OFFSET, PAGE, ROW, START, TENSOR, PageBatch
-from .pytorch import update_segment
+from .pytorch import update_or_undo, update_segment
 from .rules import UpdateRule, adamw_scalars, adamw_update_, lion_update_
 
 logger = logging.getLogger(__name__)
@@ -679,7 +679,7 @@ class TritonKernel:
         """Update one segment (``param`` and ``grad`` shaped ``(blocks, block_size)``, or flat for fp32 state);
         ``scalars`` floats or 0-d fp32 CPU tensors; ``rounding`` rounds a bf16 ``param`` stochastically."""
         if not self.takes_batch(param.device, param.dtype, grad.dtype):
-            self._fallback_whole(param, grad, encoded, scalars, rounding)
+            update_or_undo(self.fallback, param, grad, encoded, scalars, rounding)
             return
         device = param.device
         arrays = tuple(array.reshape(-1) for segment in encoded for array in segment)
@@ -814,21 +814,3 @@ class TritonKernel:
             raise ValueError(
                 f"PageBatch: a segment's page offset is not a multiple of the block size, {self.block_size}"
             )
-
-    def _fallback_whole(
-        self,
-        param: torch.Tensor,
-        grad: torch.Tensor,
-        encoded: Sequence[EncodedSegment],
-        scalars: dict,
-        rounding: ElementRounding | None,
-    ) -> None:
-        """The fallback kernel on a copy of what it writes, put back if it fails (the copies come first)."""
-        targets = [param, *(array for segment in encoded for array in segment)]
-        saved = [target.clone() for target in targets]
-        try:
-            self.fallback(param, grad, encoded, scalars, *(() if rounding is None else (rounding,)))
-        except BaseException:
-            for target, copy_of_target in zip(targets, saved):
-                target.copy_(copy_of_target)
-            raise

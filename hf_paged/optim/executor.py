@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..codecs import ADDRESS_ALIGNMENT, to_blocks
-from ..kernels import SegmentKernel, prepare_scalars
+from ..kernels import SegmentKernel, prepare_scalars, update_or_undo
 from ..kernels.batch import PageBatch
 from ..memory import probe_for
 from ..recovery import Recovery, device_out_of_memory, empty_device_cache, is_out_of_memory
@@ -497,18 +497,10 @@ def update_whole(
     (``writes_after_allocating``), what it writes is copied first and copied back if it fails: the copies are
     allocated before anything is written, and putting them back allocates nothing.
     """
-    rounding_argument = () if rounding is None else (rounding,)  # kernels take it only where it applies
     if getattr(kernel, "writes_after_allocating", False):
-        kernel(param, grad, encoded, scalars, *rounding_argument)
+        kernel(param, grad, encoded, scalars, *(() if rounding is None else (rounding,)))
         return
-    targets = [param, *(array for segment in encoded for array in segment)]
-    saved = [target.clone() for target in targets]
-    try:
-        kernel(param, grad, encoded, scalars, *rounding_argument)
-    except BaseException:
-        for target, copy_of_target in zip(targets, saved):
-            target.copy_(copy_of_target)
-        raise
+    update_or_undo(kernel, param, grad, encoded, scalars, rounding)
 
 
 def update_aligned(
