@@ -891,8 +891,8 @@ OVERHEAD_OPTIMIZERS = ("PagedAdamW", "PagedAdamW8bit", "PagedAdamW4bit", "PagedL
 @contextlib.contextmanager
 def kernels_skipped() -> Iterator[None]:
     """The host's update kernels replaced by no-ops: torch's fused AdamW (which PagedAdamW's resident fp32 pages
-    also call), hf_paged's C++ kernels and its PyTorch segment kernels (Lion's fp32 pages, fp32 state of small
-    tensors), so that a step costs only what it does around them."""
+    also call), hf_paged's C++ kernels, per segment and per page batch, and its PyTorch segment kernels, so that a
+    step costs only what it does around them."""
 
     def skip(*args: Any, **kwargs: Any) -> None:
         return None
@@ -901,6 +901,10 @@ def kernels_skipped() -> Iterator[None]:
         (torch, "_fused_adamw_"),
         (torch.ops.hf_paged, "adamw_blockwise_"),
         (torch.ops.hf_paged, "lion_blockwise_"),
+        (torch.ops.hf_paged, "adamw_fp32_"),
+        (torch.ops.hf_paged, "lion_fp32_"),
+        (torch.ops.hf_paged, "adamw_batch_"),
+        (torch.ops.hf_paged, "lion_batch_"),
         (hf_paged.kernels.SegmentKernel, "__call__"),
     ]
     importlib.import_module("torch._inductor.compile_fx")  # its first import reads the operators: not while replaced
