@@ -80,3 +80,28 @@ def test_the_summary_and_messages_are_printed_once(launch):
     assert len(messages) >= 5 and len(messages) == len(set(messages)), messages
     assert out.count("'loss':") == 2  # the Trainer logs on rank 0 only
     assert completed.stderr.count("tokenizing: 100%") == 1  # datasets' progress bars: rank 0's only
+
+
+def test_the_first_process_tokenizes_and_the_others_read_its_cache(tmp_path):
+    """Rank 0 loads and tokenizes the data while the other rank waits, then the other reads the ``datasets`` cache.
+    Rank 0 is made slow: a rank that did not wait would tokenize first, and rank 0, reading that rank's cache, would
+    show no progress bar (the launch test above failed so, now and then, before)."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(ROOT / "tests" / "scripts" / "tokenize_once.py"), "--output-dir", str(tmp_path / "out"), "--delay", "3",
+    ]  # fmt: skip
+    environment = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(tmp_path / "datasets-cache"),
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    completed = subprocess.run(
+        command, check=False, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    ranks = [json.loads((tmp_path / "out" / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert ranks[0] == {"examples": EXAMPLES, "cache_reads": 0}  # rank 0 ran the map and the filter
+    assert ranks[1] == {"examples": EXAMPLES, "cache_reads": 2}  # rank 1 read both from rank 0's cache

@@ -165,6 +165,14 @@ def tokenize(records: Any, config: Config, tokenizer: Any) -> Any:
     return kept
 
 
+def training_data(config: Config, tokenizer: Any, args: Any) -> Any:
+    """The tokenized training examples. Under several processes the first process of each machine loads and
+    tokenizes them while the others wait, then the others read the ``datasets`` cache it wrote: the work is done
+    once per machine, and its progress bars are the first process's."""
+    with args.main_process_first(desc="loading and tokenizing the data"):
+        return tokenize(load_records(config.data), config, tokenizer)
+
+
 def build_model(config: Config, tokenizer: Any, device: torch.device) -> Any:
     """The base model with LoRA adapters (4-bit base weights when ``lora.quantize``), on ``device``."""
     from ..qlora import enable_activation_checkpointing, prepare_qlora
@@ -341,7 +349,7 @@ def run(config: Config | None = None, plan: MemoryPlan | None = None) -> dict[st
     output_dir = Path(args.output_dir)
     _progress(f"tokenizer and data ({config.data.path or 'shipped instructions'})")
     tokenizer = build_tokenizer(config)
-    dataset = tokenize(load_records(config.data), config, tokenizer)
+    dataset = training_data(config, tokenizer, args)
     method = "QLoRA (4-bit base weights)" if config.lora.quantize else "LoRA"
     _progress(f"model {config.model.name!r} with {method} on {args.device}")
     model = build_model(config, tokenizer, args.device)
