@@ -2,8 +2,9 @@
 
 The script needs no change: the names are registered before it builds its ``HfArgumentParser``, so
 ``--optim hf_paged_adamw_8bit`` works. Under ``accelerate launch -m hf_paged.run SCRIPT.py ARGS...`` every
-process does the same, and a process group the script leaves open is ended once the script returns (all
-ranks meet, then the group is destroyed, as PyTorch asks of a program before it exits).
+process does the same, and once the script returns, a process group it left open is ended (all ranks meet, then
+the group is destroyed, as PyTorch asks of a program before it exits) and the process ends without the
+interpreter's finalization, in which gloo's threads can abort it (see :mod:`hf_paged.process_exit`).
 ``HF_PAGED_REPLACE_BITSANDBYTES=1`` also routes bitsandbytes' paged names to ours.
 """
 
@@ -14,6 +15,7 @@ import runpy
 import sys
 
 from .integrations import register
+from .process_exit import end_distributed_run
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -28,17 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.argv = [script, *argv[1:]]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
-    _end_process_group()
-
-
-def _end_process_group() -> None:
-    """End the process group a script left open: a barrier, so that no rank tears down its connections while
-    another still uses them, then ``destroy_process_group``. Not after an error (a barrier would wait forever)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    end_distributed_run()
 
 
 if __name__ == "__main__":

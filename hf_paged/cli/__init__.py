@@ -94,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     """``hf-paged train``; launched as several processes, only the first (rank 0) prints the plan, config and
-    summary."""
+    summary, and each process ends once it has trained (see :func:`~hf_paged.process_exit.end_distributed_run`)."""
+    from ..process_exit import end_distributed_run
     from . import quiet
     from .config import load_config, to_dict, update
     from .train import is_main_process
@@ -127,6 +128,7 @@ def _train(args: argparse.Namespace) -> int:
     summary = run(config, plan=planned)
     if is_main_process():
         print(format_summary(summary), flush=True)
+    end_distributed_run()  # a process of a launch ends here, without the interpreter's finalization
     return 0
 
 

@@ -38,6 +38,7 @@ from deepspeed_train import full_weights, prepare_process, skip_shm_op_build
 import hf_paged  # noqa: F401  (enables the state tools for paged clients once DeepSpeed loads)
 from hf_paged.codecs import Float32Codec, to_blocks
 from hf_paged.optim import PagedAdamW, PagedAdamW4bit, PagedAdamW8bit, PagedOptimizer
+from hf_paged.process_exit import end_distributed_run
 
 STEPS = 3
 KEYS = ("exp_avg", "exp_avg_sq")
@@ -247,7 +248,7 @@ def main() -> None:
     torch.distributed.all_gather_object(gathered, results)
     if rank == 0:
         torch.save({"world_size": world_size, "ranks": gathered}, options.output)
-    torch.distributed.destroy_process_group()
+    end_distributed_run()  # ends the process: see hf_paged/process_exit.py
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import hf_paged  # noqa: F401  (registers the hf_paged_* optimizer names)
 from hf_paged.optim import PagedOptimizer
+from hf_paged.process_exit import end_distributed_run
 
 from trainer_utils import tiny_llama, token_dataset
 
@@ -328,3 +329,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_distributed_run()  # ends the process: see hf_paged/process_exit.py

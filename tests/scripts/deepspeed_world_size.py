@@ -47,6 +47,7 @@ from deepspeed_train import prepare_process, skip_shm_op_build
 import hf_paged  # noqa: F401  (enables DeepSpeed's tools and checkpoints for paged clients once DeepSpeed loads)
 from hf_paged.codecs import Float32Codec
 from hf_paged.optim import PagedOptimizer
+from hf_paged.process_exit import end_distributed_run
 
 SAVE_AT = 3
 """Steps before the checkpoint."""
@@ -248,7 +249,7 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     (save if options.phase == "save" else resume)(options, rank, world_size)
-    torch.distributed.destroy_process_group()
+    end_distributed_run()  # ends the process: see hf_paged/process_exit.py
 
 
 if __name__ == "__main__":

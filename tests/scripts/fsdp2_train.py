@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 
 import hf_paged
+from hf_paged.process_exit import end_distributed_run
 
 EIGHT_BIT = {"block_size": 64, "min_8bit_size": 160}
 """8-bit settings under which the uneven ``Linear(64, 5)`` weight (320 elements; 192 and 128 per rank) is
@@ -154,7 +155,7 @@ def main() -> None:
     }
     if rank == 0:
         torch.save(results, args.output)
-    dist.destroy_process_group()
+    end_distributed_run()  # ends the process: see hf_paged/process_exit.py
 
 
 if __name__ == "__main__":

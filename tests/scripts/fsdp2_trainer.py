@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor, Shard
 from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
 import hf_paged  # noqa: F401  (registers the hf_paged_* names, as ``-m hf_paged.run`` does)
+from hf_paged.process_exit import end_distributed_run
 
 from trainer_utils import tiny_llama, token_dataset
 
@@ -285,7 +286,7 @@ def main() -> None:
                 f"errors {[run[kind]['error'] is not None for run in result['ranks'] for kind in run]}",
                 flush=True,
             )
-    dist.destroy_process_group()
+    end_distributed_run()  # ends the process: see hf_paged/process_exit.py
 
 
 if __name__ == "__main__":

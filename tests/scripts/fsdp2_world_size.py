@@ -57,6 +57,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_paged.codecs import Float32Codec
 from hf_paged.optim import PagedOptimizer
+from hf_paged.process_exit import end_distributed_run
 
 from trainer_utils import token_dataset
 
@@ -214,7 +215,7 @@ def main() -> None:
     enable_fsdp_on_cpu()
     dist.init_process_group("gloo", timeout=timedelta(minutes=2))
     (save if options.phase == "save" else resume)(options)
-    dist.destroy_process_group()
+    end_distributed_run()  # ends the process: see hf_paged/process_exit.py
 
 
 if __name__ == "__main__":

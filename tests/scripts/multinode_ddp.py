@@ -34,6 +34,7 @@ from transformers import Trainer, TrainingArguments
 
 import hf_paged  # noqa: F401  (registers the hf_paged_* names, as ``-m hf_paged.run`` does)
 from hf_paged.callbacks import MemorySpikeCallback
+from hf_paged.process_exit import end_distributed_run
 
 from trainer_utils import tiny_llama, token_dataset
 
@@ -129,7 +130,7 @@ def main() -> None:
     results = {optim: run_optimizer(optim, options) for optim in options.optim}
     if dist.get_rank() == 0:
         torch.save(results, os.path.join(options.output_dir, "results.pt"))
-    dist.destroy_process_group()
+    end_distributed_run()  # ends the process: see hf_paged/process_exit.py
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 import hf_paged  # noqa: F401  (registers the hf_paged_* optimizer names)
 from callbacks import MemorySpikeCallback
+from hf_paged.process_exit import end_distributed_run
 from hf_paged.recovery import paged_optimizer_of
 
 from trainer_utils import tiny_llama, token_dataset
@@ -229,3 +230,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_distributed_run()  # ends the process: see hf_paged/process_exit.py

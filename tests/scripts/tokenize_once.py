@@ -19,6 +19,7 @@ import datasets
 
 from hf_paged.cli import train
 from hf_paged.cli.config import load_config
+from hf_paged.process_exit import end_distributed_run
 
 
 class CacheReads(logging.Handler):
@@ -59,3 +60,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_distributed_run()  # ends the process: see hf_paged/process_exit.py
