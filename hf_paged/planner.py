@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 import warnings
 import weakref
@@ -36,10 +37,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from . import device as device_module
+from . import kernels
 from .device import SyncBackend
-from .kernels import HostKernel, SegmentKernel
+from .kernels import HostKernel, SegmentKernel, triton_module
 from .native import host_kernels_disabled
 from .optim import PagedOptimizer
+from .optim.plan import StepPlan
 from .sizes import format_size
 
 FORWARD_BACKWARD = "forward_backward"
@@ -185,6 +188,15 @@ class _Ledger:
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
             self._peak_event = len(self._events)
+
+    @contextlib.contextmanager
+    def allocating_on_host(self) -> Iterator[None]:
+        """New storages are in host memory: followed but not counted on the device."""
+        self._on_host = True
+        try:
+            yield
+        finally:
+            self._on_host = False
 
     @contextlib.contextmanager
     def allocating_pages(self, on_host: bool) -> Iterator[None]:
@@ -373,10 +385,7 @@ class _KernelCalls:
         """Kernel calls go through this object: the per-segment calls of every kernel family, and their batch
         calls (``update_batch``) where they have them."""
         methods = [
-            (kind, name)
-            for kind in (SegmentKernel, HostKernel)
-            for name in ("__call__", "update_batch")
-            if name in vars(kind)
+            (kind, name) for kind in _kernel_classes() for name in ("__call__", "update_batch") if name in vars(kind)
         ]
         originals = [getattr(kind, name) for kind, name in methods]
         for (kind, name), original in zip(methods, originals):
@@ -386,6 +395,52 @@ class _KernelCalls:
         finally:
             for (kind, name), original in zip(methods, originals):
                 setattr(kind, name, original)
+
+
+def _kernel_classes() -> tuple[type, ...]:
+    """The kernel classes whose calls a trace sees: the PyTorch and host kernels, and the Triton kernels where
+    Triton imports."""
+    triton_kernels = triton_module()
+    return (SegmentKernel, HostKernel) + (() if triton_kernels is None else (triton_kernels.TritonKernel,))
+
+
+@contextlib.contextmanager
+def _accelerator_kernels(ledger: _Ledger) -> Iterator[str]:
+    """The pages of a plan for an accelerator, fake tensors on the CPU, take the kernels a step there takes; yields
+    their family.
+
+    Where Triton imports, the Triton kernels (:func:`~hf_paged.kernels.kernel_family`'s choice on CUDA and XPU),
+    whose launches do nothing here: a launch allocates nothing besides the tables of its page batch. The step plan
+    keeps each batch's segment table in host memory (not counted) and the executor copies it, with the scalars, to
+    the device for each launch (counted: the trace gives them a device of their own, ``meta``). Without Triton (or
+    with ``HF_PAGED_KERNELS=torch``), the PyTorch kernels, with their chunks' temporaries. Never the host kernels:
+    they update only pages in host memory."""
+    triton_kernels = triton_module()
+    with host_kernels_disabled():
+        if triton_kernels is None or os.environ.get("HF_PAGED_KERNELS", "").strip().lower() == "torch":
+            yield "torch"
+            return
+        batch_table = StepPlan.batch_table
+
+        def batch_table_in_host_memory(*args: Any, **kwargs: Any) -> Any:
+            with ledger.allocating_on_host():
+                return batch_table(*args, **kwargs)
+
+        patches = [
+            (kernels, "kernel_family", lambda device: "triton"),
+            (triton_kernels, "runs_on", lambda device: True),
+            (triton_kernels.TritonKernel, "_launch", _do_nothing),
+            (triton_kernels.TritonKernel, "table_device", lambda kernel, device: torch.device("meta")),
+            (StepPlan, "batch_table", batch_table_in_host_memory),
+        ]
+        originals = [getattr(owner, name) for owner, name, _ in patches]
+        for owner, name, value in patches:
+            setattr(owner, name, value)
+        try:
+            yield "triton"
+        finally:
+            for (owner, name, _), original in zip(patches, originals):
+                setattr(owner, name, original)
 
 
 def _do_nothing(*args: Any, **kwargs: Any) -> None:
@@ -403,7 +458,7 @@ def _idle_kernels() -> Iterator[None]:
     kernels' temporaries."""
     replacements = {"__call__": _do_nothing, "update_batch": _do_nothing}
     patches: list[tuple[type, str, Any]] = []
-    for kind in (SegmentKernel, HostKernel):
+    for kind in _kernel_classes():
         patches += [(kind, name, value) for name, value in replacements.items() if name in vars(kind)]
         patches += [(kind, "allocates_nothing", _takes_any_segment_whole), (kind, "writes_after_allocating", True)]
     missing = object()
@@ -640,8 +695,9 @@ def plan(
             the first step created.
         device: the device to predict for. The trace runs on fake CPU tensors; for ``cuda`` every allocation
             is rounded as PyTorch's allocator rounds it, :data:`CUDA_WORKSPACE_BYTES` are added to each peak,
-            host buffers of paged optimizers do not count and their pages take the PyTorch kernels (with their
-            temporaries), not the host kernels.
+            host buffers of paged optimizers do not count and their pages take the Triton kernels where Triton
+            imports (one launch per page batch, no temporaries but its tables), else the PyTorch kernels (with
+            their chunks' temporaries), never the host kernels.
         extra_state: names tensors of the model that are neither parameters nor buffers (for example the
             quantization state of 4-bit weights), by kind of :data:`KINDS`.
         step_temporaries: ``False`` traces the optimizer step for the state it leaves only: hf-paged's update
@@ -675,8 +731,7 @@ def plan(
     with (
         _fake_mode(),
         _page_backend(ledger, host_is_device=target.type == "cpu"),
-        # the C++ kernels update only CPU pages: elsewhere the PyTorch kernels run, with their chunks' temporaries
-        contextlib.nullcontext() if target.type == "cpu" else host_kernels_disabled(),
+        contextlib.nullcontext("native") if target.type == "cpu" else _accelerator_kernels(ledger) as family,
         # host memory, so on the device only when the device is the host
         _host_rng_states_counted(ledger) if target.type == "cpu" else contextlib.nullcontext(),
         warnings.catch_warnings(),
@@ -729,6 +784,8 @@ def plan(
         state = _optimizer_state_bytes(built_optimizer, ledger.rounding)
         shapes = [(tuple(p.shape), p.dtype) for p in params if p.requires_grad]
     notes = [f"includes {format_size(CUDA_WORKSPACE_BYTES)} of cuBLAS workspace"] if on_cuda else []
+    if family == "triton":
+        notes.append("paged optimizer steps traced with the Triton kernels, one launch per page batch")
     return MemoryPlan(
         device=str(target),
         phases=phases,

@@ -15,6 +15,7 @@ from torch import nn
 
 import hf_paged
 from hf_paged.kernels import pytorch as pytorch_kernels
+from hf_paged.optim.executor import StepRun
 from hf_paged.planner import OPTIMIZER_STEP, plan
 
 from plan_utils import check_plan, measured_peaks
@@ -44,8 +45,10 @@ def _batch() -> torch.Tensor:
 
 @pytest.mark.parametrize("optimizer_name", ["PagedAdamW8bit", "PagedLion"])
 def test_kernels_traced_do_not_grow_with_the_chunks(monkeypatch: pytest.MonkeyPatch, optimizer_name: str) -> None:
-    """A CUDA plan (the PyTorch kernels, eager) of 2 and of 8 layers at 16 KiB pages: 4x the chunks, a handful of
-    kernel updates traced for either; the optimizer state and the step's peak grow as the model does."""
+    """A CUDA plan with the PyTorch kernels (eager; where Triton does not import) of 2 and of 8 layers at 16 KiB
+    pages: 4x the chunks, a handful of kernel updates traced for either; the optimizer state and the step's peak grow
+    as the model does."""
+    monkeypatch.setenv("HF_PAGED_KERNELS", "torch")
     updates: list[int] = []
     original = pytorch_kernels.update_segment
 
@@ -100,7 +103,8 @@ def test_a_trace_for_the_state_alone_runs_no_kernel_and_counts_the_same_state(
 ) -> None:
     """``step_temporaries=False`` (what the report's comparison of optimizers needs): no kernel update runs, and the
     state, paged and all, is that of the full trace; the step's peak leaves out the chunks' temporaries (fused AdamW,
-    which fp32 parameters take, has none)."""
+    which fp32 parameters take, has none). The PyTorch kernels, as where Triton does not import."""
+    monkeypatch.setenv("HF_PAGED_KERNELS", "torch")
     updates: list[int] = []
     original = pytorch_kernels.update_segment
 
@@ -131,3 +135,51 @@ def test_a_trace_for_the_state_alone_runs_no_kernel_and_counts_the_same_state(
         assert state_step.peak_bytes == full_step.peak_bytes
     else:
         assert state_step.peak_bytes < full_step.peak_bytes
+
+
+@pytest.mark.parametrize("optimizer_name", ["PagedLion", "PagedAdamW8bit", "PagedAdamW4bit", "PagedLion8bit"])
+def test_a_cuda_plan_takes_the_triton_kernels_one_call_per_page_batch(
+    monkeypatch: pytest.MonkeyPatch, optimizer_name: str
+) -> None:
+    """Where Triton imports, a CUDA plan traces the kernels a CUDA step takes, the Triton kernels: one batch call per
+    page batch, no segment or chunk of the PyTorch kernels, the same state as the PyTorch kernels' plan and, since a
+    launch allocates nothing but its tables, a step peak no higher than theirs."""
+    pytest.importorskip("triton")
+    from hf_paged.kernels.triton_kernels import TritonKernel
+
+    segment_updates: list[int] = []
+    batches: list[tuple[str, int]] = []
+    original_segment, original_batch = pytorch_kernels.update_segment, StepRun.update_batch
+
+    def counted_segment(*args, **kwargs) -> None:
+        segment_updates.append(1)
+        original_segment(*args, **kwargs)
+
+    def counted_batch(run: StepRun, kernel, pages) -> None:
+        batches.append((type(kernel).__name__, len(pages)))
+        original_batch(run, kernel, pages)
+
+    monkeypatch.setattr(pytorch_kernels, "update_segment", counted_segment)
+    monkeypatch.setattr(StepRun, "update_batch", counted_batch)
+
+    def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+        arguments = {"min_8bit_size": 1024} if optimizer_name.endswith("8bit") else {}
+        if optimizer_name.endswith("4bit"):
+            arguments = {"min_4bit_size": 1024}
+        return getattr(hf_paged, optimizer_name)(model.parameters(), page_size=PAGE_SIZE, compiled=False, **arguments)
+
+    def build() -> nn.Module:
+        return _stack(2)
+
+    with_triton = plan(build, _batch, optimizer, steps=2, device="cuda")
+    assert segment_updates == [] and batches
+    assert {kind for kind, _ in batches} == {TritonKernel.__name__}
+    assert sum(pages for _, pages in batches) > len(batches), "calls take several pages"
+    assert any("Triton kernels" in note for note in with_triton.notes)
+    monkeypatch.setenv("HF_PAGED_KERNELS", "torch")
+    with_torch = plan(build, _batch, optimizer, steps=2, device="cuda")
+    assert not any("Triton kernels" in note for note in with_torch.notes)
+    assert with_triton.optimizer_state_bytes == with_torch.optimizer_state_bytes
+    assert with_triton.paged_state_bytes == with_torch.paged_state_bytes
+    assert segment_updates, "the PyTorch kernels' plan updates segments"
+    assert with_triton.optimizer_step_peak <= with_torch.optimizer_step_peak

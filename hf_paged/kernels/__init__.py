@@ -45,6 +45,7 @@ __all__ = [
     "resolve_compiled",
     "runs_compiled",
     "segment_kernel",
+    "triton_module",
     "update_or_undo",
     "update_segment",
 ]
@@ -68,7 +69,7 @@ def kernel_family(device: torch.device) -> str:
     if setting and setting not in KERNEL_FAMILIES:
         raise ValueError(f"HF_PAGED_KERNELS={setting!r} is not allowed: use one of {', '.join(KERNEL_FAMILIES)}")
     if setting == "triton":
-        module = _triton_module()
+        module = triton_module()
         if module is None:
             raise RuntimeError("HF_PAGED_KERNELS=triton, but Triton does not import (pip install triton)")
         if not module.runs_on(device):
@@ -80,14 +81,14 @@ def kernel_family(device: torch.device) -> str:
     if device.type == "cpu":
         return "native"
     if device.type in ("cuda", "xpu"):
-        module = _triton_module()
+        module = triton_module()
         if module is not None and module.runs_on(device):
             return "triton"
     return "torch"
 
 
 @functools.cache
-def _triton_module() -> ModuleType | None:
+def triton_module() -> ModuleType | None:
     """:mod:`hf_paged.kernels.triton_kernels`, imported at the first call, or ``None`` where Triton does not import.
 
     Triton is optional, so it is imported only where a step may use it (not at ``import hf_paged``)."""
@@ -115,7 +116,7 @@ def segment_kernel(
         device.type != "cpu" or host_rule_name(rule, codecs) is None or not host_kernels_enabled()
     ):
         family = "torch"
-    if family == "triton" and _triton_module().triton_rule(rule, codecs) is None:
+    if family == "triton" and triton_module().triton_rule(rule, codecs) is None:
         family = "torch"
     return _segment_kernel(rule, codecs, compiled, family)
 
@@ -128,7 +129,7 @@ def _segment_kernel(
         return SegmentKernel(rule, codecs, compiled)
     fallback = _segment_kernel(rule, codecs, compiled, "torch")
     if family == "triton":
-        return _triton_module().TritonKernel(rule, codecs, fallback)
+        return triton_module().TritonKernel(rule, codecs, fallback)
     return HostKernel(host_rule_name(rule, codecs), codecs, fallback)
 
 
