@@ -17,16 +17,18 @@ row is listed as skipped.
     PYTHONPATH=. python benchmarks/optimizer_step.py [--params 16M | --layout llama] [--dtype fp32|bf16|both]
         [--steps 10] [--warmup 3] [--page-size 1MiB 4MiB 16MiB] [--device cpu|cuda] [--interleaved] [--quick]
         [--accelerator-layouts 1B 8B] [--accelerator-optimizers PagedAdamW8bit ...] [--accelerator-steps 1]
+        [--accelerator-kernels triton torch]
 
 ``--layout llama`` takes the parameters of a Llama of 291 tensors (hidden 512, 32 layers, vocabulary 32000, 133.5M
 parameters) instead of a stack of ``--params`` elements. Beside each optimizer's ratios the table gives the operators
 one step dispatches (ATen calls counted by a ``TorchDispatchMode``) and its kernel calls (calls of hf_paged's
 kernel objects, per segment or per batch, and of torch's fused AdamW).
 
-The accelerator table times the step that pages on an accelerator take today (the PyTorch kernels, compiled, in
-chunks of ``page_size / 8`` elements) with each kernel call replaced by a no-op, on Llama 3.2 1B- and Llama 3 8B-shaped
-layouts of fake tensors in 4 MiB pages: the host's work per step, its kernel calls and operators, beside the one
-kernel launch per tensor and step of bitsandbytes.
+The accelerator table times the step that pages on an accelerator take, with the Triton kernels (one call per page
+batch, what CUDA takes where Triton runs) and with the PyTorch kernels (compiled, in chunks of ``page_size / 8``
+elements, the fallback), each kernel call replaced by a no-op, on Llama 3.2 1B- and Llama 3 8B-shaped layouts of fake
+tensors in 4 MiB pages: the host's work per step, its kernel calls and operators, beside the one kernel launch per
+tensor and step of bitsandbytes.
 
 ``--interleaved`` builds and warms up every optimizer first and then times rounds of one step of each, so that the
 load of a shared machine falls on all of them alike (``--steps`` rounds); use it for ratios on a busy machine.
@@ -69,7 +71,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_paged
-from hf_paged.kernels import COMPILE_MIN_ELEMENTS, resolve_compiled
+from hf_paged.kernels import COMPILE_MIN_ELEMENTS, resolve_compiled, stubbed_triton_kernels
 from hf_paged.native import build_failure, host_kernels_disabled, host_kernels_enabled, native_setting
 from hf_paged.optim.base import DEFAULT_PAGE_SIZE
 from hf_paged.sizes import format_size, parse_size
@@ -866,6 +868,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=4 * 2**20,
         help="page size of the accelerator path (default 4MiB)",
     )
+    parser.add_argument(
+        "--accelerator-kernels",
+        nargs="+",
+        choices=("triton", "torch"),
+        default=["triton", "torch"],
+        help="kernel families of the accelerator path (default both: triton where it imports, and torch)",
+    )
     parser.add_argument("--accelerator-steps", type=int, default=1, help="timed steps of the accelerator path")
     parser.add_argument("--quick", action="store_true", help="a small, short run to check that everything works")
     args = parser.parse_args(argv)
@@ -952,6 +961,8 @@ class AcceleratorPath:
 
     layout: str
     optimizer: str
+    kernels: str
+    """The kernel family: ``triton`` or ``torch``."""
     params: int
     tensors: int
     pages: int
@@ -961,11 +972,12 @@ class AcceleratorPath:
     """Median wall time of a step (kernels stubbed), under ``FakeTensorMode``."""
 
 
-def accelerator_path(layout: str, name: str, args: argparse.Namespace) -> AcceleratorPath:
+def accelerator_path(layout: str, name: str, family: str, args: argparse.Namespace) -> AcceleratorPath:
     """Step ``name`` (bf16 parameters, ``--accelerator-page-size`` pages, ``compiled=True``) on the Llama layout
-    ``layout`` as the pages of an accelerator take it today: the PyTorch kernels (host kernels off), in chunks of
-    ``page_size / 8`` elements, each kernel call replaced by a no-op, so that only the host's Python and dispatch
-    work is timed. Parameters, gradients and state are fake tensors (``FakeTensorMode``, as
+    ``layout`` as the pages of an accelerator take it with the kernel ``family``: ``triton``, one call per page
+    batch (its tables copied to the ``meta`` device, as to an accelerator's), or ``torch``, the PyTorch kernels
+    (host kernels off) in chunks of ``page_size / 8`` elements; each kernel call is replaced by a no-op, so that only
+    the host's Python and dispatch work is timed. Parameters, gradients and state are fake tensors (``FakeTensorMode``, as
     :mod:`hf_paged.planner` traces a step): no memory, and each operator costs its dispatch through the fake mode
     (slower than a device's dispatch, so the times bound the real ones from above). The first step lays the pages
     out and is not timed; operators and kernel calls are counted in the timed steps."""
@@ -974,14 +986,17 @@ def accelerator_path(layout: str, name: str, args: argparse.Namespace) -> Accele
     def skip(*args: Any, **kwargs: Any) -> None:
         return None
 
-    print(f"{time.strftime('%H:%M:%S')} accelerator path {layout} {name} ...", file=sys.stderr, flush=True)
+    print(f"{time.strftime('%H:%M:%S')} accelerator path {layout} {name} {family} ...", file=sys.stderr, flush=True)
     with (
         FakeTensorMode(),
         host_kernels_disabled(),
+        stubbed_triton_kernels() if family == "triton" else contextlib.nullcontext(True) as available,
         counted_kernel_calls(skip) as kernel_calls,
         warnings.catch_warnings(),
     ):
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        if not available:
+            raise RuntimeError("Triton does not import here (or HF_PAGED_KERNELS=torch)")
         params = []
         for shape in shapes:
             param = torch.nn.Parameter(torch.empty(shape, dtype=torch.bfloat16))
@@ -1001,6 +1016,7 @@ def accelerator_path(layout: str, name: str, args: argparse.Namespace) -> Accele
     return AcceleratorPath(
         layout=layout,
         optimizer=name,
+        kernels=family,
         params=sum(math.prod(shape) for shape in shapes),
         tensors=len(shapes),
         pages=pages,
@@ -1018,6 +1034,7 @@ def accelerator_table(args: argparse.Namespace) -> str:
         "parameters",
         "tensors",
         "optimizer",
+        "kernels",
         "pages",
         "kernel calls/step",
         "operator calls/step",
@@ -1027,25 +1044,43 @@ def accelerator_table(args: argparse.Namespace) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for layout in args.accelerator_layouts:
         for name in args.accelerator_optimizers:
-            try:
-                row = accelerator_path(layout, name, args)
-            except Exception as error:  # noqa: BLE001 (a benchmark reports failures and goes on)
-                tensors = len(llama_shapes(LLAMA_LAYOUTS[layout]))
-                lines.append(f"| {layout} | | {tensors} | {name} | | | | failed: {failure(error)} | {tensors} |")
-                continue
-            cells = [
-                layout,
-                f"{row.params:,}",
-                str(row.tensors),
-                name,
-                f"{row.pages:,}",
-                f"{row.kernel_calls:,}",
-                f"{row.operator_calls:,}",
-                f"{row.host_ms:.1f}",
-                str(row.tensors),
-            ]
-            lines.append("| " + " | ".join(cells) + " |")
+            for family in args.accelerator_kernels:
+                try:
+                    row = accelerator_path(layout, name, family, args)
+                except Exception as error:  # noqa: BLE001 (a benchmark reports failures and goes on)
+                    tensors = len(llama_shapes(LLAMA_LAYOUTS[layout]))
+                    cells = [
+                        layout,
+                        "",
+                        str(tensors),
+                        name,
+                        family,
+                        "",
+                        "",
+                        "",
+                        f"failed: {failure(error)}",
+                        str(tensors),
+                    ]
+                    lines.append("| " + " | ".join(cells) + " |")
+                    continue
+                lines.append("| " + " | ".join(accelerator_cells(row)) + " |")
     return "\n".join(lines)
+
+
+def accelerator_cells(row: AcceleratorPath) -> list[str]:
+    """The table cells of one accelerator path."""
+    return [
+        row.layout,
+        f"{row.params:,}",
+        str(row.tensors),
+        row.optimizer,
+        row.kernels,
+        f"{row.pages:,}",
+        f"{row.kernel_calls:,}",
+        f"{row.operator_calls:,}",
+        f"{row.host_ms:.1f}",
+        str(row.tensors),
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -1084,9 +1119,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.accelerator_layouts and args.accelerator_optimizers:
         print(
             f"\n## Accelerator path: host time per step, kernels stubbed\n\n"
-            f"bf16 parameters, {format_size(args.accelerator_page_size)} pages, the PyTorch kernels in chunks of "
-            f"page_size / 8 (compiled), fake tensors; median of {args.accelerator_steps} steps after the first. "
-            "bitsandbytes launches one kernel per tensor and step.\n"
+            f"bf16 parameters, {format_size(args.accelerator_page_size)} pages, fake tensors; the Triton kernels "
+            "(one call per page batch) or the PyTorch kernels in chunks of page_size / 8 (compiled); median of "
+            f"{args.accelerator_steps} steps after the first. bitsandbytes launches one kernel per tensor and step.\n"
         )
         print(accelerator_table(args))
     print(f"\nAt the end: {load_average()}")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 import warnings
 import weakref
@@ -410,37 +409,26 @@ def _accelerator_kernels(ledger: _Ledger) -> Iterator[str]:
     their family.
 
     Where Triton imports, the Triton kernels (:func:`~hf_paged.kernels.kernel_family`'s choice on CUDA and XPU),
-    whose launches do nothing here: a launch allocates nothing besides the tables of its page batch. The step plan
-    keeps each batch's segment table in host memory (not counted) and the executor copies it, with the scalars, to
-    the device for each launch (counted: the trace gives them a device of their own, ``meta``). Without Triton (or
-    with ``HF_PAGED_KERNELS=torch``), the PyTorch kernels, with their chunks' temporaries. Never the host kernels:
-    they update only pages in host memory."""
-    triton_kernels = triton_module()
-    with host_kernels_disabled():
-        if triton_kernels is None or os.environ.get("HF_PAGED_KERNELS", "").strip().lower() == "torch":
+    whose launches do nothing here (:func:`~hf_paged.kernels.stubbed_triton_kernels`): a launch allocates nothing
+    besides the tables of its page batch. The step plan keeps each batch's segment table in host memory (not
+    counted) and the executor copies it, with the scalars, to the device for each launch (counted). Without Triton
+    (or with ``HF_PAGED_KERNELS=torch``), the PyTorch kernels, with their chunks' temporaries. Never the host
+    kernels: they update only pages in host memory."""
+    batch_table = StepPlan.batch_table
+
+    def batch_table_in_host_memory(*args: Any, **kwargs: Any) -> Any:
+        with ledger.allocating_on_host():
+            return batch_table(*args, **kwargs)
+
+    with host_kernels_disabled(), kernels.stubbed_triton_kernels() as triton:
+        if not triton:
             yield "torch"
             return
-        batch_table = StepPlan.batch_table
-
-        def batch_table_in_host_memory(*args: Any, **kwargs: Any) -> Any:
-            with ledger.allocating_on_host():
-                return batch_table(*args, **kwargs)
-
-        patches = [
-            (kernels, "kernel_family", lambda device: "triton"),
-            (triton_kernels, "runs_on", lambda device: True),
-            (triton_kernels.TritonKernel, "_launch", _do_nothing),
-            (triton_kernels.TritonKernel, "table_device", lambda kernel, device: torch.device("meta")),
-            (StepPlan, "batch_table", batch_table_in_host_memory),
-        ]
-        originals = [getattr(owner, name) for owner, name, _ in patches]
-        for owner, name, value in patches:
-            setattr(owner, name, value)
+        StepPlan.batch_table = batch_table_in_host_memory
         try:
             yield "triton"
         finally:
-            for (owner, name, _), original in zip(patches, originals):
-                setattr(owner, name, original)
+            StepPlan.batch_table = batch_table
 
 
 def _do_nothing(*args: Any, **kwargs: Any) -> None:

@@ -68,6 +68,7 @@ ACCELERATOR_COLUMNS = [
     "parameters",
     "tensors",
     "optimizer",
+    "kernels",
     "pages",
     "kernel calls/step",
     "operator calls/step",
@@ -148,20 +149,25 @@ def test_optimizer_step_quick_tables(optimizer_step_output):
 
 
 def test_optimizer_step_quick_accelerator_path(optimizer_step_output):
-    """The tiny Llama's accelerator path: one row, its tensors and parameters those of the layout, at least a kernel
-    call per tensor (the PyTorch kernels take a segment or chunk per call), bitsandbytes one launch per tensor."""
+    """The tiny Llama's accelerator path, one row per kernel family, its tensors and parameters those of the layout:
+    the PyTorch kernels take at least a call per tensor (a segment or chunk per call), the Triton kernels one call per
+    page batch (at most the pages), fewer than the tensors; bitsandbytes one launch per tensor."""
     table = markdown_tables(optimizer_step_output)[2]
     assert list(table[0]) == ACCELERATOR_COLUMNS
-    (row,) = table
+    rows = {row["kernels"]: row for row in table}
+    assert sorted(rows) == ["torch", "triton"]
     # 2 layers of 4 attention and 3 MLP matrices and 2 norms, the embedding, the final norm and the output head
     hidden, intermediate, key_value, vocabulary = 64, 192, 32, 1000
     layer = 2 * hidden * hidden + 2 * key_value * hidden + 3 * intermediate * hidden + 2 * hidden
-    assert (row["layout"], row["optimizer"], row["tensors"]) == ("tiny", "PagedAdamW8bit", str(2 * 9 + 3))
-    assert int(row["parameters"].replace(",", "")) == 2 * layer + 2 * vocabulary * hidden + hidden
-    assert row["bitsandbytes launches/step"] == row["tensors"]
-    assert int(row["kernel calls/step"]) >= int(row["tensors"]) and int(row["pages"]) >= 1
-    assert int(row["operator calls/step"].replace(",", "")) > int(row["kernel calls/step"])
-    assert float(row["host ms/step (kernels stubbed)"]) > 0
+    for row in rows.values():
+        assert (row["layout"], row["optimizer"], row["tensors"]) == ("tiny", "PagedAdamW8bit", str(2 * 9 + 3))
+        assert int(row["parameters"].replace(",", "")) == 2 * layer + 2 * vocabulary * hidden + hidden
+        assert row["bitsandbytes launches/step"] == row["tensors"]
+        assert int(row["pages"]) >= 1 and float(row["host ms/step (kernels stubbed)"]) > 0
+        assert int(row["operator calls/step"].replace(",", "")) > int(row["kernel calls/step"])
+    assert int(rows["torch"]["kernel calls/step"]) >= int(rows["torch"]["tensors"])
+    assert 1 <= int(rows["triton"]["kernel calls/step"]) <= int(rows["triton"]["pages"])
+    assert int(rows["triton"]["kernel calls/step"]) < int(rows["triton"]["tensors"])
 
 
 def test_llama_layouts_have_the_models_tensors_and_parameters(monkeypatch):

@@ -12,8 +12,11 @@ chooses (``HF_PAGED_KERNELS``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import sys
+from collections.abc import Iterator
 from types import ModuleType
 
 import torch
@@ -45,6 +48,7 @@ __all__ = [
     "resolve_compiled",
     "runs_compiled",
     "segment_kernel",
+    "stubbed_triton_kernels",
     "triton_module",
     "update_or_undo",
     "update_segment",
@@ -97,6 +101,33 @@ def triton_module() -> ModuleType | None:
     except ImportError:
         return None
     return module
+
+
+@contextlib.contextmanager
+def stubbed_triton_kernels() -> Iterator[bool]:
+    """Inside, pages of every device take the Triton kernels, whose launches do nothing, and each page batch's
+    tables are copied for its launch to the ``meta`` device, as they are to an accelerator's: the host's work of a
+    step on an accelerator, on fake CPU tensors (what :mod:`hf_paged.planner` traces and
+    ``benchmarks/optimizer_step.py`` times). Yields ``False``, changing nothing, where Triton does not import or
+    ``HF_PAGED_KERNELS=torch`` chooses the PyTorch kernels."""
+    module = triton_module()
+    if module is None or os.environ.get("HF_PAGED_KERNELS", "").strip().lower() == "torch":
+        yield False
+        return
+    patches = [
+        (sys.modules[__name__], "kernel_family", lambda device: "triton"),
+        (module, "runs_on", lambda device: True),
+        (module.TritonKernel, "_launch", lambda kernel, batch, round_shift: None),
+        (module.TritonKernel, "table_device", lambda kernel, device: torch.device("meta")),
+    ]
+    originals = [getattr(owner, name) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        yield True
+    finally:
+        for (owner, name, _), original in zip(patches, originals):
+            setattr(owner, name, original)
 
 
 def segment_kernel(
