@@ -20,12 +20,12 @@ import importlib.util
 import pytest
 import torch
 from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs
+from triton_cases import BLOCK, DTYPES, FORMATS, RULES, codecs_of, random_page, reference_update, scalars_of
 
-from hf_paged.codecs import Blockwise4bitCodec, Blockwise8bitCodec, Float32Codec, PageFormat, to_blocks
+from hf_paged.codecs import PageFormat
 from hf_paged.kernels import SegmentKernel
 from hf_paged.kernels.batch import PageBatch
-from hf_paged.kernels.pytorch import update_segment
-from hf_paged.kernels.rules import adamw_scalars, adamw_update_, lion_update_
+from hf_paged.kernels.rules import adamw_update_
 from hf_paged.optim.executor import StepRun
 from hf_paged.stochastic_rounding import ElementRounding, step_keys
 
@@ -34,13 +34,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 DEVICE = torch.device("cuda", 0)
-
-BLOCK = 64
-RULES = {"adamw": (adamw_update_, (True, False)), "lion": (lion_update_, (True,))}
-FORMATS = ("8bit", "4bit", "fp32")
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-ADAMW_GROUP = {"lr": 1e-2, "betas": (0.9, 0.999), "weight_decay": 0.1, "eps": 1e-8}
-LION_SCALARS = {"lr": 1e-3, "decay": 0.9999, "direction_weight": 0.1, "avg_weight": 0.01}
 
 
 @pytest.fixture
@@ -56,53 +49,9 @@ def triton_kernels(monkeypatch):
     return module
 
 
-def codecs_of(rule_name: str, state_format: str) -> tuple:
-    _, signedness = RULES[rule_name]
-    if state_format == "fp32":
-        return tuple(Float32Codec() for _ in signedness)
-    codec = Blockwise8bitCodec if state_format == "8bit" else Blockwise4bitCodec
-    return tuple(codec(BLOCK, signed) for signed in signedness)
-
-
 def fp32_scalars(rule_name: str) -> dict[str, float]:
     """The rule's scalars, each rounded once to fp32 (as a batch's scalar table holds them)."""
-    scalars = adamw_scalars(ADAMW_GROUP, 3) if rule_name == "adamw" else LION_SCALARS
-    return {name: float(torch.tensor(value, dtype=torch.float32)) for name, value in scalars.items()}
-
-
-def random_page(page_format: PageFormat, capacity: int, generator: torch.Generator) -> list[torch.Tensor]:
-    """A page's buffers (CPU) as training leaves them: codes of every value, scales over orders of magnitude, the
-    first block all zero (scale 0)."""
-    buffers = []
-    for numel, dtype in page_format.buffer_specs(capacity):
-        if dtype == torch.float32:
-            buffer = torch.rand(numel, generator=generator) * 10.0 ** torch.randint(
-                -6, 1, (numel,), generator=generator
-            )
-        else:
-            low, high = (-127, 128) if dtype == torch.int8 else (0, 256)
-            buffer = torch.randint(low, high, (numel,), generator=generator, dtype=dtype)
-        if page_format.alignment > 1:
-            buffer[: numel * BLOCK // capacity] = 0
-        buffers.append(buffer)
-    return buffers
-
-
-def reference_update(rule, codecs, param, grad, buffers, offset, scalars, rounding=None) -> None:
-    """The optimizer's per-segment path with the eager PyTorch kernel, on ``param``'s device: whole blocks in
-    place, a partial last block through zero-padded copies."""
-    page_format = PageFormat(codecs)
-    arrays = page_format.arrays(tuple(buffers))
-    alignment = page_format.alignment
-    body = param.numel() - param.numel() % alignment
-    for begin, end in ((0, body), (body, param.numel())):
-        if end == begin:
-            continue
-        encoded = [codec.select(array, offset + begin, end - begin) for codec, array in zip(codecs, arrays)]
-        padded = to_blocks(param[begin:end], alignment)
-        chunk_rounding = None if rounding is None else rounding._replace(start=rounding.start + begin)
-        update_segment(rule, codecs, padded, to_blocks(grad[begin:end], alignment), encoded, scalars, chunk_rounding)
-        param[begin:end].copy_(padded.reshape(-1)[: end - begin])
+    return {name: float(torch.tensor(value, dtype=torch.float32)) for name, value in scalars_of(rule_name).items()}
 
 
 SEGMENTS = [

@@ -51,9 +51,9 @@ TRITON_KERNELS = _interpreted_triton_kernels()
 
 from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
 from test_step_failures import FailingAllocations, failing_step, mark_streaming, snapshot
+from triton_cases import BLOCK, DTYPES, FORMATS, RULES, codecs_of, random_page, reference_update, scalars_of
 
 from hf_paged.codecs import (
-    Blockwise4bitCodec,
     Blockwise8bitCodec,
     Float32Codec,
     PageFormat,
@@ -63,16 +63,9 @@ from hf_paged.kernels import HostKernel, SegmentKernel, kernel_family, segment_k
 from hf_paged.kernels.batch import PageBatch
 from hf_paged.kernels.host import host_rule_name
 from hf_paged.kernels.pytorch import update_segment
-from hf_paged.kernels.rules import adamw_scalars, adamw_update_, lion_update_
+from hf_paged.kernels.rules import adamw_update_, lion_update_
 from hf_paged.native import build_failure
 from hf_paged.stochastic_rounding import ElementRounding, step_keys
-
-BLOCK = 64
-RULES = {"adamw": (adamw_update_, (True, False)), "lion": (lion_update_, (True,))}
-FORMATS = ("8bit", "4bit", "fp32")
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-ADAMW_GROUP = {"lr": 1e-2, "betas": (0.9, 0.999), "weight_decay": 0.1, "eps": 1e-8}
-LION_SCALARS = {"lr": 1e-3, "decay": 0.9999, "direction_weight": 0.1, "avg_weight": 0.01}
 
 
 @pytest.fixture(autouse=True)
@@ -81,55 +74,6 @@ def triton_kernels(monkeypatch):
     (Triton imports some of its modules at a kernel's first launch, and they read it)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     return TRITON_KERNELS
-
-
-def codecs_of(rule_name: str, state_format: str) -> tuple:
-    _, signedness = RULES[rule_name]
-    if state_format == "fp32":
-        return tuple(Float32Codec() for _ in signedness)
-    codec = Blockwise8bitCodec if state_format == "8bit" else Blockwise4bitCodec
-    return tuple(codec(BLOCK, signed) for signed in signedness)
-
-
-def scalars_of(rule_name: str, step: int = 3) -> dict[str, float]:
-    return adamw_scalars(ADAMW_GROUP, step) if rule_name == "adamw" else dict(LION_SCALARS)
-
-
-def random_page(page_format: PageFormat, capacity: int, generator: torch.Generator) -> list[torch.Tensor]:
-    """A page's buffers holding a state as training leaves it: codes of every value, scales over orders of
-    magnitude, one block of all-zero state (scale 0)."""
-    buffers = []
-    for numel, dtype in page_format.buffer_specs(capacity):
-        if dtype == torch.float32:
-            buffer = torch.rand(numel, generator=generator) * 10.0 ** torch.randint(
-                -6, 1, (numel,), generator=generator
-            )
-        else:
-            low = -127 if dtype == torch.int8 else 0
-            buffer = torch.randint(low, 128 if dtype == torch.int8 else 256, (numel,), generator=generator, dtype=dtype)
-        buffers.append(buffer)
-    if page_format.alignment > 1:
-        for buffer in buffers:
-            buffer[: buffer.numel() * BLOCK // capacity].zero_()  # the first block: codes and scale
-    return buffers
-
-
-def reference_update(rule, codecs, param, grad, buffers, offset, scalars, rounding=None) -> None:
-    """The optimizer's per-segment path with the eager PyTorch kernels: whole blocks in place, a partial last block
-    through zero-padded copies."""
-    page_format = PageFormat(codecs)
-    arrays = page_format.arrays(buffers)
-    alignment = page_format.alignment
-    length = param.numel()
-    body = length - length % alignment
-    for begin, end in ((0, body), (body, length)):
-        if end == begin:
-            continue
-        encoded = [codec.select(array, offset + begin, end - begin) for codec, array in zip(codecs, arrays)]
-        padded = to_blocks(param[begin:end], alignment)
-        chunk_rounding = None if rounding is None else rounding._replace(start=rounding.start + begin)
-        update_segment(rule, codecs, padded, to_blocks(grad[begin:end], alignment), encoded, scalars, chunk_rounding)
-        param[begin:end].copy_(padded.reshape(-1)[: end - begin])
 
 
 def assert_equal_bits(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
