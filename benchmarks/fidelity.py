@@ -30,6 +30,7 @@ import argparse
 import functools
 import json
 import math
+import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,30 +51,34 @@ LM_BATCH = 8
 REFERENCE = "torch AdamW (fp32)"
 OURS_4BIT = "hf-paged PagedAdamW4bit (block scales)"
 THEIRS_4BIT = "torchao AdamW4bit"
+SEED_STRIDE = 100
+"""Seed set ``k`` adds ``k * SEED_STRIDE`` to every seed of a task (initialization, teacher, data order); set 0 has the
+seeds the benchmark always had."""
 LOSS_GAP_TARGET = 5.0
 """Issue 29's target: the most percent PagedAdamW4bit's final loss may lie from fp32 AdamW's."""
 
 
-def student() -> torch.nn.Module:
-    torch.manual_seed(0)
+def student(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed * SEED_STRIDE)
     return torch.nn.Sequential(
         torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 512), torch.nn.GELU(), torch.nn.Linear(512, 16)
     )
 
 
-def teacher_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def teacher_batches(steps: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A regression task: targets from a fixed random linear teacher."""
-    generator = torch.Generator().manual_seed(1)
+    generator = torch.Generator().manual_seed(1 + seed * SEED_STRIDE)
     teacher = torch.randn(128, 16, generator=generator) / math.sqrt(128)
     return [(inputs, inputs @ teacher) for inputs in (torch.randn(256, 128, generator=generator) for _ in range(steps))]
 
 
-def fit(make_optimizer: Optimizer, steps: int) -> tuple[torch.nn.Module, float, float]:
-    """Train the student; return it with its first and final (mean of the last 20 steps) loss."""
-    model = student()
+def fit(make_optimizer: Optimizer, steps: int, seed: int = 0) -> tuple[torch.nn.Module, float, float]:
+    """Train the student of seed set ``seed``; return it with its first and final (mean of the last 20 steps)
+    loss."""
+    model = student(seed)
     optimizer = make_optimizer(model.parameters())
     losses = []
-    for inputs, targets in teacher_batches(steps):
+    for inputs, targets in teacher_batches(steps, seed):
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(model(inputs), targets)
         loss.backward()
@@ -92,9 +97,9 @@ def trained(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([param.detach().float().reshape(-1) for param in model.parameters() if param.requires_grad])
 
 
-def mlp_teacher(make_optimizer: OptimizerFactory, steps: int) -> tuple[torch.Tensor, float]:
+def mlp_teacher(make_optimizer: OptimizerFactory, steps: int, seed: int) -> tuple[torch.Tensor, float]:
     """The MLP teacher task: the trained weights and the mean training loss of the last 20 steps."""
-    model, _, loss = fit(lambda params: make_optimizer(params, 1e-3), steps)
+    model, _, loss = fit(lambda params: make_optimizer(params, 1e-3), steps, seed)
     return trained(model), loss
 
 
@@ -114,17 +119,17 @@ def random_windows(stream: torch.Tensor, steps: int, seed: int) -> list[torch.Te
     return batches
 
 
-def byte_windows(steps: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+def byte_windows(steps: int, seed: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The instruction dataset as bytes: ``steps`` training batches of windows drawn at seeded random offsets from
     nine records in ten, and the held-out tenth cut into whole windows, shape ``(windows, WINDOW)``."""
     texts = [f"{record['instruction']}\n{record['response']}\n\n".encode() for record in records()]
     train_bytes = torch.tensor(list(b"".join(text for index, text in enumerate(texts) if index % 10 != 9)))
     held_out = torch.tensor(list(b"".join(text for index, text in enumerate(texts) if index % 10 == 9)))
     usable = held_out.numel() // WINDOW * WINDOW
-    return random_windows(train_bytes, steps, seed=2), held_out[:usable].reshape(-1, WINDOW)
+    return random_windows(train_bytes, steps, seed=2 + seed * SEED_STRIDE), held_out[:usable].reshape(-1, WINDOW)
 
 
-def tiny_llama() -> torch.nn.Module:
+def tiny_llama(seed: int = 0) -> torch.nn.Module:
     """A seeded Llama model of about 0.39M parameters over a byte vocabulary."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -141,13 +146,13 @@ def tiny_llama() -> torch.nn.Module:
         eos_token_id=None,
         pad_token_id=None,
     )
-    torch.manual_seed(3)
+    torch.manual_seed(3 + seed * SEED_STRIDE)
     return LlamaForCausalLM(config)
 
 
-def train_lm(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> float:
+def train_lm(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed: int) -> float:
     """Train a causal LM on ``steps`` byte batches; return its eval loss on the held-out windows."""
-    batches, held_out = byte_windows(steps)
+    batches, held_out = byte_windows(steps, seed)
     model.train()
     for batch in batches:
         optimizer.zero_grad()
@@ -158,43 +163,43 @@ def train_lm(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: in
         return model(input_ids=held_out, labels=held_out).loss.item()
 
 
-def tiny_lm(make_optimizer: OptimizerFactory, steps: int) -> tuple[torch.Tensor, float]:
+def tiny_lm(make_optimizer: OptimizerFactory, steps: int, seed: int) -> tuple[torch.Tensor, float]:
     """The tiny LM task: all weights trained; the trained weights and the eval loss."""
-    model = tiny_llama()
-    loss = train_lm(model, make_optimizer(model.parameters(), 1e-3), steps)
+    model = tiny_llama(seed)
+    loss = train_lm(model, make_optimizer(model.parameters(), 1e-3), steps, seed)
     return trained(model), loss
 
 
 @functools.cache
-def instruction_pretrained_weights(steps: int) -> dict[str, torch.Tensor]:
+def instruction_pretrained_weights(steps: int, seed: int) -> dict[str, torch.Tensor]:
     """The LoRA task's base: the tiny Llama trained by fp32 AdamW (lr 1e-3) for ``steps`` steps on the
     instructions of the training records alone, without their responses."""
     text = b"".join(f"{record['instruction']}\n".encode() for index, record in enumerate(records()) if index % 10 != 9)
-    model = tiny_llama()
+    model = tiny_llama(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    for batch in random_windows(torch.tensor(list(text)), steps, seed=5):
+    for batch in random_windows(torch.tensor(list(text)), steps, seed=5 + seed * SEED_STRIDE):
         optimizer.zero_grad()
         model(input_ids=batch, labels=batch).loss.backward()
         optimizer.step()
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
-def tiny_lora(make_optimizer: OptimizerFactory, steps: int) -> tuple[torch.Tensor, float]:
+def tiny_lora(make_optimizer: OptimizerFactory, steps: int, seed: int) -> tuple[torch.Tensor, float]:
     """The tiny LoRA task: rank-32 adapters on every projection of the instruction-pretrained base, fine-tuned on
     whole records; the trained adapters and the eval loss."""
     from peft import LoraConfig, get_peft_model
 
-    base = tiny_llama()
-    base.load_state_dict(instruction_pretrained_weights(steps))
+    base = tiny_llama(seed)
+    base.load_state_dict(instruction_pretrained_weights(steps, seed))
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    torch.manual_seed(4)
+    torch.manual_seed(4 + seed * SEED_STRIDE)
     model = get_peft_model(base, LoraConfig(r=32, lora_alpha=32, lora_dropout=0.0, target_modules=targets))
     params = [param for param in model.parameters() if param.requires_grad]
-    loss = train_lm(model, make_optimizer(params, 1e-3), steps)
+    loss = train_lm(model, make_optimizer(params, 1e-3), steps, seed)
     return trained(model), loss
 
 
-TASKS: dict[str, Callable[[OptimizerFactory, int], tuple[torch.Tensor, float]]] = {
+TASKS: dict[str, Callable[[OptimizerFactory, int, int], tuple[torch.Tensor, float]]] = {
     "mlp teacher": mlp_teacher,
     "tiny LM": tiny_lm,
     "tiny LoRA": tiny_lora,
@@ -238,45 +243,62 @@ def optimizers() -> dict[str, OptimizerFactory | str]:
 
 @dataclass(frozen=True)
 class Result:
-    """One optimizer's run of one task against fp32 AdamW's."""
+    """One optimizer's runs of one task against fp32 AdamW's, over the seed sets: means, and the loss gap's range."""
 
     loss: float
     gap_percent: float
     deviation: float
+    gap_range: tuple[float, float]
 
 
-def measure(steps: dict[str, int]) -> dict[str, dict[str, Result | str]]:
-    """Every task run with every optimizer: per task, per optimizer, its result or why it did not run."""
+def measure(steps: dict[str, int], seeds: int = 1) -> dict[str, dict[str, Result | str]]:
+    """Every task run with every optimizer on seed sets ``0 .. seeds - 1``: per task, per optimizer, its result or
+    why it did not run."""
     results: dict[str, dict[str, Result | str]] = {}
     with mock.patch.object(torch, "compile", lambda function, **options: function):
         for task, run in TASKS.items():
-            results[task] = {}
-            reference_weights = reference_loss = None
-            for name, make_optimizer in optimizers().items():
-                if isinstance(make_optimizer, str):
-                    results[task][name] = make_optimizer
-                    continue
-                weights, loss = run(make_optimizer, steps[task])
-                if reference_weights is None:
-                    reference_weights, reference_loss = weights, loss
-                gap = 100 * abs(loss - reference_loss) / reference_loss
-                deviation = ((weights - reference_weights).norm() / reference_weights.norm()).item()
-                results[task][name] = Result(loss, gap, deviation)
+            runs: dict[str, list[tuple[float, float, float]] | str] = {}
+            for seed in range(seeds):
+                reference_weights = reference_loss = None
+                for name, make_optimizer in optimizers().items():
+                    if isinstance(make_optimizer, str):
+                        runs[name] = make_optimizer
+                        continue
+                    weights, loss = run(make_optimizer, steps[task], seed)
+                    if reference_weights is None:
+                        reference_weights, reference_loss = weights, loss
+                    gap = 100 * abs(loss - reference_loss) / reference_loss
+                    deviation = ((weights - reference_weights).norm() / reference_weights.norm()).item()
+                    runs.setdefault(name, []).append((loss, gap, deviation))
+            results[task] = {name: summary(figures) for name, figures in runs.items()}
     return results
+
+
+def summary(figures: list[tuple[float, float, float]] | str) -> Result | str:
+    """The means of the (loss, gap, deviation) of each seed set, and the range of the gaps."""
+    if isinstance(figures, str):
+        return figures
+    losses, gaps, deviations = zip(*figures)
+    return Result(
+        statistics.fmean(losses), statistics.fmean(gaps), statistics.fmean(deviations), (min(gaps), max(gaps))
+    )
 
 
 def table(results: dict[str, dict[str, Result | str]]) -> str:
     lines = [
-        "| task | optimizer | final loss | loss gap to fp32 AdamW | weight deviation from fp32 AdamW | note |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| task | optimizer | final loss | loss gap to fp32 AdamW | loss gap range "
+        + "| weight deviation from fp32 AdamW | note |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for task, rows in results.items():
         for name, result in rows.items():
             if isinstance(result, str):
-                lines.append(f"| {task} | {name} | — | — | — | {result} |")
+                lines.append(f"| {task} | {name} | — | — | — | — | {result} |")
             else:
+                low, high = result.gap_range
                 lines.append(
-                    f"| {task} | {name} | {result.loss:.4f} | {result.gap_percent:.2f}% | {result.deviation:.4f} | |"
+                    f"| {task} | {name} | {result.loss:.4f} | {result.gap_percent:.2f}% | {low:.2f}-{high:.2f}% "
+                    f"| {result.deviation:.4f} | |"
                 )
     return "\n".join(lines)
 
@@ -305,15 +327,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="20 steps per task (a test's size)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per task (at least 20; default 200)")
+    parser.add_argument(
+        "--seeds", type=int, default=None, help="seed sets each task runs on, figures their means (default 5; quick 1)"
+    )
     args = parser.parse_args()
     steps = args.steps if args.steps is not None else 20 if args.quick else 200
+    seeds = args.seeds if args.seeds is not None else 1 if args.quick else 5
     if steps < 20:
         parser.error(f"--steps must be at least 20, got {steps}")
+    if seeds < 1:
+        parser.error(f"--seeds must be at least 1, got {seeds}")
     torch.set_num_threads(1)
-    results = measure(dict.fromkeys(TASKS, steps))
-    print(f"{steps} steps per task, one thread\n")
+    results = measure(dict.fromkeys(TASKS, steps), seeds)
+    print(f"{steps} steps per task, one thread, means over {seeds} seed set(s)\n")
     print(table(results))
-    print("\nIssue 29's targets for PagedAdamW4bit (block scales):\n")
+    print(f"\nIssue 29's targets for PagedAdamW4bit (block scales), on the means over {seeds} seed set(s):\n")
     print("\n".join(target_checks(results)))
 
 

@@ -32,6 +32,7 @@ COLUMNS = [
     "optimizer",
     "final loss",
     "loss gap to fp32 AdamW",
+    "loss gap range",
     "weight deviation from fp32 AdamW",
     "note",
 ]
@@ -117,3 +118,15 @@ def test_an_8bit_optimizer_that_fails_on_the_cpu_is_reported_skipped_with_its_er
     monkeypatch.setattr(bitsandbytes.optim, "AdamW8bit", unsupported)
     reason = fidelity.bitsandbytes_8bit()
     assert isinstance(reason, str) and reason.startswith("skipped:") and "RuntimeError: no CPU kernel" in reason
+
+
+def test_seed_sets_change_every_seed_and_the_table_gives_their_means_and_the_gaps_range():
+    """Seed set 1 draws other initial weights, teacher and batches than set 0 (the benchmark's own seeds); a result
+    over seed sets holds the means of loss, gap and deviation and the range of the gaps."""
+    assert not torch.equal(fidelity.flat(fidelity.student(0)), fidelity.flat(fidelity.student(1)))
+    assert not torch.equal(fidelity.teacher_batches(2, 0)[0][1], fidelity.teacher_batches(2, 1)[0][1])
+    assert not torch.equal(fidelity.byte_windows(2, 0)[0][0], fidelity.byte_windows(2, 1)[0][0])
+    assert torch.equal(fidelity.byte_windows(2, 1)[1], fidelity.byte_windows(2, 0)[1])  # the same held-out records
+    result = fidelity.summary([(1.0, 2.0, 0.25), (3.0, 6.0, 0.75)])
+    assert result == fidelity.Result(loss=2.0, gap_percent=4.0, deviation=0.5, gap_range=(2.0, 6.0))
+    assert fidelity.summary("skipped: why") == "skipped: why"
