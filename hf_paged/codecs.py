@@ -376,3 +376,22 @@ class PageFormat:
             grouped.append(tuple(buffers[start : start + count]))
             start += count
         return grouped
+
+
+def random_page_buffers(page_format: PageFormat, capacity: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """The buffers (CPU) of a page of ``capacity`` elements holding a state as training leaves it, to check kernels
+    on: random codes of every value, fp32 values and scales over seven orders of magnitude (1e-6 to 1) and, for
+    blockwise states, the page's first block all zero (codes and scale 0)."""
+    buffers = []
+    for numel, dtype in page_format.buffer_specs(capacity):
+        if dtype == torch.float32:
+            buffer = torch.rand(numel, generator=generator) * 10.0 ** torch.randint(
+                -6, 1, (numel,), generator=generator
+            )
+        else:
+            low, high = (-127, 128) if dtype == torch.int8 else (0, 256)
+            buffer = torch.randint(low, high, (numel,), generator=generator, dtype=dtype)
+        if page_format.alignment > 1:
+            buffer[: numel * page_format.alignment // capacity] = 0
+        buffers.append(buffer)
+    return buffers

@@ -20,11 +20,12 @@ import importlib.util
 import pytest
 import torch
 from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs
-from triton_cases import BLOCK, DTYPES, FORMATS, RULES, codecs_of, random_page, reference_update, scalars_of
+from triton_cases import BLOCK, DTYPES, FORMATS, RULES, codecs_of, scalars_of
 
-from hf_paged.codecs import PageFormat
+from hf_paged.codecs import PageFormat, random_page_buffers
 from hf_paged.kernels import SegmentKernel
 from hf_paged.kernels.batch import PageBatch
+from hf_paged.kernels.pytorch import update_in_buffers
 from hf_paged.kernels.rules import adamw_update_
 from hf_paged.optim.executor import StepRun
 from hf_paged.stochastic_rounding import ElementRounding, step_keys
@@ -74,7 +75,7 @@ def batch_case(rule_name: str, state_format: str, dtype: torch.dtype, rounds: bo
         for n, grad_dtype in zip(LENGTHS, (dtype, torch.float32))
     ]
     page_format = PageFormat(codecs_of(rule_name, state_format))
-    pages = [random_page(page_format, CAPACITY, generator) for _ in range(2)]
+    pages = [random_page_buffers(page_format, CAPACITY, generator) for _ in range(2)]
     keys = step_keys(seed=31, step=3) if rounds else None
     return params, grads, pages, keys
 
@@ -87,7 +88,7 @@ def run_reference(rule_name, state_format, params, grads, pages, keys, device):
     pages = [[b.to(device, copy=True) for b in page] for page in pages]
     for tensor, start, length, page, offset in SEGMENTS:
         rounding = ElementRounding(*keys, start) if keys is not None and tensor == 0 else None
-        reference_update(
+        update_in_buffers(
             rule,
             codecs,
             params[tensor][start : start + length],

@@ -43,6 +43,18 @@ def _batch() -> torch.Tensor:
     return torch.randn(4, 256)
 
 
+def _paged_optimizer(name: str):
+    """Builds hf-paged's optimizer ``name`` of a model in 16 KiB pages, eager, its 1024-element layers quantized."""
+
+    def build(model: nn.Module) -> torch.optim.Optimizer:
+        arguments = {"min_8bit_size": 1024} if name.endswith("8bit") else {}
+        if name.endswith("4bit"):
+            arguments = {"min_4bit_size": 1024}
+        return getattr(hf_paged, name)(model.parameters(), page_size=PAGE_SIZE, compiled=False, **arguments)
+
+    return build
+
+
 @pytest.mark.parametrize("optimizer_name", ["PagedAdamW8bit", "PagedLion"])
 def test_kernels_traced_do_not_grow_with_the_chunks(monkeypatch: pytest.MonkeyPatch, optimizer_name: str) -> None:
     """A CUDA plan with the PyTorch kernels (eager; where Triton does not import) of 2 and of 8 layers at 16 KiB
@@ -58,10 +70,7 @@ def test_kernels_traced_do_not_grow_with_the_chunks(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(pytorch_kernels, "update_segment", counted)
 
-    def optimizer(model: nn.Module) -> torch.optim.Optimizer:
-        arguments = {"min_8bit_size": 1024} if optimizer_name.endswith("8bit") else {}
-        return getattr(hf_paged, optimizer_name)(model.parameters(), page_size=PAGE_SIZE, compiled=False, **arguments)
-
+    optimizer = _paged_optimizer(optimizer_name)
     traced = {}
     plans = {}
     for layers in (2, 8):
@@ -84,12 +93,7 @@ def test_chunked_kernels_planned_as_measured(monkeypatch: pytest.MonkeyPatch, op
     def build() -> nn.Module:
         return _stack(3)
 
-    def optimizer(model: nn.Module) -> torch.optim.Optimizer:
-        arguments = {"min_8bit_size": 1024} if optimizer_name.endswith("8bit") else {}
-        if optimizer_name.endswith("4bit"):
-            arguments = {"min_4bit_size": 1024}
-        return getattr(hf_paged, optimizer_name)(model.parameters(), page_size=PAGE_SIZE, compiled=False, **arguments)
-
+    optimizer = _paged_optimizer(optimizer_name)
     planned = plan(build, _batch, optimizer)
     torch.manual_seed(0)
     assert not check_plan(planned, measured_peaks(build, _batch, optimizer))
@@ -114,11 +118,7 @@ def test_a_trace_for_the_state_alone_runs_no_kernel_and_counts_the_same_state(
 
     monkeypatch.setattr(pytorch_kernels, "update_segment", counted)
 
-    def optimizer(model: nn.Module) -> torch.optim.Optimizer:
-        arguments = {"min_8bit_size": 1024} if optimizer_name.endswith("8bit") else {}
-        if optimizer_name.endswith("4bit"):
-            arguments = {"min_4bit_size": 1024}
-        return getattr(hf_paged, optimizer_name)(model.parameters(), page_size=PAGE_SIZE, compiled=False, **arguments)
+    optimizer = _paged_optimizer(optimizer_name)
 
     def build() -> nn.Module:
         return _stack(2)
@@ -162,11 +162,7 @@ def test_a_cuda_plan_takes_the_triton_kernels_one_call_per_page_batch(
     monkeypatch.setattr(pytorch_kernels, "update_segment", counted_segment)
     monkeypatch.setattr(StepRun, "update_batch", counted_batch)
 
-    def optimizer(model: nn.Module) -> torch.optim.Optimizer:
-        arguments = {"min_8bit_size": 1024} if optimizer_name.endswith("8bit") else {}
-        if optimizer_name.endswith("4bit"):
-            arguments = {"min_4bit_size": 1024}
-        return getattr(hf_paged, optimizer_name)(model.parameters(), page_size=PAGE_SIZE, compiled=False, **arguments)
+    optimizer = _paged_optimizer(optimizer_name)
 
     def build() -> nn.Module:
         return _stack(2)

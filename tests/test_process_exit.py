@@ -49,18 +49,22 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def run(how: str, tmp_path) -> subprocess.CompletedProcess:
+def run_python(source: str, tmp_path, *args: str, **environment: str) -> subprocess.CompletedProcess:
+    """Run ``source`` as a script with ``args``, the repo importable and ``environment`` added."""
     script = tmp_path / "script.py"
-    script.write_text(SCRIPT)
-    environment = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    script.write_text(source)
+    environment = {
+        **os.environ,
+        "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        **environment,
+    }
     return subprocess.run(
-        [sys.executable, str(script), how, str(tmp_path / "output.txt")],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=environment,
-        timeout=120,
+        [sys.executable, str(script), *args], check=False, capture_output=True, text=True, env=environment, timeout=120
     )
+
+
+def run(how: str, tmp_path) -> subprocess.CompletedProcess:
+    return run_python(SCRIPT, tmp_path, how, str(tmp_path / "output.txt"))
 
 
 def test_a_thread_that_comes_back_while_the_interpreter_finalizes_aborts_a_normal_exit(tmp_path):
@@ -98,20 +102,6 @@ END_RUN = textwrap.dedent(
 def test_end_distributed_run_ends_a_process_of_a_job_and_returns_elsewhere(tmp_path, case, world_size, expected):
     """With a process group (destroyed first) or as one of several processes of a launch, the process ends with
     status 0 at the call; a lone process without a group goes on."""
-    script = tmp_path / "end_run.py"
-    script.write_text(END_RUN)
-    environment = {
-        **os.environ,
-        "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        "WORLD_SIZE": world_size,
-    }
-    completed = subprocess.run(
-        [sys.executable, str(script), case, str(tmp_path / "rendezvous")],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=environment,
-        timeout=120,
-    )
+    completed = run_python(END_RUN, tmp_path, case, str(tmp_path / "rendezvous"), WORLD_SIZE=world_size)
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert completed.stdout == expected

@@ -51,18 +51,13 @@ TRITON_KERNELS = _interpreted_triton_kernels()
 
 from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
 from test_step_failures import FailingAllocations, failing_step, mark_streaming, snapshot
-from triton_cases import BLOCK, DTYPES, FORMATS, RULES, codecs_of, random_page, reference_update, scalars_of
+from triton_cases import BLOCK, DTYPES, FORMATS, RULES, codecs_of, scalars_of
 
-from hf_paged.codecs import (
-    Blockwise8bitCodec,
-    Float32Codec,
-    PageFormat,
-    to_blocks,
-)
+from hf_paged.codecs import Blockwise8bitCodec, Float32Codec, PageFormat, random_page_buffers, to_blocks
 from hf_paged.kernels import HostKernel, SegmentKernel, kernel_family, segment_kernel
 from hf_paged.kernels.batch import PageBatch
 from hf_paged.kernels.host import host_rule_name
-from hf_paged.kernels.pytorch import update_segment
+from hf_paged.kernels.pytorch import update_in_buffers, update_segment
 from hf_paged.kernels.rules import adamw_update_, lion_update_
 from hf_paged.native import build_failure
 from hf_paged.stochastic_rounding import ElementRounding, step_keys
@@ -95,7 +90,7 @@ def test_a_segment_matches_the_eager_and_host_kernels_bitwise(triton_kernels, ru
     param = torch.randn(length, generator=generator).to(dtype)
     grad = torch.randn(length, generator=generator) * 10.0 ** torch.randint(-4, 1, (length,), generator=generator)
     grad = grad.to(dtype)
-    buffers = random_page(page_format, length, generator)
+    buffers = random_page_buffers(page_format, length, generator)
     scalars = scalars_of(rule_name)
 
     results = {}
@@ -129,7 +124,7 @@ def test_stochastic_rounding_draws_the_eager_bits(triton_kernels, rule_name, sta
     length = 6 * BLOCK
     param = torch.randn(length, generator=generator).to(torch.bfloat16)
     grad = torch.randn(length, generator=generator).to(torch.bfloat16)
-    buffers = random_page(page_format, length, generator)
+    buffers = random_page_buffers(page_format, length, generator)
     rounding = ElementRounding(*step_keys(seed=12345, step=4), start)
     results = []
     for kernel in (None, triton_kernels.TritonKernel(rule, codecs, SegmentKernel(rule, codecs, False))):
@@ -142,7 +137,7 @@ def test_stochastic_rounding_draws_the_eager_bits(triton_kernels, rule_name, sta
             kernel(p_blocks, g_blocks, encoded, scalars_of(rule_name), rounding)
         results.append([p, *state])
     nearest = param.clone()
-    reference_update(rule, codecs, nearest, grad, [b.clone() for b in buffers], 0, scalars_of(rule_name))
+    update_in_buffers(rule, codecs, nearest, grad, [b.clone() for b in buffers], 0, scalars_of(rule_name))
     assert not torch.equal(results[0][0], nearest)  # stochastic rounding changed some bits
     assert_equal_bits(results[1], results[0])
 
@@ -211,7 +206,7 @@ def make_batch(triton_kernels, rule_name, state_format, generator):
         torch.randn(params[1].numel(), generator=generator),
         torch.randn(params[2].numel(), generator=generator).to(torch.float16),
     ]
-    pages = [random_page(page_format, capacity, generator) for _ in range(2)]
+    pages = [random_page_buffers(page_format, capacity, generator) for _ in range(2)]
     segments = [
         (0, 0, 3 * BLOCK, 0, 0, 0),  # tensor 0 in two segments, on two pages
         (0, 3 * BLOCK, 2 * BLOCK + 17, 1, 4 * BLOCK, 0),
@@ -243,7 +238,7 @@ def test_a_batch_updates_each_segment_as_the_per_segment_path(triton_kernels, ru
         rounding = ElementRounding(*keys, start) if tensor == 1 else None
         scalars = {name: float(torch.tensor(value, dtype=torch.float32)) for name, value in rows[row].items()}
         grad = batch.grads[tensor][start : start + length]
-        reference_update(
+        update_in_buffers(
             rule, kernel.codecs, params[tensor][start : start + length], grad, pages[page], offset, scalars, rounding
         )
     kernel.update_batch(batch)
@@ -309,7 +304,7 @@ def test_fp64_segments_go_to_the_pytorch_kernel_whole_or_not_at_all(triton_kerne
     generator = torch.Generator().manual_seed(2)
     param = torch.randn(2, BLOCK, generator=generator, dtype=torch.float64)
     grad = torch.randn(2, BLOCK, generator=generator, dtype=torch.float64)
-    buffers = random_page(page_format, 2 * BLOCK, generator)
+    buffers = random_page_buffers(page_format, 2 * BLOCK, generator)
     fallback = SegmentKernel(rule, codecs, False)
     kernel = triton_kernels.TritonKernel(rule, codecs, fallback)
     assert not kernel.takes_batch(param.device, param.dtype, grad.dtype) and not kernel.allocates_nothing(param, grad)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..codecs import Codec, EncodedSegment
+from ..codecs import Codec, EncodedSegment, PageFormat, to_blocks
 from ..stochastic_rounding import ElementRounding, round_into_bf16_
 from .rules import UpdateRule
 
@@ -51,6 +51,33 @@ def update_segment(
         round_into_bf16_(param, param32, rounding)
     elif param32 is not param:
         param.copy_(param32)
+
+
+def update_in_buffers(
+    rule: UpdateRule,
+    codecs: Sequence[Codec],
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    buffers: Sequence[torch.Tensor],
+    offset: int,
+    scalars: dict[str, float],
+    rounding: ElementRounding | None = None,
+) -> None:
+    """Update a segment of any length, flat ``param`` and ``grad``, whose state starts at element ``offset`` of a
+    page's ``buffers``, as the optimizer's per-segment path does with the eager kernel: whole blocks in place, a
+    partial last block through zero-padded copies. The reference the batch kernels are checked against."""
+    page_format = PageFormat(tuple(codecs))
+    arrays = page_format.arrays(tuple(buffers))
+    alignment = page_format.alignment
+    body = param.numel() - param.numel() % alignment
+    for begin, end in ((0, body), (body, param.numel())):
+        if end == begin:
+            continue
+        encoded = [codec.select(array, offset + begin, end - begin) for codec, array in zip(codecs, arrays)]
+        padded = to_blocks(param[begin:end], alignment)
+        part_rounding = None if rounding is None else rounding._replace(start=rounding.start + begin)
+        update_segment(rule, codecs, padded, to_blocks(grad[begin:end], alignment), encoded, scalars, part_rounding)
+        param[begin:end].copy_(padded.reshape(-1)[: end - begin])
 
 
 def update_or_undo(

@@ -41,10 +41,18 @@ import triton
 import triton.language as tl
 from triton.backends import backends
 
-from ..codecs import Blockwise4bitCodec, Blockwise8bitCodec, Codec, EncodedSegment, Float32Codec, PageFormat, to_blocks
+from ..codecs import (
+    Blockwise4bitCodec,
+    Blockwise8bitCodec,
+    Codec,
+    EncodedSegment,
+    Float32Codec,
+    PageFormat,
+    random_page_buffers,
+)
 from ..stochastic_rounding import ElementRounding, step_keys
 from .batch import LENGTH, OFFSET, PAGE, ROW, START, TENSOR, PageBatch
-from .pytorch import update_or_undo, update_segment
+from .pytorch import update_in_buffers, update_or_undo
 from .rules import UpdateRule, adamw_scalars, adamw_update_, lion_update_
 
 logger = logging.getLogger(__name__)
@@ -477,25 +485,13 @@ def self_check(
     block = kernel.block_size
     length = 2 * block + block // 2 + 1
     page_format = PageFormat(kernel.codecs)
-    alignment = page_format.alignment
     tail_blocks = -(-(length - block) // block)
     capacity = (tail_blocks + 1) * block
     generator = torch.Generator().manual_seed(27)
     param = torch.randn(length, generator=generator).to(param_dtype)
     magnitudes = 10.0 ** torch.randint(-4, 1, (length,), generator=generator)
     grad = (torch.randn(length, generator=generator) * magnitudes).to(grad_dtype)
-    buffers = []
-    for numel, dtype in page_format.buffer_specs(capacity):
-        if dtype == torch.float32:
-            buffer = torch.rand(numel, generator=generator) * 10.0 ** torch.randint(
-                -6, 1, (numel,), generator=generator
-            )
-        else:
-            low, high = (-127, 128) if dtype == torch.int8 else (0, 256)
-            buffer = torch.randint(low, high, (numel,), generator=generator, dtype=dtype)
-        if alignment > 1:
-            buffer[: numel * block // capacity] = 0  # the page's first block: zero codes and scale
-        buffers.append(buffer)
+    buffers = random_page_buffers(page_format, capacity, generator)
     scalars = {
         name: float(torch.tensor(value, dtype=torch.float32))
         for name, value in _CHECK_SCALARS[kernel.rule_name].items()
@@ -508,8 +504,8 @@ def self_check(
         expected_param, expected_buffers = param.clone(), [buffer.clone() for buffer in buffers]
         for start, count, offset in segments:
             segment_rounding = None if rounding is None or start == 0 else ElementRounding(*rounding, start)
-            _reference_update(
-                kernel, page_format, expected_param[start : start + count], grad[start : start + count],
+            update_in_buffers(
+                kernel.rule, kernel.codecs, expected_param[start : start + count], grad[start : start + count],
                 expected_buffers, offset, scalars, segment_rounding,
             )  # fmt: skip
         actual_param = param.to(device)
@@ -543,24 +539,6 @@ def self_check(
                     f"({how} stochastic rounding)"
                 )
     return None
-
-
-def _reference_update(kernel, page_format, param, grad, buffers, offset, scalars, rounding) -> None:
-    """The optimizer's per-segment path with the eager PyTorch kernel: whole blocks in place, a partial last block
-    through zero-padded copies."""
-    arrays = page_format.arrays(tuple(buffers))
-    alignment = page_format.alignment
-    body = param.numel() - param.numel() % alignment
-    for begin, end in ((0, body), (body, param.numel())):
-        if end == begin:
-            continue
-        encoded = [codec.select(array, offset + begin, end - begin) for codec, array in zip(kernel.codecs, arrays)]
-        padded = to_blocks(param[begin:end], alignment)
-        chunk_rounding = None if rounding is None else rounding._replace(start=rounding.start + begin)
-        update_segment(
-            kernel.rule, kernel.codecs, padded, to_blocks(grad[begin:end], alignment), encoded, scalars, chunk_rounding
-        )
-        param[begin:end].copy_(padded.reshape(-1)[: end - begin])
 
 
 def _disagreement(actual: torch.Tensor, expected: torch.Tensor, packed: bool, exact: bool) -> int:
