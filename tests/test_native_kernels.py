@@ -17,6 +17,7 @@ import hf_paged
 from hf_paged import native
 from hf_paged.codecs import Blockwise4bitCodec, Blockwise8bitCodec
 from hf_paged.kernels import HostKernel, SegmentKernel, segment_kernel
+from hf_paged.kernels.host import fits_vector_lanes
 from hf_paged.optim.adamw import adamw_scalars, adamw_update_
 from hf_paged.optim.lion import lion_update_
 
@@ -91,6 +92,9 @@ def test_host_kernel_matches_the_eager_kernel(built, rule_name, codec, block_siz
         grad[3] = 0
     encoded = random_segment(codecs, blocks, generator)
     kernel = segment_kernel(rule, codecs, False, CPU)
+    if not fits_vector_lanes(codecs):
+        assert type(kernel) is SegmentKernel
+        pytest.skip("4-bit blocks of 16 elements take the PyTorch kernels in the 16-lane build")
     assert isinstance(kernel, HostKernel)
     native_result = run_kernel(kernel, param, grads, encoded, scalars)
     eager_result = run_kernel(SegmentKernel(rule, codecs, False), param, grads, encoded, scalars)
@@ -100,11 +104,11 @@ def test_host_kernel_matches_the_eager_kernel(built, rule_name, codec, block_siz
 
 
 def test_the_build_targets_the_cpu_capability(built):
-    """The extension is built for the capability PyTorch runs (``ATEN_CPU_CAPABILITY`` chooses it): eight lanes of
-    AVX2 code for AVX2 and AVX512, one scalar lane for DEFAULT."""
+    """The extension is built for the capability PyTorch runs (``ATEN_CPU_CAPABILITY`` chooses it): sixteen lanes
+    of AVX-512 code for AVX512, eight of AVX2 code for AVX2, one scalar lane for DEFAULT."""
     capability = torch.backends.cpu.get_cpu_capability()
     assert native.build_name().startswith(f"hf_paged_host_kernels_{capability.lower()}_")
-    assert torch.ops.hf_paged.vector_lanes() == (8 if capability in ("AVX2", "AVX512") else 1)
+    assert torch.ops.hf_paged.vector_lanes() == {"AVX512": 16, "AVX2": 8}.get(capability, 1)
 
 
 def test_another_version_of_the_source_builds_under_another_name(tmp_path, monkeypatch):
@@ -345,3 +349,22 @@ def test_segments_the_host_kernel_hands_on_are_updated_whole_or_not_at_all(built
         host(param, grad, encoded, ADAMW_SCALARS)
     assert torch.equal(param, before[0])
     assert all(torch.equal(a, b) for x, y in zip(encoded, before[1]) for a, b in zip(x, y))
+
+
+def test_4bit_blocks_narrower_than_two_vectors_are_refused_before_any_write(built):
+    """4-bit codes are packed by half-blocks, which the vector code takes a vector at a time: a 4-bit block of fewer
+    than two vectors' elements is a clear error (the optimizer gives such blocks to the PyTorch kernels), and it
+    changes nothing."""
+    lanes = torch.ops.hf_paged.vector_lanes()
+    if lanes < 16:
+        pytest.skip(f"{lanes}-lane build: every 4-bit block size from 16 fits")
+    _, signed, _ = RULES["adamw"]
+    codecs = tuple(Blockwise4bitCodec(16, is_signed) for is_signed in signed)
+    assert not fits_vector_lanes(codecs) and fits_vector_lanes(tuple(Blockwise4bitCodec(32, s) for s in signed))
+    param, grad = torch.randn(4, 16), torch.randn(4, 16)
+    encoded = random_segment(codecs, 4, torch.Generator().manual_seed(0))
+    before = param.clone()
+    (avg_codes, avg_scales), (sq_codes, sq_scales) = encoded
+    with pytest.raises(RuntimeError, match="4-bit blocks must be of at least 32 elements"):
+        torch.ops.hf_paged.adamw_blockwise_(param, grad, avg_codes, avg_scales, sq_codes, sq_scales, 4, 16, *[0.5] * 7)
+    assert torch.equal(param, before)

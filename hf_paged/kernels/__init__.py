@@ -23,7 +23,7 @@ import torch
 
 from ..codecs import Codec
 from ..native import host_kernels_enabled
-from .host import HostKernel, host_rule_name
+from .host import HostKernel, fits_vector_lanes, host_rule_name
 from .pytorch import (
     COMPILE_MIN_ELEMENTS,
     SegmentKernel,
@@ -144,7 +144,10 @@ def segment_kernel(
     """
     family = kernel_family(device)
     if family == "native" and (
-        device.type != "cpu" or host_rule_name(rule, codecs) is None or not host_kernels_enabled()
+        device.type != "cpu"
+        or host_rule_name(rule, codecs) is None
+        or not host_kernels_enabled()
+        or not fits_vector_lanes(codecs)
     ):
         family = "torch"
     if family == "triton" and triton_module().triton_rule(rule, codecs) is None:

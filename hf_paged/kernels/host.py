@@ -155,3 +155,12 @@ def host_rule_name(rule: UpdateRule, codecs: tuple[Codec, ...]) -> str | None:
     if tuple(codec.signed for codec in codecs) != signed:
         return None
     return name
+
+
+def fits_vector_lanes(codecs: tuple[Codec, ...]) -> bool:
+    """Whether the built host kernels' vector code takes ``codecs``' blocks: 4-bit codes are packed by half-blocks,
+    which it takes a vector at a time (16 lanes in the AVX-512 build: 4-bit blocks of 16 elements take the PyTorch
+    kernels there). Call once the host kernels are built."""
+    if not codecs or not isinstance(codecs[0], Blockwise4bitCodec):
+        return True
+    return codecs[0].block_size // 2 % torch.ops.hf_paged.vector_lanes() == 0

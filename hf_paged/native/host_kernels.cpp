@@ -37,7 +37,10 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define HF_PAGED_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define HF_PAGED_AVX2 1
 #endif
@@ -47,7 +50,110 @@ namespace {
 
 constexpr int64_t kMaxBlockSize = 4096;
 
-#ifdef HF_PAGED_AVX2
+#ifdef HF_PAGED_AVX512
+
+// Sixteen fp32 lanes (AVX-512 F, BW and DQ): lane by lane the operations of the eight-lane AVX2 code below.
+struct Vec {
+  static constexpr int64_t kWidth = 16;
+  using F = __m512;
+
+  static F splat(float x) { return _mm512_set1_ps(x); }
+  static F zero() { return _mm512_setzero_ps(); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  static F abs(F a) { return _mm512_andnot_ps(_mm512_set1_ps(-0.0f), a); }
+  static F rint(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F floor(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  // a > b ? a : b and a < b ? a : b, lane by lane (the x86 semantics, also of the other lanes' code).
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F min(F a, F b) { return _mm512_min_ps(a, b); }
+  // 1 where a > 0, else 0.
+  static F positive(F a) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, zero(), _CMP_GT_OQ), splat(1.0f)); }
+  // torch.sign: 1, -1 or 0.
+  static F sign(F a) {
+    return sub(positive(a), _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, zero(), _CMP_LT_OQ), splat(1.0f)));
+  }
+  // The integers of values negated where the bits of source, read as int32, are negative and zeroed where they are
+  // zero: _mm256_sign_epi32's semantics.
+  static __m512i sign_epi32(__m512i values, F source) {
+    const __m512i bits = _mm512_castps_si512(source);
+    const __m512i zero_bits = _mm512_setzero_si512();
+    const __m512i negated = _mm512_mask_sub_epi32(values, _mm512_cmplt_epi32_mask(bits, zero_bits), zero_bits, values);
+    return _mm512_maskz_mov_epi32(_mm512_cmpneq_epi32_mask(bits, zero_bits), negated);
+  }
+  // magnitude * torch.sign(source) for integer-valued magnitudes below 2^31.
+  static F apply_sign(F magnitude, F source) {
+    return _mm512_cvtepi32_ps(sign_epi32(_mm512_cvttps_epi32(magnitude), source));
+  }
+  // 0 where a is NaN, else a.
+  static F zero_nan(F a) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, a, _CMP_ORD_Q), a); }
+  static float reduce_max(F a) {
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, a);
+    float result = lanes[0];
+    for (int k = 1; k < 16; ++k) result = lanes[k] > result ? lanes[k] : result;
+    return result;
+  }
+
+  static F load(const float* x) { return _mm512_loadu_ps(x); }
+  static F load(const c10::BFloat16* x) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+  static F load(const c10::Half* x) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))); }
+  static void store(float* x, F a) { _mm512_storeu_ps(x, a); }
+  // Round to nearest even, NaN to 0x7FC0: c10::BFloat16's conversion.
+  static void store(c10::BFloat16* x, F a) {
+    const __m512i bits = _mm512_castps_si512(a);
+    const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)),
+                                          _mm512_set1_epi32(0x7FFF));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), _mm512_cvtepi32_epi16(rounded));  // each in [0, 0xFFFF]
+  }
+  static void store(c10::Half* x, F a) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
+  }
+
+  // rint(sqrt(x) * top) and floor((sqrt(x) + 1) / 2), as the encodings round square roots to codes.
+  static F rint_root_times(F x, F top) { return rint(mul(sqrt(x), top)); }
+  static F floor_half_root_plus_half(F x) { return floor(mul(add(sqrt(x), splat(1.0f)), splat(0.5f))); }
+
+  static __m512i load_bytes(const uint8_t* x) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  }
+  static F load_codes(const int8_t* x) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))));
+  }
+  static F load_codes(const uint8_t* x) { return _mm512_cvtepi32_ps(load_bytes(x)); }
+  // Integer-valued magnitudes in [0, 127] with the signs of source (torch.sign's: 0 for zero).
+  static void store_signed_codes(int8_t* x, F magnitude, F source) {
+    const __m512i values = sign_epi32(_mm512_cvttps_epi32(magnitude), source);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(x), _mm512_cvtsepi32_epi8(values));
+  }
+  // Integer-valued codes in [0, 255].
+  static void store_codes(uint8_t* x, F codes) { store_bytes(x, _mm512_cvttps_epi32(codes)); }
+  // Integers in [0, 255], as bytes (saturated as the AVX2 code's packs saturate).
+  static void store_bytes(uint8_t* x, __m512i values) {
+    const __m512i nonnegative = _mm512_max_epi32(values, _mm512_setzero_si512());
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(x), _mm512_cvtusepi32_epi8(nonnegative));
+  }
+  // The low or high 4-bit codes of sixteen bytes.
+  static F load_nibble(const uint8_t* x, bool high) {
+    const __m512i bytes = load_bytes(x);
+    return _mm512_cvtepi32_ps(high ? _mm512_srli_epi32(bytes, 4) : _mm512_and_si512(bytes, _mm512_set1_epi32(15)));
+  }
+  // Integer-valued codes in [0, 15].
+  static void store_nibbles(uint8_t* x, F low, F high) {
+    store_bytes(x, _mm512_or_si512(_mm512_cvttps_epi32(low), _mm512_slli_epi32(_mm512_cvttps_epi32(high), 4)));
+  }
+};
+
+#elif defined(HF_PAGED_AVX2)
 
 // Eight fp32 lanes (AVX2 and FMA).
 struct Vec {
@@ -650,6 +756,12 @@ bool is_float_type(c10::ScalarType type) {
   return type == at::kFloat || type == at::kBFloat16 || type == at::kHalf;
 }
 
+// 4-bit codes are packed by half-blocks, which the vector code takes kWidth elements at a time.
+void check_half_blocks(const char* op, int64_t bits, int64_t block_size) {
+  TORCH_CHECK(bits != 4 || (block_size / 2) % kWidth == 0, op, ": 4-bit blocks must be of at least ", 2 * kWidth,
+              " elements in this build (", kWidth, " vector lanes), got ", block_size);
+}
+
 // Checks the per-segment operators' arguments before anything is written; returns the number of blocks.
 int64_t check_arguments(const char* op, const at::Tensor& param, const at::Tensor& grad,
                         std::initializer_list<std::pair<const at::Tensor*, const at::Tensor*>> states,
@@ -657,6 +769,7 @@ int64_t check_arguments(const char* op, const at::Tensor& param, const at::Tenso
   TORCH_CHECK(bits == 8 || bits == 4, op, ": bits must be 8 or 4, got ", bits);
   TORCH_CHECK(block_size >= 16 && block_size <= kMaxBlockSize && (block_size & (block_size - 1)) == 0, op,
               ": block_size must be a power of two from 16 to ", kMaxBlockSize, ", got ", block_size);
+  check_half_blocks(op, bits, block_size);
   const int64_t numel = param.numel();
   TORCH_CHECK(numel % block_size == 0, op, ": the parameter's ", numel, " elements are not whole blocks of ",
               block_size);
@@ -862,6 +975,7 @@ std::vector<BatchSegment<Rule>> check_batch(at::TensorList params, at::TensorLis
   } else {
     TORCH_CHECK(block_size >= 16 && block_size <= kMaxBlockSize && (block_size & (block_size - 1)) == 0, op,
                 ": block_size must be a power of two from 16 to ", kMaxBlockSize, ", got ", block_size);
+    check_half_blocks(op, bits, block_size);
   }
   TORCH_CHECK(params.size() == grads.size(), op, ": params has ", params.size(), " tensors, grads ", grads.size());
   for (size_t t = 0; t < params.size(); ++t) {
@@ -1041,7 +1155,7 @@ void update_batch(at::TensorList params, at::TensorList grads, at::TensorList bu
 }  // namespace hf_paged
 
 TORCH_LIBRARY(hf_paged, m) {
-  // The lanes of `Vec` this build computes with: 8 for AVX2 code, 1 for scalar code.
+  // The lanes of `Vec` this build computes with: 16 for AVX-512 code, 8 for AVX2 code, 1 for scalar code.
   m.def("vector_lanes() -> int", []() -> int64_t { return hf_paged::Vec::kWidth; });
   m.def(
       "adamw_blockwise_(Tensor(a!) param, Tensor grad, Tensor(b!) avg_codes, Tensor(c!) avg_scales, "
