@@ -101,6 +101,48 @@ def test_operator_calls_of_paged_adamw_are_bounded_by_tensors(dtype):
         assert calls <= 4 * split + 12, (page_size, calls, segments, split)
 
 
+@pytest.mark.parametrize("name", ["PagedAdamW8bit", "PagedAdamW"])
+def test_a_step_chooses_each_formats_kernel_once_not_each_pages(monkeypatch, name):
+    """The kernel of a page format and device, whether it takes a page batch and whether the multi-tensor kernel
+    takes a page are asked once per step for each format, device and set of dtypes, not for each page: on an
+    accelerator's pages of an 8B model (3,890 pages) asking per page was most of the step's host time (130 ms of
+    stubbed kernels against 20 ms, ``benchmarks/optimizer_step.py``'s accelerator table)."""
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.randn(shape, generator=generator).requires_grad_() for shape in llama_shapes()]
+    for param in params:
+        param.grad = torch.randn(param.shape, generator=generator) * 1e-2
+    optimizer = getattr(hf_paged, name)(params, lr=1e-3, page_size=SMALL_PAGE, compiled=False)
+    optimizer.step()
+    asked = {"kernel": 0, "fast": 0, "batch": 0}
+    kernel_for, takes_pages_fast = type(optimizer)._kernel_for, type(optimizer).takes_pages_fast
+
+    def counted_kernel_for(self, *args, **kwargs):
+        asked["kernel"] += 1
+        kernel = kernel_for(self, *args, **kwargs)
+        takes_batch = getattr(kernel, "takes_batch", None)
+        if takes_batch is not None and not getattr(takes_batch, "counted", False):
+
+            def counted_takes_batch(*batch_args, takes_batch=takes_batch):
+                asked["batch"] += 1
+                return takes_batch(*batch_args)
+
+            counted_takes_batch.counted = True
+            monkeypatch.setattr(kernel, "takes_batch", counted_takes_batch)
+        return kernel
+
+    def counted_takes_pages_fast(self, *args, **kwargs):
+        asked["fast"] += 1
+        return takes_pages_fast(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(optimizer), "_kernel_for", counted_kernel_for)
+    monkeypatch.setattr(type(optimizer), "takes_pages_fast", counted_takes_pages_fast)
+    optimizer.step()
+    pages = sum(len(store.pages) for store in optimizer._store.stores.values())
+    formats = len(optimizer._formats)
+    assert pages >= 4 * formats
+    assert asked["fast"] <= formats and asked["kernel"] <= formats and asked["batch"] <= formats, (asked, pages)
+
+
 def test_a_tensor_given_new_memory_between_steps_is_updated_there():
     """The plan keeps flat views of the parameters between steps; ``param.data = ...`` (same shape, new memory)
     makes the next step update the new memory, bitwise as an optimizer that never saw the old one would."""

@@ -284,7 +284,8 @@ class PagedOptimizer(Optimizer):
 
     def takes_pages_fast(self, page: Page, dtypes: set[tuple[torch.dtype, torch.dtype]]) -> bool:
         """Whether :meth:`update_pages_fast` may update ``page``, whose tensors have these (parameter, gradient)
-        ``dtypes``: only such pages get work items (views of each segment's elements) before the other kernels."""
+        ``dtypes``: only such pages get work items (views of each segment's elements) before the other kernels. A
+        function of the page's format and device and of ``dtypes`` alone (a step asks once for each)."""
         return False
 
     def update_pages_fast(

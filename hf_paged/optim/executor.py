@@ -202,6 +202,10 @@ class StepRun:
         ]
         self._segment_scalars: dict[int, dict[str, float | torch.Tensor]] = {}
         self._scalar_tables: dict[tuple[tuple[str, ...], torch.device], torch.Tensor] = {}
+        self._kernels: dict[tuple[int, torch.device], Any] = {}
+        """Each page format's kernel by device, the formats by ``id`` (the pages hold them through the step)."""
+        self._fast_verdicts: dict[tuple[int, torch.device, frozenset], bool] = {}
+        self._batch_verdicts: dict[tuple[int, torch.device, tuple[torch.dtype, torch.dtype]], bool] = {}
         self.rounding_keys = _rounding_keys(plan, self.groups, self.steps)
         """The stochastic rounding keys of this step, by tensor index, of the bf16 tensors that round."""
         devices = {(local_tensor(param).device, step) for param, step in zip(plan.params, self.steps)}
@@ -363,7 +367,7 @@ class StepRun:
                     strided_of[id(segment)].scatter(param_slice)
                 self.progress.finish(page_of[id(segment)], segment)
 
-        fast = [page for page in pages if self.optimizer.takes_pages_fast(page, self.page_dtypes(page))]
+        fast = [page for page in pages if self.takes_pages_fast(page)]
         batch = [(page, [item for item, _ in gather(page)]) for page in fast if gather(page)]
         left = [
             page for page, _ in self.optimizer.update_pages_fast(batch, self.step_tensors, finished, self.state_views)
@@ -401,18 +405,40 @@ class StepRun:
                     if strided is not None:
                         strided.scatter(param_slice)
 
+    def takes_pages_fast(self, page: Page) -> bool:
+        """Whether the optimizer's multi-tensor kernel takes ``page`` (asked once per step for each page format,
+        device and set of dtypes)."""
+        dtypes = self.page_dtypes(page)
+        key = (id(page.format), page.device[0].device, frozenset(dtypes))
+        verdict = self._fast_verdicts.get(key)
+        if verdict is None:
+            verdict = self._fast_verdicts[key] = self.optimizer.takes_pages_fast(page, dtypes)
+        return verdict
+
     def kernel(self, page: Page) -> SegmentKernel | Any:
-        """The kernel of ``page``'s format and device (the optimizer's choice)."""
-        return self.optimizer._kernel_for(page, self.compiled)
+        """The kernel of ``page``'s format and device (the optimizer's choice, asked once per step for each)."""
+        key = (id(page.format), page.device[0].device)
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            kernel = self._kernels[key] = self.optimizer._kernel_for(page, self.compiled)
+        return kernel
 
     def _takes_batch(self, kernel: Any, page: Page) -> bool:
         """Whether ``kernel`` updates ``page`` in a batch: it takes batches of every parameter and gradient dtype on
-        the page, none of them goes through a copy, and no segment of it was updated by a segment kernel."""
+        the page (asked once per step for each kernel, device and dtypes), none of them goes through a copy, and no
+        segment of it was updated by a segment kernel."""
         takes_batch = getattr(kernel, "takes_batch", None)
         if takes_batch is None or self.progress.touched(page) or self.has_strided(page):
             return False
         device = page.device[0].device
-        return all(takes_batch(device, *dtypes) for dtypes in self.page_dtypes(page))
+        for dtypes in self.page_dtypes(page):
+            key = (id(kernel), device, dtypes)
+            verdict = self._batch_verdicts.get(key)
+            if verdict is None:
+                verdict = self._batch_verdicts[key] = takes_batch(device, *dtypes)
+            if not verdict:
+                return False
+        return True
 
     def page_dtypes(self, page: Page) -> set[tuple[torch.dtype, torch.dtype]]:
         """The parameter and gradient dtypes of the tensors with segments on ``page``."""
