@@ -8,6 +8,7 @@ built the PyTorch kernels remain, and the reason is logged once.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -163,4 +164,10 @@ def fits_vector_lanes(codecs: tuple[Codec, ...]) -> bool:
     kernels there). Call once the host kernels are built."""
     if not codecs or not isinstance(codecs[0], Blockwise4bitCodec):
         return True
-    return codecs[0].block_size // 2 % torch.ops.hf_paged.vector_lanes() == 0
+    return codecs[0].block_size // 2 % _vector_lanes() == 0
+
+
+@functools.cache
+def _vector_lanes() -> int:
+    """The fp32 lanes of the loaded host kernels' vector code (one build per process)."""
+    return torch.ops.hf_paged.vector_lanes()
