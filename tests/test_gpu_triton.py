@@ -20,7 +20,7 @@ import importlib.util
 import pytest
 import torch
 from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs
-from triton_cases import BLOCK, DTYPES, FORMATS, RULES, codecs_of, scalars_of
+from triton_cases import BLOCK, CASES, DTYPES, FORMATS, RULES, codecs_of, scalars_of
 
 from hf_paged.codecs import PageFormat, random_page_buffers
 from hf_paged.kernels import SegmentKernel
@@ -191,17 +191,6 @@ def test_the_self_check_catches_a_corrupted_element_on_cuda(triton_kernels, monk
     expected = "the parameter" if corrupted == "parameter" else f"state buffer {0 if corrupted == 'code' else 1}"
     assert failure is not None and failure.startswith(f"{expected} differs from the PyTorch kernel's in 1 of")
     assert not kernel.takes_batch(DEVICE, torch.float32, torch.float32)
-
-
-CASES = {
-    "PagedAdamW8bit": {},
-    "PagedAdamW4bit": {"dtype": torch.bfloat16},
-    "PagedLion8bit": {},
-    "PagedAdamW": {"dtype": torch.bfloat16, "bf16_stochastic_round": True, "stochastic_round_seed": 5},
-    "PagedLion": {"dtype": torch.bfloat16},
-}
-"""Per optimizer: the parameters' dtype and extra arguments (PagedAdamW on fp32 parameters takes torch's fused AdamW,
-so it runs on bf16 parameters, where its fp32 state takes the Triton kernel)."""
 
 
 def train_with_fixed_grads(name: str, device: torch.device, steps: int = 3, **paging):

@@ -51,7 +51,7 @@ TRITON_KERNELS = _interpreted_triton_kernels()
 
 from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
 from test_step_failures import FailingAllocations, failing_step, mark_streaming, snapshot
-from triton_cases import BLOCK, DTYPES, FORMATS, RULES, codecs_of, scalars_of
+from triton_cases import BLOCK, CASES, DTYPES, FORMATS, RULES, codecs_of, scalars_of
 
 from hf_paged.codecs import Blockwise8bitCodec, Float32Codec, PageFormat, random_page_buffers, to_blocks
 from hf_paged.kernels import HostKernel, SegmentKernel, kernel_family, segment_kernel
@@ -388,16 +388,6 @@ def test_cuda_pages_default_to_triton_where_it_runs(
 
 
 # The whole optimizer on the CPU (the tests' pseudo-device) with HF_PAGED_KERNELS=triton ----------------------------
-
-CASES = {
-    "PagedAdamW8bit": {},
-    "PagedAdamW4bit": {"dtype": torch.bfloat16},
-    "PagedLion8bit": {},
-    "PagedAdamW": {"dtype": torch.bfloat16, "bf16_stochastic_round": True, "stochastic_round_seed": 5},
-    "PagedLion": {"dtype": torch.bfloat16},
-}
-"""Per optimizer: the parameters' dtype and extra arguments (PagedAdamW on fp32 parameters takes torch's fused AdamW,
-so it runs on bf16 parameters, where its fp32 state takes the Triton kernel)."""
 
 
 def build(name: str, **paging):

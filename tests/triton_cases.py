@@ -1,5 +1,5 @@
 """Cases shared by the Triton kernel tests, on the CPU under the interpreter (``tests/test_triton_kernels.py``) and on
-CUDA (``tests/test_gpu_triton.py``): the rules, state formats and scalars. Imports no Triton, so that either test
+CUDA (``tests/test_gpu_triton.py``): the rules, state formats and scalars, and the optimizers run whole. Imports no Triton, so that either test
 module controls how Triton is imported (random pages and the reference update are
 :func:`hf_paged.codecs.random_page_buffers` and :func:`hf_paged.kernels.pytorch.update_in_buffers`)."""
 
@@ -32,3 +32,14 @@ def codecs_of(rule_name: str, state_format: str) -> tuple:
 def scalars_of(rule_name: str, step: int = 3) -> dict[str, float]:
     """The rule's scalars at optimizer step ``step``."""
     return adamw_scalars(ADAMW_GROUP, step) if rule_name == "adamw" else dict(LION_SCALARS)
+
+
+CASES = {
+    "PagedAdamW8bit": {},
+    "PagedAdamW4bit": {"dtype": torch.bfloat16},
+    "PagedLion8bit": {},
+    "PagedAdamW": {"dtype": torch.bfloat16, "bf16_stochastic_round": True, "stochastic_round_seed": 5},
+    "PagedLion": {"dtype": torch.bfloat16},
+}
+"""Per optimizer: the parameters' dtype and extra arguments (PagedAdamW on fp32 parameters takes torch's fused AdamW,
+so it runs on bf16 parameters, where its fp32 state takes the Triton kernel)."""
