@@ -17,7 +17,6 @@ process group as PyTorch asks of a program before it exits.
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import sys
 import threading
@@ -34,8 +33,7 @@ def exit_without_finalizing(status: int = 0) -> NoReturn:
     for thread in threading.enumerate():
         if thread is not current and not thread.daemon:
             thread.join()
-    atexit._run_exitfuncs()
-    logging.shutdown()
+    atexit._run_exitfuncs()  # logging's own shutdown among them
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:
             stream.flush()
