@@ -190,7 +190,7 @@ class Blockwise8bitCodec(_BlockScaled):
             normalized = saturate_(values * inverse_scales(block_scales).unsqueeze(1))
             quantized = torch.round(ieee_sqrt(normalized.abs()) * self.max_code) * normalized.sign()
         else:
-            roots = fourth_roots(values, block_scales)
+            roots = fourth_roots(values, block_scales.unsqueeze(1))
             quantized = torch.round(roots * self.max_code)
             quantized = torch.maximum(quantized, (roots > 0).to(quantized.dtype))
         codes.copy_(quantized)
@@ -235,15 +235,7 @@ class Blockwise4bitCodec(_BlockScaled):
     def decode(self, encoded: EncodedSegment) -> torch.Tensor:
         """fp32 values of a segment, shaped ``(blocks, block_size)``."""
         packed, scales = encoded
-        codes = torch.cat([packed & 15, packed >> 4], dim=1).float()
-        if self.signed:
-            levels = codes - 7
-            magnitude = levels * levels.abs() * (1.0 / 49)
-        else:
-            root = (codes + 1) * (1.0 / 16)
-            squared = root * root
-            magnitude = squared * squared
-        return magnitude * scales.unsqueeze(1)
+        return decode_4bit(packed, self.signed) * scales.unsqueeze(1)
 
     def encode(self, values: torch.Tensor, encoded: EncodedSegment, block_scales: torch.Tensor | None = None) -> None:
         """Store fp32 ``values`` shaped ``(blocks, block_size)`` into a segment's packed codes and scales.
@@ -253,16 +245,7 @@ class Blockwise4bitCodec(_BlockScaled):
         packed, scales = encoded
         if block_scales is None:
             block_scales = self.block_scales(values)
-        if self.signed:
-            normalized = saturate_(values * inverse_scales(block_scales).unsqueeze(1))
-            # nearest level (k / 7)^2: |x| >= the midpoint of levels k - 1 and k iff 196 |x| - 1 >= (2k - 1)^2
-            magnitude = torch.floor((ieee_sqrt(torch.relu(normalized.abs() * 196 - 1)) + 1) * 0.5)
-            codes = magnitude.clamp(max=7) * normalized.sign() + 7
-        else:
-            codes = (torch.round(fourth_roots(values, block_scales) * 16) - 1).clamp(0, 15)
-        codes = codes.to(torch.uint8)
-        half = self.block_size // 2
-        packed.copy_(codes[:, :half] | (codes[:, half:] << 4))
+        packed.copy_(encode_4bit(values, block_scales.unsqueeze(1), self.signed))
         scales.copy_(block_scales)
 
     def field_lengths(self, length: int) -> tuple[int, ...]:
@@ -276,7 +259,200 @@ class Blockwise4bitCodec(_BlockScaled):
         return torch.uint8, torch.float32
 
 
-Codec = Float32Codec | Blockwise8bitCodec | Blockwise4bitCodec
+@dataclass(frozen=True)
+class Rank1Normalized4bitCodec:
+    """State of a 2-D tensor stored as 4-bit codes, two per byte, each normalized by its own element's rank-1
+    statistic instead of a block's scale (Li et al., NeurIPS 2023, "rank-1 normalization").
+
+    For a state :math:`x` of shape ``(rows, cols)`` the statistics are the largest magnitude of each row and each
+    column, :math:`r_i = \\max_j |x_{ij}|` and :math:`c_j = \\max_i |x_{ij}|` (:class:`Rank1Statistics`), and
+    element :math:`(i, j)` is stored as the code of :math:`x_{ij} / \\min(r_i, c_j)`, which lies in [-1, 1], in the
+    maps of :class:`Blockwise4bitCodec`. An outlier then widens the range of its own row and column only, not of a
+    whole block. A state's bytes per element are ``0.5 + 4 (rows + cols) / (rows cols)``.
+
+    Pages hold the packed codes (by half-blocks of ``block_size`` elements, as :class:`Blockwise4bitCodec`); the
+    statistics live with the tensor's layout. Whoever decodes or encodes a segment appends its elements' normalizers
+    to the page's views: ``encoded = (packed, normalizers, new_normalizers)``, each normalizer array fp32 shaped
+    ``(blocks, block_size)`` (:meth:`Rank1Statistics.normalizers`): the codes are read with the first and written
+    with the second (those of the state being computed, whose statistics a step gathers before it encodes).
+    """
+
+    block_size: int
+    signed: bool
+    fields: tuple[str, ...] = ("packed_codes",)
+    saved_like_param: ClassVar[bool] = False
+    statistics_fields: ClassVar[tuple[str, ...]] = ("row_max", "col_max")
+    """The saved fields of a tensor's statistics, after :attr:`fields`."""
+
+    @property
+    def alignment(self) -> int:
+        return self.block_size
+
+    @property
+    def address_alignment(self) -> int:
+        """Elements: a segment starting at a multiple of it starts its codes at a multiple of ``ADDRESS_ALIGNMENT``
+        bytes (two elements a byte)."""
+        return 2 * ADDRESS_ALIGNMENT
+
+    def buffer_specs(self, capacity: int) -> tuple[BufferSpec, ...]:
+        """The packed codes: one byte per two elements."""
+        return ((capacity // 2, torch.uint8),)
+
+    def select(self, arrays: EncodedSegment, offset: int, length: int) -> EncodedSegment:
+        """Packed codes as a ``(blocks, block_size // 2)`` view, for the blocks ``length`` touches (normalizers not
+        yet appended)."""
+        (packed,) = arrays
+        blocks = -(-length // self.block_size)
+        start, half = offset // 2, self.block_size // 2
+        return (packed[start : start + blocks * half].view(blocks, half),)
+
+    def decode(self, encoded: EncodedSegment) -> torch.Tensor:
+        """fp32 values of a segment, shaped ``(blocks, block_size)``: codes times their normalizers."""
+        packed, normalizers = encoded[0], encoded[1]
+        return decode_4bit(packed, self.signed) * normalizers
+
+    def block_scales(self, values: torch.Tensor) -> None:
+        """Rank-1 codes have no block scales: the statistics come from the whole tensor."""
+
+    def encode(self, values: torch.Tensor, encoded: EncodedSegment, block_scales: None = None) -> None:
+        """Store fp32 ``values`` shaped ``(blocks, block_size)`` as codes of ``values / new_normalizers``."""
+        packed, _, new_normalizers = encoded
+        packed.copy_(encode_4bit(values, new_normalizers, self.signed))
+
+    def field_lengths(self, length: int) -> tuple[int, ...]:
+        blocks = -(-length // self.block_size)
+        return (blocks * self.block_size // 2,)
+
+    def field_offsets(self, start: int) -> tuple[int, ...]:
+        return (start // 2,)
+
+    def field_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (torch.uint8,)
+
+
+def rank1_eligible(shape: torch.Size | tuple[int, ...], block_size: int) -> bool:
+    """Whether a tensor of ``shape`` takes rank-1 normalized 4-bit state: it is 2-D and its statistics (one fp32
+    value per row and column) take no more bytes than block scales would (one fp32 value per ``block_size``
+    elements), so that its state stays within 0.5 + 4 / ``block_size`` bytes per element."""
+    if len(shape) != 2:
+        return False
+    rows, cols = shape
+    return rows > 0 and cols > 0 and (rows + cols) * block_size <= rows * cols
+
+
+class Rank1Statistics:
+    """The rank-1 statistics of one 2-D tensor's states (see :class:`Rank1Normalized4bitCodec`): per state, the
+    largest finite magnitude of each row (``rows[state]``, fp32 of ``shape[0]``) and each column (``cols[state]``,
+    of ``shape[1]``), those its codes are normalized by now. During a step, :meth:`begin` starts the statistics of
+    the state the step computes (``next_rows``, ``next_cols``), :meth:`observe` gathers them from its values, and
+    :meth:`commit` makes them the statistics of the codes once every element is encoded with them. The two sets of
+    buffers are swapped, not reallocated: a step allocates no statistics.
+
+    Args:
+        shape: the tensor's (local) shape, ``(rows, cols)``.
+        states: the number of states.
+        device: where the statistics live (the tensor's device).
+    """
+
+    def __init__(self, shape: tuple[int, int], states: int, device: torch.device | str = "cpu") -> None:
+        self.shape = (int(shape[0]), int(shape[1]))
+        self.rows = [torch.zeros(self.shape[0], device=device) for _ in range(states)]
+        self.cols = [torch.zeros(self.shape[1], device=device) for _ in range(states)]
+        self.next_rows = [torch.zeros_like(rows) for rows in self.rows]
+        self.next_cols = [torch.zeros_like(cols) for cols in self.cols]
+
+    def batch_entry(self) -> tuple[torch.Tensor, ...]:
+        """The statistics as a page batch takes them (:attr:`~hf_paged.kernels.batch.PageBatch.statistics`): the
+        current row and column maxima of each state, then the next."""
+        current = [t for pair in zip(self.rows, self.cols) for t in pair]
+        following = [t for pair in zip(self.next_rows, self.next_cols) for t in pair]
+        return (*current, *following)
+
+    def begin(self) -> None:
+        """Start gathering the statistics of the state being computed (from zero)."""
+        for buffer in (*self.next_rows, *self.next_cols):
+            buffer.zero_()
+
+    def observe(self, state: int, first: int, values: torch.Tensor) -> None:
+        """Take the magnitudes of ``values`` (flat, or blocks whose padding past the tensor's end is zero), elements
+        ``first`` on of the tensor, into the statistics of state ``state`` being gathered. A NaN counts as zero and
+        an infinity as the largest fp32 value, as block scales count them."""
+        _take_maxima(self.next_rows[state], self.next_cols[state], first, values)
+
+    def set_from(self, state: int, values: torch.Tensor) -> None:
+        """Set the statistics of state ``state``'s codes to those of its fp32 ``values`` (all of the tensor's
+        elements, flat or shaped)."""
+        self.rows[state].zero_()
+        self.cols[state].zero_()
+        _take_maxima(self.rows[state], self.cols[state], 0, values)
+
+    def commit(self) -> None:
+        """Make the gathered statistics those of the codes."""
+        self.rows, self.next_rows = self.next_rows, self.rows
+        self.cols, self.next_cols = self.next_cols, self.cols
+
+    def normalizers(self, state: int, first: int, length: int, padded: int, new: bool = False) -> torch.Tensor:
+        """The normalizers ``min(r_i, c_j)`` of elements ``first`` to ``first + length`` of state ``state`` (of the
+        codes, or with ``new`` of the state being gathered), fp32 of ``padded`` elements: zero past ``length``."""
+        rows_max = (self.next_rows if new else self.rows)[state]
+        cols_max = (self.next_cols if new else self.cols)[state]
+        pieces = [
+            torch.minimum(rows_max[row : row + rows, None], cols_max[None, col_start:col_end]).reshape(-1)
+            for row, rows, col_start, col_end, _ in _row_pieces(first, length, self.shape[1])
+        ]
+        if padded > length:
+            pieces.append(rows_max.new_zeros(padded - length))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def attach(
+        self, encoded: list[EncodedSegment], first: int, length: int, alignment: int, gathering: bool = False
+    ) -> list[EncodedSegment]:
+        """``encoded`` (one segment's packed codes per state, ``length`` elements from element ``first`` of the
+        tensor) with each state's normalizers appended, shaped like its blocks: those of the codes, and those of the
+        state being gathered (``None`` while ``gathering`` them)."""
+        padded = -(-length // alignment) * alignment
+        attached = []
+        for state, arrays in enumerate(encoded):
+            old = self.normalizers(state, first, length, padded).view(-1, alignment)
+            new = None if gathering else self.normalizers(state, first, length, padded, new=True).view(-1, alignment)
+            attached.append((*arrays, old, new))
+        return attached
+
+
+def _row_pieces(first: int, length: int, cols: int) -> list[tuple[int, int, int, int, int]]:
+    """Elements ``first`` to ``first + length`` of a row-major matrix of ``cols`` columns as rectangles: ``(row,
+    rows, col_start, col_end, offset)`` for ``rows`` rows from ``row``, columns ``col_start`` to ``col_end``, whose
+    elements come ``offset`` on in the range (a partial first row, whole rows, a partial last row)."""
+    pieces = []
+    offset = 0
+    row, col = divmod(first, cols)
+    while offset < length:
+        left = length - offset
+        if col or left < cols:
+            width = min(cols - col, left)
+            pieces.append((row, 1, col, col + width, offset))
+        else:
+            width = left // cols * cols
+            pieces.append((row, width // cols, 0, cols, offset))
+        offset += width
+        row, col = divmod(first + offset, cols)
+    return pieces
+
+
+def _take_maxima(rows_max: torch.Tensor, cols_max: torch.Tensor, first: int, values: torch.Tensor) -> None:
+    """Raise ``rows_max`` and ``cols_max`` to the largest magnitudes in each row and column of ``values``, elements
+    ``first`` on of a matrix of ``rows_max.numel()`` rows (values past its last element are ignored)."""
+    cols = cols_max.numel()
+    values = values.reshape(-1)[: rows_max.numel() * cols - first]
+    magnitudes = values.abs().nan_to_num_(nan=0.0, posinf=FLOAT32_MAX).to(rows_max.device)
+    for row, rows, col_start, col_end, offset in _row_pieces(first, magnitudes.numel(), cols):
+        grid = magnitudes[offset : offset + rows * (col_end - col_start)].view(rows, col_end - col_start)
+        row_slice, col_slice = rows_max[row : row + rows], cols_max[col_start:col_end]
+        torch.maximum(row_slice, grid.amax(dim=1), out=row_slice)
+        torch.maximum(col_slice, grid.amax(dim=0), out=col_slice)
+
+
+Codec = Float32Codec | Blockwise8bitCodec | Blockwise4bitCodec | Rank1Normalized4bitCodec
 
 QUANTIZED_CODECS: dict[int, type[Blockwise8bitCodec | Blockwise4bitCodec]] = {
     8: Blockwise8bitCodec,
@@ -304,15 +480,43 @@ def saturate_(normalized: torch.Tensor) -> torch.Tensor:
     return normalized.nan_to_num_(nan=0.0).clamp_(-1.0, 1.0)
 
 
-def fourth_roots(values: torch.Tensor, block_scales: torch.Tensor) -> torch.Tensor:
-    """``(values / scale) ** (1/4)`` of non-negative ``values`` shaped ``(blocks, block_size)``, in [0, 1].
+def fourth_roots(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``(values / scale) ** (1/4)`` of non-negative ``values`` shaped ``(blocks, block_size)``, in [0, 1], with
+    ``scales`` broadcast against them (``(blocks, 1)``: one per block; ``(blocks, block_size)``: one per element).
 
     Taken as ``sqrt(sqrt(values) / sqrt(scale))``: an update rule that needs ``sqrt(values)`` (Adam's
     denominator) shares it in a compiled kernel, which then takes one square root per element here, not two.
-    All-zero blocks give 0.
+    A zero scale gives 0.
     """
-    inverse_root = torch.where(block_scales > 0, block_scales.rsqrt(), torch.zeros_like(block_scales))
-    return ieee_sqrt(saturate_(ieee_sqrt(values) * inverse_root.unsqueeze(1)))
+    inverse_root = torch.where(scales > 0, scales.rsqrt(), torch.zeros_like(scales))
+    return ieee_sqrt(saturate_(ieee_sqrt(values) * inverse_root))
+
+
+def decode_4bit(packed: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The normalized fp32 values (in [-1, 1]) of 4-bit codes packed by half-blocks, ``packed`` shaped
+    ``(blocks, block_size // 2)``, as ``(blocks, block_size)``: the maps of :class:`Blockwise4bitCodec`."""
+    codes = torch.cat([packed & 15, packed >> 4], dim=1).float()
+    if signed:
+        levels = codes - 7
+        return levels * levels.abs() * (1.0 / 49)
+    root = (codes + 1) * (1.0 / 16)
+    squared = root * root
+    return squared * squared
+
+
+def encode_4bit(values: torch.Tensor, scales: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The 4-bit codes of fp32 ``values`` shaped ``(blocks, block_size)`` divided by ``scales`` (broadcast against
+    them; a zero scale encodes zero), packed by half-blocks: uint8 of shape ``(blocks, block_size // 2)``."""
+    if signed:
+        normalized = saturate_(values * inverse_scales(scales))
+        # nearest level (k / 7)^2: |x| >= the midpoint of levels k - 1 and k iff 196 |x| - 1 >= (2k - 1)^2
+        magnitude = torch.floor((ieee_sqrt(torch.relu(normalized.abs() * 196 - 1)) + 1) * 0.5)
+        codes = magnitude.clamp(max=7) * normalized.sign() + 7
+    else:
+        codes = (torch.round(fourth_roots(values, scales) * 16) - 1).clamp(0, 15)
+    codes = codes.to(torch.uint8)
+    half = values.shape[1] // 2
+    return codes[:, :half] | (codes[:, half:] << 4)
 
 
 def to_blocks(values: torch.Tensor, alignment: int) -> torch.Tensor:

@@ -17,6 +17,21 @@ takes batches has
 
 Segments of one batch must not overlap: neither two ranges of one parameter nor two ranges of one page's state
 (counted in whole blocks for blockwise formats).
+
+Rank-1 normalized state (:class:`~hf_paged.codecs.Rank1Normalized4bitCodec`, AdamW only): the pages hold the packed
+codes of each state and no scales, and :attr:`PageBatch.statistics` gives each tensor's row and column maxima. A
+kernel that takes such batches also has
+
+- ``gather_batch(batch) -> None``: for every element of every segment, decode each state with its current normalizer,
+  advance the moments as the rule does (:func:`~hf_paged.kernels.rules.adamw_moments_`), and raise the next row and
+  column maxima of each state to the new value's magnitude (a NaN counts as 0, an infinity as the largest fp32 value);
+  it writes nothing else (not the parameters, not the pages). The caller zeroes the next maxima first, and calls
+  ``update_batch`` once every segment of every tensor concerned has been gathered.
+
+and its ``update_batch`` decodes with the current normalizers and encodes with the next ones. Element ``(i, j)`` of a
+state's tensor (flat element ``i * cols + j``) has normalizer ``min(rows[i], cols[j])`` (fp32), which stands where a
+block's scale stands in :class:`~hf_paged.codecs.Blockwise4bitCodec`'s maps; the elements that pad a segment's
+partial last block have normalizer 0 (they decode to 0, and encode to the code of 0).
 """
 
 from __future__ import annotations
@@ -61,6 +76,7 @@ class PageBatch:
             whose group rounds stochastically (:data:`NO_ROUNDING` in both columns for every other segment), or
             ``None`` where no segment rounds; on the kernel's ``table_device``. Element ``i`` of a segment is
             rounded as element ``START + i`` of its parameter.
+        statistics: the rank-1 statistics of each tensor (see below), ``None`` for other formats.
     """
 
     params: list[torch.Tensor]
@@ -69,6 +85,11 @@ class PageBatch:
     table: torch.Tensor
     scalars: torch.Tensor
     rounding: torch.Tensor | None = None
+    statistics: list[tuple[torch.Tensor, ...]] | None = None
+    """For rank-1 normalized state, one tuple per entry of :attr:`params`: ``(rows_0, cols_0, rows_1, cols_1,
+    next_rows_0, next_cols_0, next_rows_1, next_cols_1)``, the current and next row and column maxima of each state
+    (fp32, contiguous, on the pages' device; state 0 is the first moment); the tensor's local shape is
+    ``(rows_0.numel(), cols_0.numel())``. ``None`` for other formats."""
 
     @property
     def segments(self) -> int:
@@ -89,6 +110,14 @@ class PageBatch:
             raise ValueError(
                 f"PageBatch: scalars must be fp32 of shape (rows, scalars), got {self.scalars.dtype} "
                 f"of shape {tuple(self.scalars.shape)}"
+            )
+        if self.statistics is not None and (
+            len(self.statistics) != len(self.params)
+            or any(len(entry) != 8 or any(t.dtype != torch.float32 for t in entry) for entry in self.statistics)
+        ):
+            raise ValueError(
+                f"PageBatch: statistics must hold, for each of the {len(self.params)} params, 8 fp32 tensors (the "
+                "current and next row and column maxima of both states)"
             )
         if self.rounding is not None and (
             self.rounding.dtype != torch.int64 or tuple(self.rounding.shape) != (self.segments, ROUNDING_COLUMNS)

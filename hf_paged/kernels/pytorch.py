@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..codecs import Codec, EncodedSegment, PageFormat, to_blocks
+from ..codecs import Codec, EncodedSegment, PageFormat, Rank1Statistics, to_blocks
 from ..stochastic_rounding import ElementRounding, round_into_bf16_
 from .rules import UpdateRule
 
@@ -62,10 +62,13 @@ def update_in_buffers(
     offset: int,
     scalars: dict[str, float],
     rounding: ElementRounding | None = None,
+    statistics: Rank1Statistics | None = None,
+    first: int = 0,
 ) -> None:
     """Update a segment of any length, flat ``param`` and ``grad``, whose state starts at element ``offset`` of a
     page's ``buffers``, as the optimizer's per-segment path does with the eager kernel: whole blocks in place, a
-    partial last block through zero-padded copies. The reference the batch kernels are checked against."""
+    partial last block through zero-padded copies. The reference the batch kernels are checked against. A rank-1
+    normalized state takes its tensor's ``statistics`` and the segment's first element in the tensor, ``first``."""
     page_format = PageFormat(tuple(codecs))
     arrays = page_format.arrays(tuple(buffers))
     alignment = page_format.alignment
@@ -74,10 +77,35 @@ def update_in_buffers(
         if end == begin:
             continue
         encoded = [codec.select(array, offset + begin, end - begin) for codec, array in zip(codecs, arrays)]
+        if statistics is not None:
+            encoded = statistics.attach(encoded, first + begin, end - begin, alignment)
         padded = to_blocks(param[begin:end], alignment)
         part_rounding = None if rounding is None else rounding._replace(start=rounding.start + begin)
         update_segment(rule, codecs, padded, to_blocks(grad[begin:end], alignment), encoded, scalars, part_rounding)
         param[begin:end].copy_(padded.reshape(-1)[: end - begin])
+
+
+def gather_in_buffers(
+    moments: UpdateRule,
+    codecs: Sequence[Codec],
+    grad: torch.Tensor,
+    buffers: Sequence[torch.Tensor],
+    offset: int,
+    scalars: dict[str, float],
+    statistics: Rank1Statistics,
+    first: int,
+) -> None:
+    """Take into ``statistics``' next maxima the new state of a rank-1 normalized segment (flat gradient ``grad``,
+    its state from element ``offset`` of a page's ``buffers``, its first element ``first`` of the tensor), advanced by
+    ``moments`` as the optimizer's statistics pass does: the reference of the batch kernels' ``gather_batch``."""
+    page_format = PageFormat(tuple(codecs))
+    arrays = page_format.arrays(tuple(buffers))
+    encoded = [codec.select(array, offset, grad.numel()) for codec, array in zip(codecs, arrays)]
+    encoded = statistics.attach(encoded, first, grad.numel(), page_format.alignment, gathering=True)
+    states = [codec.decode(segment) for codec, segment in zip(codecs, encoded)]
+    moments(to_blocks(grad, page_format.alignment).float(), *states, **scalars)
+    for state, values in enumerate(states):
+        statistics.observe(state, first, values)
 
 
 def update_or_undo(
@@ -90,8 +118,12 @@ def update_or_undo(
 ) -> None:
     """Run ``kernel`` on one segment so that it updates ``param`` and the ``encoded`` state whole or not at all: what
     it writes is copied first (every allocation of this function comes before the kernel's first write) and copied
-    back if it raises, which allocates nothing. ``rounding`` is passed on only when given."""
-    targets = [param, *(array for segment in encoded for array in segment)]
+    back if it raises, which allocates nothing. ``rounding`` is passed on only when given. Of each encoded segment,
+    only the page's arrays are written (the buffers its codec has): arrays appended after them (a rank-1 state's
+    normalizers) are read only, and not copied."""
+    codecs = getattr(kernel, "codecs", None)
+    written = [None] * len(encoded) if codecs is None else [len(codec.buffer_specs(0)) for codec in codecs]
+    targets = [param, *(array for segment, count in zip(encoded, written) for array in segment[:count])]
     saved = [target.clone() for target in targets]
     try:
         kernel(param, grad, encoded, scalars, *(() if rounding is None else (rounding,)))

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..codecs import ADDRESS_ALIGNMENT, to_blocks
+from ..codecs import ADDRESS_ALIGNMENT, Rank1Normalized4bitCodec, Rank1Statistics, to_blocks
 from ..kernels import SegmentKernel, prepare_scalars, update_or_undo
 from ..kernels.batch import PageBatch
 from ..memory import probe_for
@@ -143,6 +143,10 @@ class StepProgress:
             return
         self._advanced = True
         done = self._done_tensors()
+        for index in done:
+            statistics = self.plan.statistics.get(index)
+            if statistics is not None:
+                statistics.commit()
         if done:
             torch._foreach_add_([self.step_counts[index] for index in done], 1.0)
             self.plan.record_steps(done, self.step_counts, self.steps)
@@ -221,6 +225,7 @@ class StepRun:
             if not grad.is_contiguous() or not local_tensor(param).is_contiguous()
         }
         self._dtypes = {(local_tensor(param).dtype, grad.dtype) for param, grad in zip(plan.params, grads)}
+        self._statistics_gathered = not plan.statistics
 
     # Per-tensor views ------------------------------------------------------------------------------------
     #
@@ -331,10 +336,53 @@ class StepRun:
         """Whether ``page`` holds a segment of a non-contiguous parameter or gradient (updated through a copy)."""
         return bool(self._strided) and any(index in self._strided for index in self.plan.page_tensors[page.index])
 
+    # Rank-1 statistics ------------------------------------------------------------------------------------
+
+    def gather_statistics(self) -> None:
+        """Gather the rank-1 statistics of the states this step computes, for the tensors whose state is rank-1
+        normalized: their pages are streamed through the devices and read (not written) a chunk at a time, each
+        chunk's state decoded and advanced by the optimizer's :meth:`~hf_paged.optim.base.PagedOptimizer.moments_rule`
+        as the update will advance it. Once per step, before any update: a rank-1 state is encoded with the
+        statistics of the whole new state, which no page alone knows. Each call that does not complete starts over
+        (an out-of-memory recovery calls it again)."""
+        if self._statistics_gathered:
+            return
+        moments = self.optimizer.moments_rule()
+        for statistics in self.plan.statistics.values():
+            statistics.begin()
+        pages = [
+            page
+            for page in self.plan.pages
+            if any(index in self.plan.statistics for index in self.plan.page_tensors[page.index])
+        ]
+        with contextlib.closing(self.optimizer._store.stream(pages)) as batches:
+            for batch in batches:
+                by_kernel: dict[int, tuple[Any, list[Page]]] = {}
+                for page in batch:
+                    kernel = self.kernel(page)
+                    if hasattr(kernel, "gather_batch") and self._takes_batch(kernel, page):
+                        by_kernel.setdefault(id(kernel), (kernel, []))[1].append(page)
+                        continue
+                    arrays = page.format.arrays(page.device)
+                    for index, segment in self.plan.page_segments[page.index]:
+                        grad = self.grad_slices(index)[self.plan.position(segment)]
+                        if isinstance(grad, StridedRange):
+                            grad = grad.gather()
+                        scalars = self._rule_scalars[self.rows[index]]
+                        statistics = self.plan.statistics[index]
+                        gather_segment_statistics(
+                            self.optimizer, moments, page, arrays, segment, grad, scalars, statistics
+                        )
+                for kernel, batch_pages in by_kernel.values():
+                    kernel.gather_batch(self.page_batch(kernel, batch_pages))
+        self._statistics_gathered = True
+
     # Updates ---------------------------------------------------------------------------------------------
 
     def stream(self, pages: list[Page]) -> None:
-        """Stream ``pages`` through the devices and update them; on an error, no page is left in flight."""
+        """Stream ``pages`` through the devices and update them, after the step's rank-1 statistics are gathered; on
+        an error, no page is left in flight."""
+        self.gather_statistics()
         with contextlib.closing(self.optimizer._store.stream(pages)) as batches:
             for batch in batches:
                 # Pages of non-contiguous parameters are updated one at a time: their contiguous copies stay within
@@ -400,6 +448,7 @@ class StepRun:
                         self.segment_scalars(index),
                         self.progress,
                         self.rounding_keys.get(index),
+                        self.plan.statistics.get(index),
                     )
                 finally:
                     if strided is not None:
@@ -452,22 +501,30 @@ class StepRun:
     def update_batch(self, kernel: Any, pages: list[Page]) -> None:
         """One call of ``kernel``'s ``update_batch`` for every segment of ``pages`` (one format, one device): whole
         or, where it raises, not at all."""
+        kernel.update_batch(self.page_batch(kernel, pages))
+        self.progress.finish_pages(pages)
+
+    def page_batch(self, kernel: Any, pages: list[Page]) -> PageBatch:
+        """The :class:`~hf_paged.kernels.batch.PageBatch` of every segment of ``pages`` (one format, one device) for
+        ``kernel``."""
         device = kernel.table_device(pages[0].device[0].device)
         table, tensors = self.plan.batch_table(pages, self.rows)
         rounding = self.plan.rounding_table(pages, self.plan.page_segments, self.rounding_keys)
         if device.type != "cpu":
             table = table.to(device)
             rounding = None if rounding is None else rounding.to(device)
-        batch = PageBatch(
+        statistics = None
+        if isinstance(pages[0].format.codecs[0], Rank1Normalized4bitCodec):
+            statistics = [self.plan.statistics[index].batch_entry() for index in tensors]
+        return PageBatch(
             params=[local_tensor(self.plan.params[index]) for index in tensors],
             grads=[self.grads[index] for index in tensors],
             buffers=[page.device for page in pages],
             table=table,
             scalars=self.scalar_table(tuple(kernel.scalar_names), device),
             rounding=rounding,
+            statistics=statistics,
         )
-        kernel.update_batch(batch)
-        self.progress.finish_pages(pages)
 
 
 def _read_once(group: dict[str, Any]) -> dict[str, Any]:
@@ -566,12 +623,14 @@ def update_segment(
     scalars: dict[str, float | torch.Tensor],
     progress: StepProgress,
     keys: tuple[int, int] | None = None,
+    statistics: Rank1Statistics | None = None,
 ) -> None:
     """Run ``kernel`` on the elements of a segment that ``progress`` has not reached: its whole blocks in place,
     chunk by chunk (in one call where the kernel allocates nothing), each chunk whole or not at all; a partial
     last block through padded copies. With stochastic rounding ``keys``, each chunk rounds its bf16 elements by
     their index in the parameter. ``param`` and ``grad`` are the segment's elements (flat, or the whole tensors of
-    a tensor in one segment, read in their flat order).
+    a tensor in one segment, read in their flat order). A rank-1 normalized state's ``statistics`` give each chunk
+    its normalizers (see :class:`~hf_paged.codecs.Rank1Statistics`).
 
     Every tensor the kernel takes starts at a 16-byte boundary: the layout aligns the parameter, gradient, values
     and codes of each chunk (see :class:`~hf_paged.codecs.PageFormat`), and scales that start elsewhere go
@@ -590,6 +649,8 @@ def update_segment(
     for start in range(progress.reached(segment), body, chunk):
         end = min(start + chunk, body)
         encoded = [codec.select(array, segment.offset + start, end - start) for codec, array in zip(codecs, arrays)]
+        if statistics is not None:
+            encoded = statistics.attach(encoded, segment.start + start, end - start, alignment)
         param_chunk, grad_chunk = to_blocks(param[start:end], alignment), to_blocks(grad[start:end], alignment)
         rounding = None if keys is None else ElementRounding(*keys, segment.start + start)
         update_aligned(kernel, param_chunk, grad_chunk, encoded, scalars, rounding)
@@ -597,11 +658,41 @@ def update_segment(
     if body < segment.length:
         tail = segment.length - body
         encoded = [codec.select(array, segment.offset + body, tail) for codec, array in zip(codecs, arrays)]
+        if statistics is not None:
+            encoded = statistics.attach(encoded, segment.start + body, tail, alignment)
         padded = to_blocks(param[body:], alignment)
         rounding = None if keys is None else ElementRounding(*keys, segment.start + body)
         update_aligned(kernel, padded, to_blocks(grad[body:], alignment), encoded, scalars, rounding)
         param[body:].copy_(padded.view(-1)[:tail])
     progress.finish(page, segment)
+
+
+def gather_segment_statistics(
+    optimizer: PagedOptimizer,
+    moments: Callable[..., None],
+    page: Page,
+    arrays: list[tuple[torch.Tensor, ...]],
+    segment: Segment,
+    grad: torch.Tensor,
+    scalars: dict[str, float],
+    statistics: Rank1Statistics,
+) -> None:
+    """Take the rank-1 statistics of the states a step computes for ``segment`` (flat gradient elements ``grad``)
+    into ``statistics``, chunk by chunk, writing nothing but them."""
+    if grad.dim() != 1:
+        grad = grad.view(-1)
+    codecs = page.format.codecs
+    alignment = page.format.alignment
+    chunk = optimizer._chunk_elements(page.format, False)
+    for start in range(0, segment.length, chunk):
+        end = min(start + chunk, segment.length)
+        first = segment.start + start
+        encoded = [codec.select(array, segment.offset + start, end - start) for codec, array in zip(codecs, arrays)]
+        encoded = statistics.attach(encoded, first, end - start, alignment, gathering=True)
+        states = [codec.decode(segment_arrays) for codec, segment_arrays in zip(codecs, encoded)]
+        moments(to_blocks(grad[start:end], alignment).float(), *states, **scalars)
+        for state, values in enumerate(states):
+            statistics.observe(state, first, values)
 
 
 def recover_in_step(optimizer: PagedOptimizer, error: RuntimeError, attempt: int, pages_left: int) -> None:
