@@ -38,8 +38,8 @@ COLUMNS = [
 ]
 OURS_4BIT_QUICK_BOUNDS = {"mlp teacher": (2.2, 0.07), "tiny LM": (3.0, 0.05), "tiny LoRA": (0.1, 0.075)}
 """Upper bounds on PagedAdamW4bit's loss gap (percent) and weight deviation per task in the quick run: the figures
-when this test was written (1.71%, 0.0554; 2.39%, 0.0389; 0.02%, 0.0583) with about a quarter's slack, so a
-change that loses fidelity fails the test."""
+when this test was written (block scales: 1.71%, 0.0554; 2.39%, 0.0389; 0.02%, 0.0583; rank-1 on the MLP teacher:
+1.75%, 0.0566) with about a quarter's slack, so a change that loses fidelity fails the test."""
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 
 
@@ -66,18 +66,24 @@ def figures(row: dict[str, str]) -> tuple[float, float, float]:
 def test_quick_table_has_the_fp32_reference_and_labels_what_did_not_run(quick_rows, task):
     loss, gap, deviation = figures(quick_rows[task, "torch AdamW (fp32)"])
     assert math.isfinite(loss) and loss > 0 and gap == 0 and deviation == 0
-    rank1 = quick_rows[task, "hf-paged PagedAdamW4bit (rank-1)"]
-    assert rank1["final loss"] == "—" and "not built yet" in rank1["note"]
     for name in ["torchao AdamW8bit", "torchao AdamW4bit"]:
         assert (quick_rows[task, name]["final loss"] == "—") == (not HAS_TORCHAO)
-    for name in ["hf-paged PagedAdamW8bit", "hf-paged PagedAdamW4bit (block scales)"]:
+    for name in [
+        "hf-paged PagedAdamW8bit",
+        "hf-paged PagedAdamW4bit (block scales)",
+        "hf-paged PagedAdamW4bit (rank-1)",
+    ]:
         loss, gap, deviation = figures(quick_rows[task, name])
         assert math.isfinite(loss) and 0 < deviation < 1 and quick_rows[task, name]["note"] == ""
 
 
+@pytest.mark.parametrize("variant", ["block scales", "rank-1"])
 @pytest.mark.parametrize("task", TASKS)
-def test_quick_4bit_meets_issue_29_targets_and_holds_its_figures(quick_rows, task):
-    _, gap, deviation = figures(quick_rows[task, "hf-paged PagedAdamW4bit (block scales)"])
+def test_quick_4bit_meets_issue_29_targets_and_holds_its_figures(quick_rows, task, variant):
+    """Both 4-bit variants; the rank-1 one differs from block scales on the MLP teacher only (its 512 x 512 matrix): no
+    matrix of the tiny Llama or of its adapters is large enough for rank-1 statistics to cost no more than block
+    scales, so they keep block scales, as ``normalization="rank1"`` does by design."""
+    _, gap, deviation = figures(quick_rows[task, f"hf-paged PagedAdamW4bit ({variant})"])
     assert gap <= 5.0
     most_gap, most_deviation = OURS_4BIT_QUICK_BOUNDS[task]
     assert gap <= most_gap and deviation <= most_deviation

@@ -197,12 +197,23 @@ def test_every_lr_scheduler(tmp_path, scheduler):
 
 
 @pytest.mark.parametrize(
-    "optim", ["hf_paged_adamw_32bit", "hf_paged_adamw_8bit", "hf_paged_adamw_4bit", "hf_paged_lion_8bit"]
+    ("optim", "extra_args"),
+    [
+        ("hf_paged_adamw_32bit", ""),
+        ("hf_paged_adamw_8bit", ""),
+        ("hf_paged_adamw_4bit", ""),
+        pytest.param("hf_paged_adamw_4bit", ",normalization=rank1,block_size=16", id="hf_paged_adamw_4bit-rank1"),
+        ("hf_paged_lion_8bit", ""),
+    ],
 )
-def test_resume_from_checkpoint_is_bitwise_identical(tmp_path, optim):
+def test_resume_from_checkpoint_is_bitwise_identical(tmp_path, optim, extra_args):
     options = {"max_steps": 6, "save_strategy": "steps", "save_steps": 3,
-               "optim_args": "device_budget=48KiB,page_size=16KiB"}
+               "optim_args": "device_budget=48KiB,page_size=16KiB" + extra_args}
     uninterrupted = fit(tmp_path / "full", optim, **options)
+    if extra_args:  # the rank-1 case: every matrix of the tiny Llama takes rank-1 state
+        layout = uninterrupted.optimizer.optimizer._layout
+        kinds = {layout[param].kind for param in uninterrupted.model.parameters() if param.ndim == 2}
+        assert kinds == {"4bit-rank1"}
     checkpoint = tmp_path / "full" / optim / "checkpoint-3"
     assert (checkpoint / "optimizer.pt").exists()
     resumed = Trainer(model=tiny_llama(seed=99), args=training_args(tmp_path / "resumed" / optim, optim=optim, **options),

@@ -72,7 +72,7 @@ _COMMON_ARGS = {
     "compiled": _boolean,
 }
 _EIGHT_BIT_ARGS = {"block_size": int, "min_8bit_size": int}
-_FOUR_BIT_ARGS = {"block_size": int, "min_4bit_size": int}
+_FOUR_BIT_ARGS = {"block_size": int, "min_4bit_size": int, "normalization": str}
 
 
 def split_optim_args(optim_args: str | None) -> dict[str, str]:
