@@ -268,7 +268,7 @@ class Rank1Normalized4bitCodec:
     column, :math:`r_i = \\max_j |x_{ij}|` and :math:`c_j = \\max_i |x_{ij}|` (:class:`Rank1Statistics`), and
     element :math:`(i, j)` is stored as the code of :math:`x_{ij} / \\min(r_i, c_j)`, which lies in [-1, 1], in the
     maps of :class:`Blockwise4bitCodec`. An outlier then widens the range of its own row and column only, not of a
-    whole block. A state's bytes per element are ``0.5 + 4 (rows + cols) / (rows cols)``.
+    whole block. A state's bytes per element are ``0.5 + 8 (rows + cols) / (rows cols)`` (two sets of statistics).
 
     Pages hold the packed codes (by half-blocks of ``block_size`` elements, as :class:`Blockwise4bitCodec`); the
     statistics live with the tensor's layout. Whoever decodes or encodes a segment appends its elements' normalizers
@@ -332,12 +332,13 @@ class Rank1Normalized4bitCodec:
 
 def rank1_eligible(shape: torch.Size | tuple[int, ...], block_size: int) -> bool:
     """Whether a tensor of ``shape`` takes rank-1 normalized 4-bit state: it is 2-D and its statistics (one fp32
-    value per row and column) take no more bytes than block scales would (one fp32 value per ``block_size``
+    value per row and column, in two sets: those of the codes and those a step gathers, see
+    :class:`Rank1Statistics`) take no more bytes than block scales would (one fp32 value per ``block_size``
     elements), so that its state stays within 0.5 + 4 / ``block_size`` bytes per element."""
     if len(shape) != 2:
         return False
     rows, cols = shape
-    return rows > 0 and cols > 0 and (rows + cols) * block_size <= rows * cols
+    return rows > 0 and cols > 0 and 2 * (rows + cols) * block_size <= rows * cols
 
 
 class Rank1Statistics:

@@ -37,10 +37,26 @@ def adamw_update_(
     Scalars enter only tensor arithmetic, so that ``torch.compile`` keeps them symbolic. The parameter is
     written once, at the end, so that a compiled kernel updates it in the same pass as the state.
     """
-    exp_avg.lerp_(grad, avg_weight)
-    exp_avg_sq.mul_(beta2).add_(grad * grad * sq_weight)
+    adamw_moments_(grad, exp_avg, exp_avg_sq, avg_weight=avg_weight, beta2=beta2, sq_weight=sq_weight)
     denom = (ieee_sqrt(exp_avg_sq) * inv_bias_correction2_sqrt).add_(eps)
     param.mul_(decay).sub_(exp_avg / denom * step_size)
+
+
+def adamw_moments_(
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    avg_weight: float,
+    beta2: float,
+    sq_weight: float,
+    **unused: float,
+) -> None:
+    """The moments' part of :func:`adamw_update_`, the same operations: ``exp_avg`` and ``exp_avg_sq`` of fp32
+    tensors updated in place (what a step must know of the new state before it encodes it, see
+    :class:`~hf_paged.codecs.Rank1Statistics`); takes every scalar of :func:`adamw_scalars` and uses three."""
+    exp_avg.lerp_(grad, avg_weight)
+    exp_avg_sq.mul_(beta2).add_(grad * grad * sq_weight)
 
 
 def adamw_scalars(group: dict[str, Any], step: float) -> dict[str, float]:

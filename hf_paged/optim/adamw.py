@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..codecs import Float32Codec
-from ..kernels.rules import adamw_scalars, adamw_update_, adamw_update_multi_
+from ..kernels.rules import adamw_moments_, adamw_scalars, adamw_update_, adamw_update_multi_
 from ..stochastic_rounding import check_stochastic_rounding, rounding_defaults
 from ..store import Page
 from .base import DEFAULT_PAGE_SIZE, PagedOptimizer, check_betas, check_eps, check_lr, check_weight_decay
@@ -45,6 +45,10 @@ class _PagedAdamWBase(PagedOptimizer):
     @staticmethod
     def update_rule():
         return adamw_update_
+
+    @staticmethod
+    def moments_rule():
+        return adamw_moments_
 
     def rule_scalars(self, group: dict[str, Any], step: float) -> dict[str, float]:
         return adamw_scalars(group, step)
@@ -192,13 +196,17 @@ class PagedAdamW4bit(_PagedAdamWBase):
     """AdamW with blockwise 4-bit moments (1.06 bytes per parameter) in pages under a device budget.
 
     The first moment uses a signed quadratic map with zero, the second a zero-excluding quartic map, each
-    with one fp32 scale per block (see :class:`~hf_paged.codecs.Blockwise4bitCodec`). Tensors with fewer
+    with one fp32 scale per block (see :class:`~hf_paged.codecs.Blockwise4bitCodec`), or with
+    ``normalization="rank1"`` each element of a 2-D tensor by its row's and column's largest magnitude (see
+    :class:`~hf_paged.codecs.Rank1Normalized4bitCodec`), which follows fp32 AdamW more closely. Tensors with fewer
     than ``min_4bit_size`` elements keep fp32 moments.
 
     Args:
         params, lr, betas, eps, weight_decay: as :class:`PagedAdamW`.
         block_size: elements per quantization block (one fp32 scale each), a power of two from 16 to 4096.
         min_4bit_size: tensors with fewer elements keep fp32 state.
+        normalization: ``"block"`` (one scale per block) or ``"rank1"`` (rank-1 statistics for 2-D tensors whose
+            statistics take no more memory than block scales, block scales for the others).
         page_size, device_budget, prefetch, compiled: paging settings, see :class:`PagedOptimizer`.
         bf16_stochastic_round: round bf16 parameters' updated values to bf16 stochastically instead of to nearest,
             so that updates below half a bf16 spacing are kept in expectation (no effect on other dtypes).
@@ -215,6 +223,7 @@ class PagedAdamW4bit(_PagedAdamWBase):
         *,
         block_size: int = 128,
         min_4bit_size: int = 4096,
+        normalization: str = "block",
         page_size: int | str = DEFAULT_PAGE_SIZE,
         device_budget: int | str | None = None,
         prefetch: int = 2,
@@ -233,5 +242,6 @@ class PagedAdamW4bit(_PagedAdamWBase):
             four_bit=True,
             block_size=block_size,
             min_4bit_size=min_4bit_size,
+            normalization=normalization,
             compiled=compiled,
         )

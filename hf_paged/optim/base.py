@@ -18,7 +18,7 @@ import torch
 from torch.optim import Optimizer
 
 from ..budget import AutoBudget
-from ..codecs import QUANTIZED_CODECS, Float32Codec, PageFormat
+from ..codecs import QUANTIZED_CODECS, Float32Codec, PageFormat, Rank1Normalized4bitCodec, rank1_eligible
 from ..device import backend_for
 from ..kernels import UpdateRule, resolve_compiled, runs_compiled, segment_kernel
 from ..recovery import Recovery
@@ -54,17 +54,23 @@ _WORKSPACE_BYTES_PER_ELEMENT = {
     (True, "32bit"): 11,
     (True, "8bit"): 11,
     (True, "4bit"): 16,
+    (False, "4bit-rank1"): 52,
+    (True, "4bit-rank1"): 32,
 }
 """Bytes of temporaries per element of a chunk's update, eager or compiled, by page format: the
-measured peak (fp32 and bf16 parameters, tests/test_workspace.py) rounded up. They include the copy of what a
-chunk's update writes (its parameter elements and encoded state), taken so that a failed update can be undone.
-A step's workspace is thus two to three pages, whatever the page and model size."""
+measured peak (fp32 and bf16 parameters, tests/test_workspace.py and tests/test_rank1.py) rounded up. They include the
+copy of what a chunk's update writes (its parameter elements and encoded state), taken so that a failed update can be
+undone, and for rank-1 state each chunk's normalizers. A step's workspace is thus two to three pages (rank-1 state
+updated eagerly: three to four), whatever the page and model size."""
+
+NORMALIZATIONS = ("block", "rank1")
+"""What 4-bit codes may be normalized by (``normalization``)."""
 
 _BETWEEN_STEPS = "hf_paged.optimizer.between_steps"
 """The probe mark automatic budgets set at the end of each step: the forward/backward phase. Every optimizer on a
 device shares it, so the first to step after a forward/backward measures it; their predictions are pooled."""
 
-_LAYOUT_KEYS = ("block_size", "min_8bit_size", "min_4bit_size")
+_LAYOUT_KEYS = ("block_size", "min_8bit_size", "min_4bit_size", "normalization")
 """Group entries that fix the state layout: saved with the state, never taken from a loaded state dict."""
 
 
@@ -129,6 +135,11 @@ class PagedOptimizer(Optimizer):
         min_8bit_size: tensors with fewer elements keep 32-bit state.
         four_bit: store tensors of ``min_4bit_size`` or more elements in blockwise 4-bit codes instead.
         min_4bit_size: tensors with fewer elements keep 32-bit state (4-bit state).
+        normalization: what 4-bit codes are normalized by: ``"block"``, one fp32 scale per block; ``"rank1"``, for
+            2-D tensors whose statistics cost no more than block scales (see
+            :func:`~hf_paged.codecs.rank1_eligible`), each element by the smaller of its row's and its column's
+            largest magnitude (:class:`~hf_paged.codecs.Rank1Normalized4bitCodec`), other tensors by blocks. A step
+            then reads the pages of rank-1 tensors twice: once to gather the new state's statistics, once to update.
         compiled: fuse each segment's decode-update-encode with ``torch.compile``; ``None`` chooses by the
             ``HF_PAGED_COMPILE`` environment variable, else compiles parameters of 2**21 elements or more where a
             compiler is available (see :func:`~hf_paged.kernels.resolve_compiled`).
@@ -157,6 +168,7 @@ class PagedOptimizer(Optimizer):
         min_8bit_size: int = 4096,
         four_bit: bool = False,
         min_4bit_size: int = 4096,
+        normalization: str = "block",
         compiled: bool | None = None,
     ) -> None:
         if isinstance(defaults.get("betas"), list):
@@ -174,6 +186,14 @@ class PagedOptimizer(Optimizer):
             min_name, min_size = ("min_8bit_size", min_8bit_size) if eight_bit else ("min_4bit_size", min_4bit_size)
             _check_int(min_name, min_size, 0)
             defaults = {**defaults, "block_size": block_size, min_name: min_size}
+        if normalization not in NORMALIZATIONS:
+            allowed = ", ".join(map(repr, NORMALIZATIONS))
+            raise ValueError(f"normalization must be one of {allowed}, got {normalization!r}")
+        if normalization != "block":
+            if self.state_bits != 4:
+                raise ValueError(f"normalization={normalization!r} is for 4-bit state only (four_bit=True)")
+            defaults = {**defaults, "normalization": normalization}
+        self.normalization = normalization
         self._formats = self._page_formats(block_size)
         for page_format in self._formats.values():
             if page_format.capacity_for(self.page_size) == 0:
@@ -208,6 +228,10 @@ class PagedOptimizer(Optimizer):
             codec = QUANTIZED_CODECS[self.state_bits]
             codecs = tuple(codec(block_size, signed) for signed in self.signed_states)
             formats[f"{self.state_bits}bit"] = PageFormat(codecs)
+        if self.normalization == "rank1":
+            formats["4bit-rank1"] = PageFormat(
+                tuple(Rank1Normalized4bitCodec(block_size, signed) for signed in self.signed_states)
+            )
         return formats
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -255,7 +279,15 @@ class PagedOptimizer(Optimizer):
         """The name of the page format of ``param``'s state: quantized from ``min_8bit_size`` (or
         ``min_4bit_size``) elements of the whole parameter (a DTensor's numel), so that every rank picks the same."""
         bits = self.state_bits
-        return f"{bits}bit" if bits != 32 and param.numel() >= group[f"min_{bits}bit_size"] else "32bit"
+        if bits == 32 or param.numel() < group[f"min_{bits}bit_size"]:
+            return "32bit"
+        if (
+            self.normalization == "rank1"
+            and local_tensor(param) is param
+            and rank1_eligible(param.shape, group["block_size"])
+        ):
+            return "4bit-rank1"
+        return f"{bits}bit"
 
     def _place(self, params: Sequence[tuple[torch.Tensor, dict[str, Any]]]) -> None:
         """Lay out pages for the state of ``(param, group)`` pairs, the parameters of each group packed together
@@ -280,6 +312,12 @@ class PagedOptimizer(Optimizer):
 
     def rule_scalars(self, group: dict[str, Any], step: float) -> dict[str, float]:
         """The rule's scalar arguments for a parameter of ``group`` at ``step`` (1 for the first update)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def moments_rule() -> UpdateRule:
+        """The states' part of the update rule, ``moments(grad, *states, **scalars)`` on fp32 tensors, the same
+        operations as :meth:`update_rule`'s: what a step computes first for rank-1 normalized state."""
         raise NotImplementedError
 
     def takes_pages_fast(self, page: Page, dtypes: set[tuple[torch.dtype, torch.dtype]]) -> bool:

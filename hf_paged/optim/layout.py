@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codecs import PageFormat
+from ..codecs import PageFormat, Rank1Normalized4bitCodec, Rank1Statistics
 from ..store import Page, Segment
 from ..stores import DeviceStores, device_key
 
@@ -46,8 +46,10 @@ class TensorPages:
     """The local shape the state was laid out for."""
     device: str
     kind: str
-    """The page format's name: ``"32bit"``, ``"8bit"`` or ``"4bit"``."""
+    """The page format's name: ``"32bit"``, ``"8bit"``, ``"4bit"`` or ``"4bit-rank1"``."""
     segments: list[tuple[Page, Segment]]
+    statistics: Rank1Statistics | None = None
+    """The rank-1 statistics of a rank-1 normalized state (on the tensor's device), else ``None``."""
 
     @property
     def numel(self) -> int:
@@ -130,7 +132,10 @@ class StateLayout:
                 segments.append((page, segment))
                 used[page.index] = offset + _round_up(length, page_format.alignment)
                 start += length
-            self._pages_of[tensor] = TensorPages(owner, local.shape, device, kind, segments)
+            statistics = None
+            if isinstance(page_format.codecs[0], Rank1Normalized4bitCodec):
+                statistics = Rank1Statistics(tuple(local.shape), len(page_format.codecs), local.device)
+            self._pages_of[tensor] = TensorPages(owner, local.shape, device, kind, segments, statistics)
             self._tensor_of[owner] = tensor
         for page in open_pages.values():
             page.capacity = used[page.index]

@@ -79,6 +79,12 @@ class StepPlan:
         }
         self.page_tensors = {index: sorted({tensor for tensor, _ in pairs}) for index, pairs in by_page.items()}
         """By page index: the indices of the tensors with segments on the page."""
+        self.statistics = {
+            index: layout[param].statistics
+            for index, param in enumerate(self.params)
+            if layout[param].statistics is not None
+        }
+        """By tensor index: the rank-1 statistics of the tensors whose state is rank-1 normalized."""
         self._steps: list[tuple[torch.Tensor, int, float] | None] = [None] * len(self.params)
         self._tables: dict[tuple[int, ...], tuple[tuple[int, ...], torch.Tensor, list[int]]] = {}
         self._state_views: dict[int, dict[int, tuple[torch.Size | None, tuple[Any, ...]]]] = {}

@@ -2,8 +2,10 @@
 
 A saved state holds, per parameter index, ``step`` and each state's fields as CPU tensors: fp32 values
 (``exp_avg``, shaped like the parameter), 8-bit codes shaped like the parameter and one fp32 scale per block
-(``exp_avg_codes``, ``exp_avg_scales``), or 4-bit codes packed two per byte (``exp_avg_packed_codes``,
-``exp_avg_scales``). A sharded (DTensor) parameter's states are fp32 DTensors placed like the parameter.
+(``exp_avg_codes``, ``exp_avg_scales``), 4-bit codes packed two per byte (``exp_avg_packed_codes``,
+``exp_avg_scales``), or rank-1 normalized 4-bit codes (``exp_avg_packed_codes`` with the fp32 row and column maxima
+``exp_avg_row_max`` and ``exp_avg_col_max``). A sharded (DTensor) parameter's states are fp32 DTensors placed like
+the parameter.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..codecs import QUANTIZED_CODECS, Codec, Float32Codec, to_blocks
+from ..codecs import QUANTIZED_CODECS, Codec, Float32Codec, Rank1Normalized4bitCodec, Rank1Statistics, to_blocks
 from ..store import Segment
 from .layout import StateLayout, local_tensor
 
@@ -24,8 +26,14 @@ StateEntry = dict[str, torch.Tensor]
 
 
 def state_keys(codec: Codec | type[Codec], name: str) -> list[str]:
-    """The state dict keys of state ``name`` stored by ``codec``: ``exp_avg``, or ``exp_avg_codes`` and so on."""
+    """The state dict keys of the page fields of state ``name`` stored by ``codec``: ``exp_avg``, or
+    ``exp_avg_codes`` and so on."""
     return [name if not field else f"{name}_{field}" for field in codec.fields]
+
+
+def statistics_keys(codec: Codec | type[Codec], name: str) -> list[str]:
+    """The state dict keys of the rank-1 statistics of state ``name`` (none for a codec without them)."""
+    return [f"{name}_{field}" for field in getattr(codec, "statistics_fields", ())]
 
 
 def pack_param_groups(param_groups: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[int, int]]:
@@ -75,10 +83,14 @@ def export_state(layout: StateLayout, state_names: Sequence[str], tensors: Seque
     for tensor in tensors:
         pages = layout[tensor]
         entry = entries[pages.owner]
-        for name, codec in zip(state_names, layout.formats[pages.kind].codecs):
+        for state, (name, codec) in enumerate(zip(state_names, layout.formats[pages.kind].codecs)):
             if codec.saved_like_param:
                 key = state_keys(codec, name)[0]
                 entry[key] = entry[key].view(pages.shape)
+            if pages.statistics is not None:
+                rows_key, cols_key = statistics_keys(codec, name)
+                entry[rows_key] = pages.statistics.rows[state].to("cpu", copy=True)
+                entry[cols_key] = pages.statistics.cols[state].to("cpu", copy=True)
         exported.append(entry)
     return exported
 
@@ -90,7 +102,8 @@ def read_state_values(layout: StateLayout, state_names: Sequence[str], tensor: t
     codec = layout.formats[pages.kind].codecs[list(state_names).index(name)]
     entry = export_state(layout, state_names, [tensor])[0]
     fields = tuple(entry[key].reshape(-1) for key in state_keys(codec, name))
-    return SavedState(codec, fields, pages.numel).values().view(pages.shape)
+    statistics = saved_statistics(pages.shape, *(entry[key] for key in statistics_keys(codec, name)))
+    return SavedState(codec, fields, pages.numel, statistics).values().view(pages.shape)
 
 
 def write_state_values(
@@ -102,12 +115,15 @@ def write_state_values(
     pages = layout[tensor]
     index = list(state_names).index(name)
     source = SavedState(Float32Codec(), (values.detach().to("cpu", torch.float32).reshape(-1),), pages.numel)
+    if pages.statistics is not None:
+        pages.statistics.set_from(index, source.values())
     for page, segment in pages.segments:
         data = layout.store.read(page)
         if data is None:
             data = tuple(torch.zeros(numel, dtype=dtype) for numel, dtype in page.specs)
         codec = page.format.codecs[index]
-        source.write(codec, codec.select(page.format.arrays(data)[index], segment.offset, segment.length), segment)
+        encoded = codec.select(page.format.arrays(data)[index], segment.offset, segment.length)
+        source.write(codec, _with_normalizers(encoded, pages.statistics, index, segment, codec), segment)
         layout.store.write(page, data)
 
 
@@ -162,14 +178,19 @@ def parse_saved_entry(
     if not math.isfinite(step) or step < 0 or step != int(step):
         raise ValueError(f"state of parameter {saved_id!r} has step {step}, expected a whole number >= 0")
     states = {}
+    shape = local_tensor(param).shape
     for name, signed in zip(state_names, signed_states):
-        candidates: list[Codec] = [Float32Codec(), *(cls(block_size, signed) for cls in QUANTIZED_CODECS.values())]
-        codec = next((c for c in candidates if all(key in entry for key in state_keys(c, name))), None)
+        candidates: list[Codec] = [
+            Float32Codec(),
+            *(cls(block_size, signed) for cls in QUANTIZED_CODECS.values()),
+            Rank1Normalized4bitCodec(block_size, signed),
+        ]
+        codec = next((c for c in candidates if all(key in entry for key in _codec_keys(c, name))), None)
         if codec is None:
             raise ValueError(
                 f"state of parameter {saved_id!r} has neither {name!r}, nor {name + '_codes'!r} and "
-                f"{name + '_scales'!r}, nor {name + '_packed_codes'!r} and {name + '_scales'!r} "
-                f"(keys: {sorted(entry)})"
+                f"{name + '_scales'!r}, nor {name + '_packed_codes'!r} and {name + '_scales'!r}, nor "
+                f"{name + '_packed_codes'!r}, {name + '_row_max'!r} and {name + '_col_max'!r} (keys: {sorted(entry)})"
             )
         if not isinstance(codec, Float32Codec) and (
             not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1)
@@ -190,15 +211,39 @@ def parse_saved_entry(
             if dtype.is_floating_point != value.is_floating_point():
                 raise ValueError(f"state {key!r} of parameter {saved_id!r} has dtype {value.dtype}, expected {dtype}")
             fields.append(value.detach().to("cpu", dtype).reshape(-1))
-        states[name] = SavedState(codec, tuple(fields), numel)
-    used = {"step", *(key for name, state in states.items() for key in state_keys(state.codec, name))}
+        statistics = None
+        if isinstance(codec, Rank1Normalized4bitCodec):
+            if len(shape) != 2:
+                raise ValueError(
+                    f"state of parameter {saved_id!r} is rank-1 normalized, which needs a 2-D parameter, but the "
+                    f"parameter loading it has shape {tuple(shape)}"
+                )
+            statistics_fields = []
+            for key, length in zip(statistics_keys(codec, name), shape):
+                value = entry[key]
+                if not isinstance(value, torch.Tensor) or value.numel() != length or not value.is_floating_point():
+                    raise ValueError(
+                        f"state {key!r} of parameter {saved_id!r} must be a floating point tensor of {length} "
+                        f"elements (the parameter has shape {tuple(shape)}), got "
+                        f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}"
+                    )
+                statistics_fields.append(value.detach().to("cpu", torch.float32))
+            statistics = saved_statistics(shape, *statistics_fields)
+        states[name] = SavedState(codec, tuple(fields), numel, statistics)
+    used = {"step", *(key for name, state in states.items() for key in _codec_keys(state.codec, name))}
     others = {key: load(value) for key, value in entry.items() if key not in used}
     return step, states, others
 
 
+def _codec_keys(codec: Codec, name: str) -> list[str]:
+    """Every key of state ``name`` saved by ``codec``: its page fields and statistics."""
+    return [*state_keys(codec, name), *statistics_keys(codec, name)]
+
+
 def _saved_keys(name: str) -> list[str]:
     """Every key that state ``name`` may be saved under, whatever its encoding."""
-    return [key for codec in (Float32Codec, *QUANTIZED_CODECS.values()) for key in state_keys(codec, name)]
+    codecs = (Float32Codec, *QUANTIZED_CODECS.values(), Rank1Normalized4bitCodec)
+    return [key for codec in codecs for key in _codec_keys(codec, name)]
 
 
 def _as_it_is(value: Any) -> Any:
@@ -223,15 +268,46 @@ def import_state(
     layout: StateLayout, state_names: Sequence[str], sources: dict[torch.Tensor, dict[str, SavedState]]
 ) -> None:
     """Write the pages of the tensors of ``sources`` (each with new pages of its own) from their saved states."""
+    for tensor, saved in sources.items():
+        statistics = layout[tensor].statistics
+        if statistics is not None:
+            codecs = layout.formats[layout[tensor].kind].codecs
+            for index, (name, codec) in enumerate(zip(state_names, codecs)):
+                saved[name].statistics_into(statistics, index, codec)
     pages = {id(page): page for tensor in sources for page, _ in layout[tensor].segments}
     for page in sorted(pages.values(), key=lambda page: page.index):
         data = tuple(torch.zeros(numel, dtype=dtype) for numel, dtype in page.specs)
         arrays = page.format.arrays(data)
         for segment in page.segments:
-            saved = sources[layout.tensor_of(segment)]
-            for name, codec, array in zip(state_names, page.format.codecs, arrays):
-                saved[name].write(codec, codec.select(array, segment.offset, segment.length), segment)
+            tensor = layout.tensor_of(segment)
+            saved, statistics = sources[tensor], layout[tensor].statistics
+            for index, (name, codec, array) in enumerate(zip(state_names, page.format.codecs, arrays)):
+                encoded = codec.select(array, segment.offset, segment.length)
+                saved[name].write(codec, _with_normalizers(encoded, statistics, index, segment, codec), segment)
         layout.store.write(page, data)
+
+
+def _with_normalizers(
+    encoded: tuple[torch.Tensor, ...], statistics: Rank1Statistics | None, state: int, segment: Segment, codec: Codec
+) -> tuple[torch.Tensor | None, ...]:
+    """A segment's page views of state ``state``, with the normalizers to encode it by appended for a rank-1
+    normalized state (its ``statistics``): the codec encodes with ``encoded[2]``."""
+    if statistics is None:
+        return encoded
+    padded = -(-segment.length // codec.alignment) * codec.alignment
+    normalizers = statistics.normalizers(state, segment.start, segment.length, padded)
+    return (*encoded, None, normalizers.view(-1, codec.alignment))
+
+
+def saved_statistics(
+    shape: torch.Size | tuple[int, ...], rows: torch.Tensor | None = None, cols: torch.Tensor | None = None
+) -> Rank1Statistics | None:
+    """The rank-1 statistics of one saved state of a tensor of ``shape``, ``None`` without them."""
+    if rows is None:
+        return None
+    statistics = Rank1Statistics(tuple(shape), 1)
+    statistics.rows[0], statistics.cols[0] = rows.reshape(-1), cols.reshape(-1)
+    return statistics
 
 
 def _like_shards_of(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -252,10 +328,18 @@ def _like_shards_of(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 class SavedState:
     """One saved state tensor of a parameter, in the encoding it was saved in."""
 
-    def __init__(self, codec: Codec, fields: tuple[torch.Tensor, ...], numel: int) -> None:
+    def __init__(
+        self,
+        codec: Codec,
+        fields: tuple[torch.Tensor, ...],
+        numel: int,
+        statistics: Rank1Statistics | None = None,
+    ) -> None:
         self.codec = codec
         self.fields = fields
         self.numel = numel
+        self.statistics = statistics
+        """The rank-1 statistics of a rank-1 normalized state (one state's, on the CPU)."""
         self._values: torch.Tensor | None = None
 
     def values(self) -> torch.Tensor:
@@ -267,8 +351,19 @@ class SavedState:
                 for field, length in zip(self.fields, self.codec.field_lengths(padded))
             ]
             encoded = self.codec.select(tuple(fields), 0, padded)
+            if self.statistics is not None:
+                (encoded,) = self.statistics.attach([encoded], 0, self.numel, self.codec.alignment, gathering=True)
             self._values = self.codec.decode(encoded).reshape(-1)[: self.numel]
         return self._values
+
+    def statistics_into(self, statistics: Rank1Statistics, state: int, codec: Codec) -> None:
+        """Set state ``state`` of a tensor's rank-1 ``statistics``, whose pages take codes of ``codec``: the saved
+        statistics where the saved codes are of ``codec`` (they are copied as they are), else those of the values."""
+        if self.statistics is not None and codec == self.codec:
+            statistics.rows[state].copy_(self.statistics.rows[0])
+            statistics.cols[state].copy_(self.statistics.cols[0])
+        else:
+            statistics.set_from(state, self.values())
 
     def write(self, codec: Codec, encoded: tuple[torch.Tensor, ...], segment: Segment) -> None:
         """Write this state's elements of ``segment`` into its page views, encoded by ``codec``."""
