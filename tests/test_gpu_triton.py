@@ -1,11 +1,12 @@
 """The Triton kernels (hf_paged/kernels/triton_kernels.py) compiled for a CUDA device, against the PyTorch kernels.
 
 Until a GPU runs these, the Triton kernels have run only under Triton's CPU interpreter (tests/test_triton_kernels.py);
-here they are compiled by Triton for the device (``enable_fp_fusion=False``) and checked: every rule, state format and
-dtype against the eager PyTorch kernel on the CPU (bitwise where the CPU's lerp is one fused multiply-add, as the
-module documents) and on the device (within the module's bound); the first-use self-check passing for every
-combination and catching a corrupted element; the whole optimizer with ``HF_PAGED_KERNELS=triton`` bitwise the CPU's
-eager optimizer on the same gradients, with and without a budget of one page; and at most one launch per page batch
+here they are compiled by Triton for the device (``enable_fp_fusion=False``) and checked: every rule, state format
+(rank-1 normalized 4-bit AdamW state included: its update and its gathering of statistics) and dtype against the eager
+PyTorch kernel on the CPU (bitwise where the CPU's lerp is one fused multiply-add, as the module documents) and on the
+device (within the module's bound); the first-use self-check passing for every combination and catching a corrupted
+element; the whole optimizer with ``HF_PAGED_KERNELS=triton`` bitwise the CPU's eager optimizer on the same
+gradients, with and without a budget of one page; and at most one launch per page batch
 and state format per step. Marker ``gpu``; skipped without CUDA (``python -m pytest -q -m gpu tests/test_gpu_triton.py``).
 
 hf_paged.kernels.triton_kernels is imported inside the tests only: imported at collection outside Triton's interpreter
@@ -20,8 +21,9 @@ import importlib.util
 import pytest
 import torch
 from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs
-from triton_cases import BLOCK, CASES, DTYPES, FORMATS, RULES, codecs_of, scalars_of
+from triton_cases import BLOCK, CASES, DTYPES, FORMATS, RANK1_CODECS, RULES, codecs_of, rank1_case, scalars_of
 
+from hf_paged import PagedAdamW4bit
 from hf_paged.codecs import PageFormat, random_page_buffers
 from hf_paged.kernels import SegmentKernel
 from hf_paged.kernels.batch import PageBatch
@@ -278,3 +280,102 @@ def test_the_optimizer_with_triton_kernels_on_cuda_is_the_cpu_eager_optimizer(
     assert_same(*results[1], *results[0])
     if triton_kernels.lerp_rounds_once():
         assert_same(*results[0], *reference)
+
+
+# Rank-1 normalized 4-bit AdamW state ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rounds", [False, True], ids=["nearest", "stochastic"])
+def test_rank1_kernels_match_the_pytorch_references_on_cuda(triton_kernels, rounds):
+    """update_batch and gather_batch of rank-1 state compiled for the device (tests/triton_cases.py's batch: segments
+    across and inside rows, partial last blocks, fp32, bf16 and fp16 tensors, zero normalizers, saturated codes; for
+    the gather, maxima partly raised and non-finite gradients): the parameters, codes and gathered maxima of
+    update_in_buffers and gather_in_buffers on the CPU, bit for bit where the CPU's lerp is one fma (else within the
+    module's bound). The parameters move and the maxima rise, so a kernel that skipped elements would fail."""
+    kernel = triton_kernels.TritonKernel(adamw_update_, RANK1_CODECS, SegmentKernel(adamw_update_, RANK1_CODECS, False))
+    exact = triton_kernels.lerp_rounds_once()
+
+    case = rank1_case(seed=21, rounds=rounds)
+    expected_params, expected_pages = case.updated()
+    batch = case.batch(DEVICE)
+    kernel.update_batch(batch)
+    actual = [t.cpu() for t in (*batch.params, *(b for page in batch.buffers for b in page))]
+    expected = [*expected_params, *(b for page in expected_pages for b in page)]
+    for before, after in zip(case.params, expected_params):
+        assert not torch.equal(before, after)
+    differing = [triton_kernels._disagreement(a, e, e.dtype == torch.uint8, exact) for a, e in zip(actual, expected)]
+    assert differing == [0] * len(expected)
+
+    case = rank1_case(seed=22, gathering=True)
+    expected_statistics = case.gathered()
+    batch = case.batch(DEVICE)
+    kernel.gather_batch(batch)
+    for actual_entry, expected_entry, before in zip(batch.statistics, expected_statistics, case.statistics):
+        assert any(not torch.equal(e, b) for e, b in zip(expected_entry[4:], before[4:]))
+        for a, e in zip(actual_entry, expected_entry):
+            assert triton_kernels._disagreement(a.cpu(), e, False, exact) == 0
+    assert all(torch.equal(p.cpu(), q) for p, q in zip(batch.params, case.params))
+
+
+@pytest.mark.parametrize("grad_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("param_dtype", DTYPES, ids=str)
+def test_rank1_state_passes_the_self_check_on_cuda(triton_kernels, param_dtype, grad_dtype):
+    """The first-use self-check of rank-1 state (gathered maxima, then the updates) passes on the device for every
+    dtype pair: else the optimizer would take the PyTorch kernels for it."""
+    kernel = triton_kernels.TritonKernel(adamw_update_, RANK1_CODECS, SegmentKernel(adamw_update_, RANK1_CODECS, False))
+    assert triton_kernels.self_check(kernel, DEVICE, param_dtype, grad_dtype) is None
+    assert kernel.takes_batch(DEVICE, param_dtype, grad_dtype)
+
+
+def train_rank1_with_fixed_grads(device: torch.device, steps: int = 3, **paging):
+    """``steps`` steps of PagedAdamW4bit(normalization="rank1", block_size=64) on a 256 x 304 matrix (rank-1 state over
+    several pages, cut inside rows) and small tensors on ``device``, gradients drawn on the CPU: the parameters and the optimizer."""
+    generator = torch.Generator().manual_seed(6)
+    shapes = ((256, 304), (1024 + 37,), (300,), (5,))
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator).to(device)) for shape in shapes]
+    optimizer = PagedAdamW4bit(params, lr=1e-2, block_size=64, page_size=32 * 2**10, normalization="rank1", **paging)
+    for _ in range(steps):
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=generator).to(device)
+        optimizer.step()
+    assert optimizer._layout[params[0]].kind == "4bit-rank1"
+    return params, optimizer
+
+
+def test_the_rank1_optimizer_on_cuda_is_the_cpu_eager_optimizer(triton_kernels, monkeypatch):
+    """Three steps of a rank-1 optimizer with HF_PAGED_KERNELS=triton on the device, with and without a budget of
+    one page: every rank-1 page batch gathered and updated by the Triton kernels, the same bits with and without
+    paging, and bitwise the CPU's eager optimizer on the same gradients (where the CPU's lerp is one fma)."""
+    monkeypatch.setenv("HF_PAGED_KERNELS", "torch")
+    reference_params, reference = train_rank1_with_fixed_grads(torch.device("cpu"))
+    monkeypatch.setenv("HF_PAGED_KERNELS", "triton")
+    counts = {"gather_batch": 0, "update_batch": 0}
+
+    def counting(name):
+        method = getattr(triton_kernels.TritonKernel, name)
+
+        def counted(self, batch):
+            counts[name] += self.rank1
+            return method(self, batch)
+
+        return counted
+
+    for name in counts:
+        monkeypatch.setattr(triton_kernels.TritonKernel, name, counting(name))
+    results = []
+    for paging in ({}, {"device_budget": 32 * 2**10, "prefetch": 0}):
+        counts.update(gather_batch=0, update_batch=0)
+        params, optimizer = train_rank1_with_fixed_grads(DEVICE, **paging)
+        assert counts["gather_batch"] >= 3 and counts["update_batch"] >= 3, counts
+        if paging:
+            assert optimizer.paging_stats()["page_outs"] > 0
+        results.append((params, optimizer))
+    comparisons = [results[0]] + ([(reference_params, reference)] if triton_kernels.lerp_rounds_once() else [])
+    for params, optimizer in comparisons:
+        for mine, theirs in zip(results[1][0], params):
+            assert torch.equal(mine.detach().cpu(), theirs.detach().cpu())
+        state, other = results[1][1].state_dict()["state"], optimizer.state_dict()["state"]
+        assert state.keys() == other.keys()
+        for index in state:
+            for key in state[index]:
+                assert torch.equal(state[index][key].cpu(), other[index][key].cpu()), (index, key)

@@ -1,10 +1,18 @@
-"""The Triton kernels: AdamW and Lion on 8-bit, 4-bit and fp32 state, one launch per page batch.
+"""The Triton kernels: AdamW and Lion on 8-bit, 4-bit and fp32 state, and AdamW on rank-1 normalized 4-bit state,
+one launch per page batch.
 
 Each program updates tiles of whole blocks of a segment (``block_size`` elements of blockwise state, or
 :data:`FP32_BLOCK` elements of fp32 state) in registers: it reads the parameter, gradient and state codes, decodes the
 state, runs the rule in fp32, writes the parameter once and encodes the state with each block's new largest magnitude
 as its scale. Nothing is allocated on the device besides the batch's small table of addresses, made before the first
 write, so a call needs no undo copy.
+
+Rank-1 normalized 4-bit state (:class:`~hf_paged.codecs.Rank1Normalized4bitCodec`): the codes are those of 4-bit
+blockwise state, each element's normalizer ``min(rows[i], cols[j])`` (fp32, read from its tensor's statistics) taking
+the place of its block's scale: decoded with the current statistics, encoded with the next ones. ``gather_batch``
+decodes the state and advances the moments as the update will, and raises the next row and column maxima to their
+magnitudes by atomic maxima of their bits (non-negative fp32 values order as their int32 patterns); it writes nothing
+else. See :mod:`hf_paged.kernels.batch`.
 
 The arithmetic is that of the host kernels (``hf_paged/native/host_kernels.cpp``) operation by operation: products
 and sums rounded one by one (launched with ``enable_fp_fusion=False``, so that no multiply and add are contracted),
@@ -23,7 +31,8 @@ imported, and while they run), which the tests use to run them without an accele
 First-use self-check: the first time a process asks a kernel to update segments of a (rule, state format, parameter
 dtype, gradient dtype, device) combination, it updates a small synthetic batch on that device (a few blocks, a partial
 last block, two segments on one page; for bf16 parameters with and without stochastic rounding) and compares the
-parameter, codes, scales and fp32 state with the eager PyTorch kernel's on the CPU (:func:`self_check`): bitwise
+parameter, codes, scales and fp32 state (and, for rank-1 state, the gathered statistics) with the eager PyTorch
+kernel's on the CPU (:func:`self_check`): bitwise
 where the CPU's lerp is one fused multiply-add, else within the bound above. Where the launch raises (a compilation
 error, ``OutOfResources``, any other error but running out of memory) or a result differs, the combination takes the
 PyTorch kernels (the fallback) from then on, which is logged once with the reason.
@@ -48,12 +57,14 @@ from ..codecs import (
     EncodedSegment,
     Float32Codec,
     PageFormat,
+    Rank1Normalized4bitCodec,
+    Rank1Statistics,
     random_page_buffers,
 )
 from ..stochastic_rounding import ElementRounding, step_keys
 from .batch import LENGTH, OFFSET, PAGE, ROW, START, TENSOR, PageBatch
-from .pytorch import update_in_buffers, update_or_undo
-from .rules import UpdateRule, adamw_scalars, adamw_update_, lion_update_
+from .pytorch import gather_in_buffers, update_in_buffers, update_or_undo
+from .rules import UpdateRule, adamw_moments_, adamw_scalars, adamw_update_, lion_update_
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +103,7 @@ def _pair_code(param: torch.Tensor, grad: torch.Tensor) -> int:
 def triton_rule(rule: UpdateRule, codecs: tuple[Codec, ...]) -> tuple[str, int, int] | None:
     """The Triton kernel's rule name, state bits (8, 4, or 32 for fp32 state) and block size for ``rule`` on
     ``codecs``, or ``None`` where it has none: a rule other than AdamW's and Lion's, or states that are not all
-    8-bit, all 4-bit (of one block size) or all fp32."""
+    8-bit, all 4-bit (of one block size), all fp32, or (AdamW only) all rank-1 normalized 4-bit."""
     entry = _RULES.get(rule)
     if entry is None or not codecs:
         return None
@@ -104,7 +115,9 @@ def triton_rule(rule: UpdateRule, codecs: tuple[Codec, ...]) -> tuple[str, int, 
         return None
     if kind is Float32Codec:
         return name, 32, FP32_BLOCK
-    if kind not in (Blockwise8bitCodec, Blockwise4bitCodec):
+    if kind is Rank1Normalized4bitCodec and name != "adamw":
+        return None
+    if kind not in (Blockwise8bitCodec, Blockwise4bitCodec, Rank1Normalized4bitCodec):
         return None
     if any(codec.block_size != codecs[0].block_size for codec in codecs):
         return None
@@ -114,6 +127,12 @@ def triton_rule(rule: UpdateRule, codecs: tuple[Codec, ...]) -> tuple[str, int, 
     if block_size < 16 or block_size & (block_size - 1):
         return None
     return name, 8 if kind is Blockwise8bitCodec else 4, block_size
+
+
+STATISTICS_COLUMNS = 9
+"""Entries per tensor of a rank-1 launch's table of statistics: the addresses of its eight maxima in
+:attr:`PageBatch.statistics` order (current rows and columns of state 0 and 1, then the next ones), then its number of
+columns."""
 
 
 def runs_on(device: torch.device) -> bool:
@@ -286,10 +305,17 @@ def _store_param(
 
 
 @triton.jit
-def _adamw_values(param, grad, moment, second, s):
-    """adamw_update_ on fp32 values: the new parameter, first moment, second moment and its square root."""
+def _adamw_moments(grad, moment, second, s):
+    """adamw_moments_ on fp32 values: the new first and second moments."""
     moment = _lerp(moment, grad, tl.load(s + 1))
     second = second * tl.load(s + 2) + grad * grad * tl.load(s + 3)
+    return moment, second
+
+
+@triton.jit
+def _adamw_values(param, grad, moment, second, s):
+    """adamw_update_ on fp32 values: the new parameter, first moment, second moment and its square root."""
+    moment, second = _adamw_moments(grad, moment, second, s)
     root = tl.sqrt_rn(second)
     denominator = root * tl.load(s + 6) + tl.load(s + 4)
     param = param * tl.load(s + 0) - tl.div_rn(moment, denominator) * tl.load(s + 5)
@@ -302,6 +328,34 @@ def _lion_values(param, grad, moment, s):
     direction = _sign(_lerp(moment, grad, tl.load(s + 2)))
     param = param * tl.load(s + 1) - direction * tl.load(s + 0)
     return param, _lerp(moment, grad, tl.load(s + 3))
+
+
+@triton.jit
+def _normalizers(statistics, which, row, col, valid):
+    """Rank-1 normalizers ``min(rows[row], cols[col])`` (fp32) of a tensor whose row of the statistics table is at
+    ``statistics``, from its maxima ``which`` (0, 1: the current ones of state 0, 1; 2, 3: the next ones); 0 where not
+    ``valid``."""
+    rows = tl.load(statistics + 2 * which).to(tl.pointer_type(tl.float32))
+    cols = tl.load(statistics + 2 * which + 1).to(tl.pointer_type(tl.float32))
+    return tl.minimum(
+        tl.load(rows + row, mask=valid, other=0.0),
+        tl.load(cols + col, mask=valid, other=0.0),
+        propagate_nan=tl.PropagateNan.ALL,
+    )
+
+
+@triton.jit
+def _raise_maxima(statistics, which, row, col, values, valid):
+    """Raise the maxima ``which`` (2, 3: the next ones of state 0, 1) of rows ``row`` and columns ``col`` to the
+    magnitudes of ``values`` where ``valid`` (NaN counts as 0, an infinity as the largest fp32 value), by atomic
+    maxima of their int32 bit patterns."""
+    magnitude = tl.abs(values)
+    magnitude = tl.minimum(tl.where(_is_nan(magnitude), 0.0, magnitude), 3.4028234663852886e38)
+    bits = magnitude.to(tl.int32, bitcast=True)
+    rows = tl.load(statistics + 2 * which).to(tl.pointer_type(tl.int32))
+    cols = tl.load(statistics + 2 * which + 1).to(tl.pointer_type(tl.int32))
+    tl.atomic_max(rows + row, bits, mask=valid, sem="relaxed")
+    tl.atomic_max(cols + col, bits, mask=valid, sem="relaxed")
 
 
 @triton.jit
@@ -325,14 +379,15 @@ def _update_elements(
 
 @triton.jit(do_not_specialize=["round_shift", "programs"])
 def _update_batch_kernel(
-    table, scalars, rounding, param_addresses, grad_addresses, buffer_addresses, round_shift, programs,
-    RULE: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, BUFFERS: tl.constexpr,
-    SCALARS: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ROUND: tl.constexpr,
+    table, scalars, rounding, param_addresses, grad_addresses, buffer_addresses, statistic_addresses, round_shift,
+    programs, RULE: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, BUFFERS: tl.constexpr,
+    SCALARS: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ROUND: tl.constexpr, RANK1: tl.constexpr,
 ):  # fmt: skip
     """Update segment ``program_id(0)`` of a batch whose parameters and gradients have dtypes ``P_DTYPE`` and
     ``G_DTYPE`` (segments of other dtypes are left to other launches), ``ROWS`` blocks at a time: blocks
     ``program_id(1) * ROWS`` on, then every ``programs * ROWS`` blocks further. A block is ``BLOCK`` elements of
-    blockwise state with its scale, or of fp32 state."""
+    blockwise state with its scale, or of fp32 state; with ``RANK1``, of 4-bit state whose elements take their
+    normalizers from the tensors' rows of ``statistic_addresses`` (:data:`STATISTICS_COLUMNS` entries each)."""
     segment = tl.program_id(0)
     row = table + segment * 6
     tensor = tl.load(row + 0)
@@ -379,11 +434,12 @@ def _update_batch_kernel(
                 tl.store(seconds + index, second, mask=mask)
         else:
             scale_index = offset // BLOCK + block
-            moment_scales = tl.load(buffers + 1).to(tl.pointer_type(tl.float32))
-            moment_scale = tl.load(moment_scales + scale_index, mask=block < blocks, other=0.0)[:, None]
-            if RULE == 0:
-                second_scales = tl.load(buffers + 3).to(tl.pointer_type(tl.float32))
-                second_scale = tl.load(second_scales + scale_index, mask=block < blocks, other=0.0)[:, None]
+            if not RANK1:
+                moment_scales = tl.load(buffers + 1).to(tl.pointer_type(tl.float32))
+                moment_scale = tl.load(moment_scales + scale_index, mask=block < blocks, other=0.0)[:, None]
+                if RULE == 0:
+                    second_scales = tl.load(buffers + 3).to(tl.pointer_type(tl.float32))
+                    second_scale = tl.load(second_scales + scale_index, mask=block < blocks, other=0.0)[:, None]
             if BITS == 8:
                 index = block[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
                 mask = whole & (index < length)
@@ -416,39 +472,118 @@ def _update_batch_kernel(
                 byte = block[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
                 low_index = byte + block[:, None] * (BLOCK // 2)
                 high_index = low_index + BLOCK // 2
+                low_valid = whole & (low_index < length)
+                high_valid = whole & (high_index < length)
+                if RANK1:
+                    # element (row, col) of its tensor, normalized by min(rows[row], cols[col]); padding by 0
+                    row_statistics = statistic_addresses + tensor * 9  # STATISTICS_COLUMNS
+                    columns = tl.load(row_statistics + 8)
+                    low_row = (start + low_index) // columns
+                    low_col = start + low_index - low_row * columns
+                    high_row = (start + high_index) // columns
+                    high_col = start + high_index - high_row * columns
+                    low_moment_scale = _normalizers(row_statistics, 0, low_row, low_col, low_valid)
+                    high_moment_scale = _normalizers(row_statistics, 0, high_row, high_col, high_valid)
+                    low_second_scale = _normalizers(row_statistics, 1, low_row, low_col, low_valid)
+                    high_second_scale = _normalizers(row_statistics, 1, high_row, high_col, high_valid)
+                    second_buffer = buffers + 1
+                else:
+                    low_moment_scale = moment_scale
+                    high_moment_scale = moment_scale
+                    if RULE == 0:
+                        low_second_scale = second_scale
+                        high_second_scale = second_scale
+                    second_buffer = buffers + 2
                 moment_bytes = tl.load(buffers).to(tl.pointer_type(tl.uint8)) + offset // 2
                 packed = tl.load(moment_bytes + byte, mask=whole, other=0).to(tl.int32)
-                low_moment = _decode((packed & 15).to(tl.float32), moment_scale, 4, True)
-                high_moment = _decode((packed >> 4).to(tl.float32), moment_scale, 4, True)
+                low_moment = _decode((packed & 15).to(tl.float32), low_moment_scale, 4, True)
+                high_moment = _decode((packed >> 4).to(tl.float32), high_moment_scale, 4, True)
                 if RULE == 0:
-                    second_bytes = tl.load(buffers + 2).to(tl.pointer_type(tl.uint8)) + offset // 2
+                    second_bytes = tl.load(second_buffer).to(tl.pointer_type(tl.uint8)) + offset // 2
                     packed = tl.load(second_bytes + byte, mask=whole, other=0).to(tl.int32)
-                    low_second = _decode((packed & 15).to(tl.float32), second_scale, 4, False)
-                    high_second = _decode((packed >> 4).to(tl.float32), second_scale, 4, False)
+                    low_second = _decode((packed & 15).to(tl.float32), low_second_scale, 4, False)
+                    high_second = _decode((packed >> 4).to(tl.float32), high_second_scale, 4, False)
                 else:
                     low_second = low_moment
                     high_second = high_moment
                 low_moment, low_second, low_root = _update_elements(
-                    param, grad, low_index, whole & (low_index < length), low_moment, low_second, s, rounds, key_a,
-                    key_b, start + round_shift + low_index, RULE, P_DTYPE, G_DTYPE, ROUND,
+                    param, grad, low_index, low_valid, low_moment, low_second, s, rounds, key_a, key_b,
+                    start + round_shift + low_index, RULE, P_DTYPE, G_DTYPE, ROUND,
                 )  # fmt: skip
                 high_moment, high_second, high_root = _update_elements(
-                    param, grad, high_index, whole & (high_index < length), high_moment, high_second, s, rounds, key_a,
-                    key_b, start + round_shift + high_index, RULE, P_DTYPE, G_DTYPE, ROUND,
+                    param, grad, high_index, high_valid, high_moment, high_second, s, rounds, key_a, key_b,
+                    start + round_shift + high_index, RULE, P_DTYPE, G_DTYPE, ROUND,
                 )  # fmt: skip
-                new_moment_scale = tl.maximum(_largest(low_moment), _largest(high_moment))
-                inverse = _reciprocal(new_moment_scale)[:, None]
-                codes = _signed_code(low_moment, inverse, 4) | (_signed_code(high_moment, inverse, 4) << 4)
+                if RANK1:
+                    low_inverse = _reciprocal(_normalizers(row_statistics, 2, low_row, low_col, low_valid))
+                    high_inverse = _reciprocal(_normalizers(row_statistics, 2, high_row, high_col, high_valid))
+                else:
+                    new_moment_scale = tl.maximum(_largest(low_moment), _largest(high_moment))
+                    low_inverse = _reciprocal(new_moment_scale)[:, None]
+                    high_inverse = low_inverse
+                    tl.store(moment_scales + scale_index, new_moment_scale, mask=block < blocks)
+                codes = _signed_code(low_moment, low_inverse, 4) | (_signed_code(high_moment, high_inverse, 4) << 4)
                 tl.store(moment_bytes + byte, codes.to(tl.uint8), mask=whole)
-                tl.store(moment_scales + scale_index, new_moment_scale, mask=block < blocks)
                 if RULE == 0:
-                    new_second_scale = tl.maximum(_largest(low_second), _largest(high_second))
-                    inverse_root = _inverse_root(new_second_scale)[:, None]
-                    codes = _unsigned_code(low_root, inverse_root, 4) | (
-                        _unsigned_code(high_root, inverse_root, 4) << 4
+                    if RANK1:
+                        low_inverse_root = _inverse_root(_normalizers(row_statistics, 3, low_row, low_col, low_valid))
+                        high_inverse_root = _inverse_root(
+                            _normalizers(row_statistics, 3, high_row, high_col, high_valid)
+                        )
+                    else:
+                        new_second_scale = tl.maximum(_largest(low_second), _largest(high_second))
+                        low_inverse_root = _inverse_root(new_second_scale)[:, None]
+                        high_inverse_root = low_inverse_root
+                        tl.store(second_scales + scale_index, new_second_scale, mask=block < blocks)
+                    codes = _unsigned_code(low_root, low_inverse_root, 4) | (
+                        _unsigned_code(high_root, high_inverse_root, 4) << 4
                     )
                     tl.store(second_bytes + byte, codes.to(tl.uint8), mask=whole)
-                    tl.store(second_scales + scale_index, new_second_scale, mask=block < blocks)
+
+
+@triton.jit(do_not_specialize=["programs"])
+def _gather_batch_kernel(
+    table, scalars, param_addresses, grad_addresses, buffer_addresses, statistic_addresses, programs,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, SCALARS: tl.constexpr, G_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """Gather the next rank-1 statistics of AdamW's states over segment ``program_id(0)`` of a batch whose gradients
+    have dtype ``G_DTYPE`` (segments of other dtypes are left to other launches), ``ROWS`` blocks at a time as
+    :func:`_update_batch_kernel` tiles them: decode both states with the current normalizers, advance the moments,
+    raise the next maxima of the elements' rows and columns. Writes nothing else."""
+    segment = tl.program_id(0)
+    row = table + segment * 6
+    tensor = tl.load(row + 0)
+    start = tl.load(row + 1)
+    length = tl.load(row + 2)
+    page = tl.load(row + 3)
+    offset = tl.load(row + 4)
+    s = scalars + tl.load(row + 5) * SCALARS
+    matches = tl.load(param_addresses + tensor * 2 + 1) % 3 == G_DTYPE
+    grad = tl.load(grad_addresses + tensor).to(tl.pointer_type(tl.int8)) + start * (4 if G_DTYPE == 0 else 2)
+    moment_bytes = tl.load(buffer_addresses + page * 2).to(tl.pointer_type(tl.uint8)) + offset // 2
+    second_bytes = tl.load(buffer_addresses + page * 2 + 1).to(tl.pointer_type(tl.uint8)) + offset // 2
+    row_statistics = statistic_addresses + tensor * 9  # STATISTICS_COLUMNS
+    columns = tl.load(row_statistics + 8)
+    blocks = tl.where(matches, (length + BLOCK - 1) // BLOCK, 0)
+    for base in range(tl.program_id(1) * ROWS, blocks, programs * ROWS):
+        block = base + tl.arange(0, ROWS)
+        whole = (block < blocks)[:, None]
+        byte = block[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
+        moment_codes = tl.load(moment_bytes + byte, mask=whole, other=0).to(tl.int32)
+        second_codes = tl.load(second_bytes + byte, mask=whole, other=0).to(tl.int32)
+        for half in tl.static_range(2):
+            # byte i of a block holds element i (low nibble) and element i + BLOCK // 2 (high nibble)
+            index = byte + block[:, None] * (BLOCK // 2) + half * (BLOCK // 2)
+            valid = whole & (index < length)
+            element_row = (start + index) // columns
+            element_col = start + index - element_row * columns
+            moment_scale = _normalizers(row_statistics, 0, element_row, element_col, valid)
+            second_scale = _normalizers(row_statistics, 1, element_row, element_col, valid)
+            moment = _decode(((moment_codes >> (4 * half)) & 15).to(tl.float32), moment_scale, 4, True)
+            second = _decode(((second_codes >> (4 * half)) & 15).to(tl.float32), second_scale, 4, False)
+            moment, second = _adamw_moments(_load_float(grad, index, valid, G_DTYPE), moment, second, s)
+            _raise_maxima(row_statistics, 2, element_row, element_col, moment, valid)
+            _raise_maxima(row_statistics, 3, element_row, element_col, second, valid)
 
 
 # The first-use self-check ---------------------------------------------------------------------------------------
@@ -480,10 +615,14 @@ def self_check(
     The batch: one tensor of two and a half blocks and one element (a partial last block), in two segments on one
     page (the first at the page's end, the second, with the partial block, at its start), whose state holds random
     codes over scales of several orders of magnitude and one block of zeros; bf16 parameters are updated twice, with
-    stochastic rounding of the second segment and without. A few KiB on the device. A launch that raises is a
-    failure, but for running out of memory, which is raised."""
+    stochastic rounding of the second segment and without. For rank-1 normalized state the tensor is 5 rows of
+    ``block_size / 2 + 3`` columns (segments start and end inside rows) with row and column maxima over several
+    orders of magnitude, one of them zero: the statistics :meth:`TritonKernel.gather_batch` gathers are checked first
+    (against :func:`~hf_paged.kernels.pytorch.gather_in_buffers`), then the updates with those of the reference. A
+    few KiB on the device. A launch that raises is a failure, but for running out of memory, which is raised."""
     block = kernel.block_size
-    length = 2 * block + block // 2 + 1
+    shape = (5, block // 2 + 3) if kernel.rank1 else None
+    length = shape[0] * shape[1] if kernel.rank1 else 2 * block + block // 2 + 1
     page_format = PageFormat(kernel.codecs)
     tail_blocks = -(-(length - block) // block)
     capacity = (tail_blocks + 1) * block
@@ -496,8 +635,37 @@ def self_check(
         name: float(torch.tensor(value, dtype=torch.float32))
         for name, value in _CHECK_SCALARS[kernel.rule_name].items()
     }
+    scalar_table = torch.tensor([[scalars[name] for name in kernel.scalar_names]], dtype=torch.float32)
     # (element start, elements, page offset) of the two segments
     segments = [(0, block, tail_blocks * block), (block, length - block, 0)]
+    table = torch.tensor([[0, start, count, 0, offset, 0] for start, count, offset in segments])
+    exact = lerp_rounds_once()
+    statistics = None
+    if kernel.rank1:
+        statistics = Rank1Statistics(shape, 2)
+        for maxima in (*statistics.rows, *statistics.cols):
+            maxima.copy_(torch.rand(maxima.numel(), generator=generator))
+            maxima.mul_(10.0 ** torch.randint(-4, 1, (maxima.numel(),), generator=generator))
+        statistics.rows[0][1] = 0.0
+        actual_statistics = [t.to(device, copy=True) for t in statistics.batch_entry()]
+        for start, count, offset in segments:
+            gather_in_buffers(
+                adamw_moments_, kernel.codecs, grad[start : start + count], buffers, offset, scalars, statistics, start
+            )
+        batch = PageBatch(
+            [param.to(device)], [grad.to(device)], [tuple(buffer.to(device) for buffer in buffers)], table.to(device),
+            scalar_table.to(device), statistics=[tuple(actual_statistics)],
+        )  # fmt: skip
+        failure = _launch_failure(kernel, batch, None)
+        if failure is not None:
+            return failure
+        expected = [*statistics.next_rows, *statistics.next_cols]
+        actual = [actual_statistics[index].cpu() for index in (4, 6, 5, 7)]
+        for index, (actual_maxima, expected_maxima) in enumerate(zip(actual, expected)):
+            differing = _disagreement(actual_maxima, expected_maxima, False, exact)
+            if differing:
+                name = f"the next {'column' if index >= 2 else 'row'} maxima of state {index % 2}"
+                return f"{name} differ from the PyTorch kernel's in {differing} of {expected_maxima.numel()} elements"
     keys = step_keys(seed=27, step=3)
     roundings = [None, keys] if param_dtype == torch.bfloat16 else [None]
     for rounding in roundings:
@@ -506,38 +674,49 @@ def self_check(
             segment_rounding = None if rounding is None or start == 0 else ElementRounding(*rounding, start)
             update_in_buffers(
                 kernel.rule, kernel.codecs, expected_param[start : start + count], grad[start : start + count],
-                expected_buffers, offset, scalars, segment_rounding,
+                expected_buffers, offset, scalars, segment_rounding, statistics, start,
             )  # fmt: skip
         actual_param = param.to(device)
         actual_buffers = [buffer.to(device) for buffer in buffers]
-        table = torch.tensor([[0, start, count, 0, offset, 0] for start, count, offset in segments])
         rounding_table = None if rounding is None else torch.tensor([[-1, -1], list(rounding)])
         batch = PageBatch(
             [actual_param],
             [grad.to(device)],
             [tuple(actual_buffers)],
             table.to(device),
-            torch.tensor([[scalars[name] for name in kernel.scalar_names]], dtype=torch.float32).to(device),
+            scalar_table.to(device),
             None if rounding_table is None else rounding_table.to(device),
+            None if statistics is None else [tuple(t.to(device, copy=True) for t in statistics.batch_entry())],
         )
-        try:
-            kernel._launch(batch, 0)
-            results = [actual_param.cpu(), *(buffer.cpu() for buffer in actual_buffers)]
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as error:  # noqa: BLE001 (any error of the launch is a verdict on the kernel)
-            message = str(error).strip()
-            return f"{type(error).__name__}: {message.splitlines()[0] if message else ''}"
+        failure = _launch_failure(kernel, batch, 0)
+        if failure is not None:
+            return failure
+        results = [actual_param.cpu(), *(buffer.cpu() for buffer in actual_buffers)]
         names = ["the parameter", *(f"state buffer {index}" for index in range(len(buffers)))]
         for name, actual, expected in zip(names, results, [expected_param, *expected_buffers]):
             packed = kernel.bits == 4 and expected.dtype == torch.uint8
-            differing = _disagreement(actual, expected, packed, exact=lerp_rounds_once())
+            differing = _disagreement(actual, expected, packed, exact)
             if differing:
                 how = "with" if rounding is not None else "without"
                 return (
                     f"{name} differs from the PyTorch kernel's in {differing} of {expected.numel()} elements "
                     f"({how} stochastic rounding)"
                 )
+    return None
+
+
+def _launch_failure(kernel: TritonKernel, batch: PageBatch, round_shift: int | None) -> str | None:
+    """Launch ``kernel`` on ``batch`` (see :meth:`TritonKernel._launch`) and wait for it; ``None`` where it ran, else
+    the error it raised, in a line. Running out of memory is raised."""
+    try:
+        kernel._launch(batch, round_shift)
+        if batch.params[0].device.type != "cpu":
+            torch.get_device_module(batch.params[0].device).synchronize()
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:  # noqa: BLE001 (any error of the launch is a verdict on the kernel)
+        message = str(error).strip()
+        return f"{type(error).__name__}: {message.splitlines()[0] if message else ''}"
     return None
 
 
@@ -570,11 +749,12 @@ def _disagreement(actual: torch.Tensor, expected: torch.Tensor, packed: bool, ex
 
 
 class TritonKernel:
-    """The Triton kernel of a rule's 8-bit, 4-bit or fp32 state: :meth:`update_batch` updates a :class:`PageBatch`
-    in one launch per parameter and gradient dtype present (usually one); called on one segment (the optimizer's
-    per-segment path) it updates that segment in one launch. Segments it cannot take (a device without Triton,
-    fp64 tensors) go to ``fallback``, a :class:`~hf_paged.kernels.pytorch.SegmentKernel`, through copies that put
-    them back if it fails.
+    """The Triton kernel of a rule's 8-bit, 4-bit or fp32 state, or of AdamW's rank-1 normalized 4-bit state:
+    :meth:`update_batch` updates a :class:`PageBatch` in one launch per parameter and gradient dtype present (usually
+    one), and for rank-1 state :meth:`gather_batch` gathers its next statistics in one launch per gradient dtype;
+    called on one segment (the optimizer's per-segment path) it updates that segment in one launch. Segments it
+    cannot take (a device without Triton, fp64 tensors, a rank-1 state's segments one by one) go to ``fallback``, a
+    :class:`~hf_paged.kernels.pytorch.SegmentKernel`, through copies that put them back if it fails.
 
     Every argument is checked before the first launch and a launch allocates nothing on the device besides its
     tables of addresses (made before it), so a call updates its segments whole or, on an error, not at all.
@@ -590,6 +770,8 @@ class TritonKernel:
         self.rule_name, self.bits, self.block_size = kind
         self.rule = rule
         self.codecs = codecs
+        self.rank1 = isinstance(codecs[0], Rank1Normalized4bitCodec)
+        """Whether the state is rank-1 normalized (its batches carry statistics; :meth:`gather_batch` takes them)."""
         self.fallback = fallback
         self.scalar_names: tuple[str, ...] = _RULES[rule][2]
         self._buffer_specs = [spec for codec in codecs for spec in codec.buffer_specs(self.block_size)]
@@ -643,8 +825,8 @@ class TritonKernel:
 
     def allocates_nothing(self, param: torch.Tensor, grad: torch.Tensor) -> bool:
         """Whether a call on ``param`` and ``grad`` allocates no temporaries of their size, so that a segment of any
-        length is updated in one call: where it runs here, not in the fallback."""
-        return self.takes_batch(param.device, param.dtype, grad.dtype)
+        length is updated in one call: where it runs here, not in the fallback (which takes rank-1 segments)."""
+        return not self.rank1 and self.takes_batch(param.device, param.dtype, grad.dtype)
 
     def __call__(
         self,
@@ -655,8 +837,9 @@ class TritonKernel:
         rounding: ElementRounding | None = None,
     ) -> None:
         """Update one segment (``param`` and ``grad`` shaped ``(blocks, block_size)``, or flat for fp32 state);
-        ``scalars`` floats or 0-d fp32 CPU tensors; ``rounding`` rounds a bf16 ``param`` stochastically."""
-        if not self.takes_batch(param.device, param.dtype, grad.dtype):
+        ``scalars`` floats or 0-d fp32 CPU tensors; ``rounding`` rounds a bf16 ``param`` stochastically. A rank-1
+        state's segment (``encoded`` with its normalizers appended) goes to the fallback."""
+        if self.rank1 or not self.takes_batch(param.device, param.dtype, grad.dtype):
             update_or_undo(self.fallback, param, grad, encoded, scalars, rounding)
             return
         device = param.device
@@ -672,24 +855,39 @@ class TritonKernel:
         """Update every segment of ``batch`` (see :mod:`hf_paged.kernels.batch`)."""
         self._launch(batch, 0)
 
-    def _launch(self, batch: PageBatch, round_shift: int) -> None:
-        """Check ``batch``, then launch the kernel once per parameter and gradient dtype pair it holds; the rounding
-        index of element ``i`` of a segment is ``START + round_shift + i``."""
-        device = self._check(batch)
+    def gather_batch(self, batch: PageBatch) -> None:
+        """Raise the next row and column maxima of ``batch.statistics`` to the magnitudes of the state this step
+        computes for every segment of ``batch`` (rank-1 normalized state only; see :mod:`hf_paged.kernels.batch`)."""
+        self._launch(batch, None)
+
+    def _launch(self, batch: PageBatch, round_shift: int | None) -> None:
+        """Check ``batch``, then launch the update kernel once per parameter and gradient dtype pair it holds, the
+        rounding index of element ``i`` of a segment being ``START + round_shift + i``; or, where ``round_shift`` is
+        ``None``, the gathering kernel of rank-1 statistics once per gradient dtype."""
+        gathering = round_shift is None
+        device = self._check(batch, gathering)
         if batch.segments == 0:
             return
         pairs = sorted({(_DTYPES[p.dtype], _DTYPES[g.dtype]) for p, g in zip(batch.params, batch.grads)})
         # one table of addresses, copied to the device at once: (address, dtype pair) per parameter, then an address
-        # per gradient, then the page buffers' addresses page by page
+        # per gradient, then the page buffers' addresses page by page, then for rank-1 state the statistics' addresses
+        # and number of columns per tensor (STATISTICS_COLUMNS each)
         tensors = len(batch.params)
         addresses = torch.tensor(
             [
                 *(value for p, g in zip(batch.params, batch.grads) for value in (p.data_ptr(), _pair_code(p, g))),
                 *(g.data_ptr() for g in batch.grads),
                 *(buffer.data_ptr() for buffers in batch.buffers for buffer in buffers),
+                *(
+                    value
+                    for entry in (batch.statistics if self.rank1 else ())
+                    for value in (*(maxima.data_ptr() for maxima in entry), entry[1].numel())
+                ),
             ],
             dtype=torch.int64,
         ).to(device)
+        buffer_addresses = addresses[3 * tensors : 3 * tensors + len(batch.buffers) * len(self._buffer_specs)]
+        statistic_addresses = addresses[3 * tensors + buffer_addresses.numel() :] if self.rank1 else addresses
         longest = min(max(p.numel() for p in batch.params), max(self._capacity(b) for b in batch.buffers))
         rows = max(1, TILE_ELEMENTS // self.block_size)
         programs = max(1, min(-(-longest // (rows * self.block_size)), MAX_PROGRAMS_PER_SEGMENT))
@@ -697,6 +895,23 @@ class TritonKernel:
         options = {} if INTERPRETED else {"enable_fp_fusion": False}
         on_device = contextlib.nullcontext() if INTERPRETED else torch.get_device_module(device).device(device)
         with on_device:
+            if gathering:
+                for grad_dtype in sorted({grad_dtype for _, grad_dtype in pairs}):
+                    _gather_batch_kernel[(batch.segments, programs)](
+                        batch.table,
+                        batch.scalars,
+                        addresses[: 2 * tensors],
+                        addresses[2 * tensors : 3 * tensors],
+                        buffer_addresses,
+                        statistic_addresses,
+                        programs,
+                        BLOCK=self.block_size,
+                        ROWS=rows,
+                        SCALARS=len(self.scalar_names),
+                        G_DTYPE=grad_dtype,
+                        **options,
+                    )
+                return
             for param_dtype, grad_dtype in pairs:
                 _update_batch_kernel[(batch.segments, programs)](
                     batch.table,
@@ -704,7 +919,8 @@ class TritonKernel:
                     rounding,
                     addresses[: 2 * tensors],
                     addresses[2 * tensors : 3 * tensors],
-                    addresses[3 * tensors :],
+                    buffer_addresses,
+                    statistic_addresses,
                     round_shift,
                     programs,
                     RULE=0 if self.rule_name == "adamw" else 1,
@@ -716,6 +932,7 @@ class TritonKernel:
                     P_DTYPE=param_dtype,
                     G_DTYPE=grad_dtype,
                     ROUND=batch.rounding is not None and param_dtype == _DTYPES[torch.bfloat16],
+                    RANK1=self.rank1,
                     **options,
                 )
 
@@ -723,9 +940,12 @@ class TritonKernel:
         """Elements of state a page's buffers hold."""
         return buffers[0].numel() * (2 if self.bits == 4 else 1)
 
-    def _check(self, batch: PageBatch) -> torch.device:
-        """Raise ValueError where ``batch`` breaks the contract or this kernel's formats; return its device."""
+    def _check(self, batch: PageBatch, gathering: bool = False) -> torch.device:
+        """Raise ValueError where ``batch`` breaks the contract or this kernel's formats (for ``gathering``
+        rank-1 statistics, where the state is not rank-1 normalized); return its device."""
         batch.check_shapes()
+        if gathering and not self.rank1:
+            raise ValueError("gather_batch takes batches of rank-1 normalized state only")
         if not batch.params:
             raise ValueError("PageBatch: no parameters")
         device = batch.params[0].device
@@ -759,9 +979,28 @@ class TritonKernel:
                 raise ValueError(f"PageBatch: {name} must be contiguous on {device}, the pages' device")
         if batch.scalars.shape[1] != len(self.scalar_names):
             raise ValueError(f"PageBatch: scalars must have {len(self.scalar_names)} columns {self.scalar_names}")
+        if self.rank1:
+            self._check_statistics(batch, device)
         if device.type == "cpu":
             self._check_table(batch)
         return device
+
+    def _check_statistics(self, batch: PageBatch, device: torch.device) -> None:
+        """Raise ValueError where a rank-1 ``batch`` lacks statistics or where a tensor's do not fit its parameter:
+        contiguous on ``device``, each state's row maxima (current and next) of one length, its column maxima of
+        another, their product the parameter's number of elements."""
+        if batch.statistics is None:
+            raise ValueError("PageBatch: rank-1 normalized state needs the tensors' statistics")
+        for param, entry in zip(batch.params, batch.statistics):
+            rows, cols = entry[0].numel(), entry[1].numel()
+            if any(maxima.device != device or not maxima.is_contiguous() for maxima in entry):
+                raise ValueError(f"PageBatch: statistics must be contiguous tensors on {device}, the pages' device")
+            if any(maxima.numel() != (rows, cols)[index % 2] for index, maxima in enumerate(entry)):
+                raise ValueError("PageBatch: a tensor's statistics give its states different shapes")
+            if rows * cols != param.numel():
+                raise ValueError(
+                    f"PageBatch: statistics of a {rows} x {cols} tensor for a parameter of {param.numel()} elements"
+                )
 
     def _check_table(self, batch: PageBatch) -> None:
         """Raise ValueError where a row of a CPU ``batch``'s table points outside its tensors, pages or scalars.
