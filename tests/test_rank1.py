@@ -306,11 +306,13 @@ def test_an_out_of_memory_error_in_the_step_is_recovered_bitwise(monkeypatch):
 
 
 def stepped_matrix(dtype, page_size, compiled=False, steps=2):
-    """A 256 x 304 matrix (rank-1 state over several pages) and small tensors, after ``steps`` steps."""
+    """A 256 x 304 matrix (rank-1 state over several pages, blocks of 64) and small tensors, after ``steps`` steps."""
     torch.manual_seed(0)
     shapes = ((256, 304), (1024 + 37,), (300,), (5,))
     params = [torch.nn.Parameter(torch.randn(shape, dtype=dtype)) for shape in shapes]
-    optimizer = hf_paged.PagedAdamW4bit(params, page_size=page_size, compiled=compiled, normalization="rank1")
+    optimizer = hf_paged.PagedAdamW4bit(
+        params, page_size=page_size, compiled=compiled, block_size=64, normalization="rank1"
+    )
     generator = torch.Generator().manual_seed(1)
     for _ in range(steps):
         for param in params:
@@ -322,9 +324,10 @@ def stepped_matrix(dtype, page_size, compiled=False, steps=2):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [4 * 2**10, 32 * 2**10])
-def test_step_temporaries_fit_the_reserved_workspace(dtype, page_size):
-    """The statistics pass and the update (normalizers included) stay within the workspace, and a step allocates
-    nothing that outlives it (the statistics' buffers are swapped, not reallocated)."""
+def test_step_temporaries_fit_the_reserved_workspace(dtype, page_size, monkeypatch):
+    """The statistics pass and the update of the PyTorch kernels (normalizers included) stay within the workspace, and
+    a step allocates nothing that outlives it (the statistics' buffers are swapped, not reallocated)."""
+    monkeypatch.setenv("HF_PAGED_KERNELS", "torch")
     _, optimizer = stepped_matrix(dtype, page_size)
     assert optimizer.paging_stats()["pages_total"] >= 4
     with PeakAllocation() as allocation:
@@ -335,7 +338,8 @@ def test_step_temporaries_fit_the_reserved_workspace(dtype, page_size):
 
 
 @pytest.mark.skipif(not compile_available(torch.device("cpu")), reason="no C++ compiler for torch.compile")
-def test_compiled_updates_follow_the_eager_ones_within_the_workspace():
+def test_compiled_updates_follow_the_eager_ones_within_the_workspace(monkeypatch):
+    monkeypatch.setenv("HF_PAGED_KERNELS", "torch")
     torch._dynamo.reset()
     page_size = 64 * 2**10
     compiled, optimizer = stepped_matrix(torch.float32, page_size, compiled=True, steps=3)
