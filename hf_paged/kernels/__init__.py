@@ -3,8 +3,8 @@
 - :mod:`~hf_paged.kernels.rules`: the update rules in PyTorch operations, the reference of every family;
 - :mod:`~hf_paged.kernels.pytorch`: the PyTorch kernels, eager or through ``torch.compile``, on every device;
 - :mod:`~hf_paged.kernels.host`: the C++ host kernels of 8-bit and 4-bit state on the CPU;
-- :mod:`~hf_paged.kernels.triton_kernels`: the Triton kernels of 8-bit, 4-bit and fp32 state on accelerators (and on
-  the CPU under Triton's interpreter, ``TRITON_INTERPRET=1``).
+- :mod:`~hf_paged.kernels.triton_kernels`: the Triton kernels of 8-bit, 4-bit, rank-1 normalized 4-bit (AdamW) and fp32
+  state on accelerators (and on the CPU under Triton's interpreter, ``TRITON_INTERPRET=1``).
 
 :func:`segment_kernel` gives the kernel of a rule, page format and device, of the family :func:`kernel_family`
 chooses (``HF_PAGED_KERNELS``).
@@ -139,7 +139,7 @@ def segment_kernel(
     ``native``: for CPU pages of AdamW's and Lion's 8-bit and 4-bit states a :class:`HostKernel` while the host
     kernels are enabled (``HF_PAGED_NATIVE``, read at each call; see :mod:`hf_paged.native`), whatever ``compiled``
     says. ``triton``: a :class:`~hf_paged.kernels.triton_kernels.TritonKernel` for AdamW's and Lion's 8-bit, 4-bit
-    and fp32 states. Otherwise, and for the segments those kernels hand on (another device, fp64 tensors), the
+    and fp32 states and AdamW's rank-1 normalized 4-bit states. Otherwise, and for the segments those kernels hand on (another device, fp64 tensors), the
     :class:`SegmentKernel` that ``compiled`` chooses.
     """
     family = kernel_family(device)
