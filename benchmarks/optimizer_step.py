@@ -86,6 +86,8 @@ ALLOCATOR_SLACK = 64 * 2**20
 """Bytes the memory limit of bitsandbytes' paged run allows beyond parameters, gradients and state."""
 HYPERPARAMETERS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
 """AdamW hyperparameters shared by every AdamW variant."""
+RANK1 = "PagedAdamW4bit (rank-1)"
+"""The row of ``PagedAdamW4bit(normalization="rank1")``: its pages and its rank-1 statistics."""
 ACCELERATOR_OPTIMIZERS = ("PagedAdamW", "PagedAdamW8bit", "PagedAdamW4bit", "PagedLion", "PagedLion8bit")
 """hf_paged's optimizers, each of which the accelerator path can time."""
 
@@ -589,6 +591,12 @@ def run_dtype(
             functools.partial(hf_paged.PagedLion8bit, page_size=page_size),
             page_size,
         )
+        start(
+            RANK1,
+            f"unlimited, {pages}",
+            functools.partial(hf_paged.PagedAdamW4bit, **HYPERPARAMETERS, page_size=page_size, normalization="rank1"),
+            page_size,
+        )
     if runs:
         for name, error in interleave(runs, args):
             skip(name, error)
@@ -630,7 +638,7 @@ def paged_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     if not isinstance(optimizer, hf_paged.PagedOptimizer):
         return 0
     stats = optimizer.paging_stats()
-    return stats["device_bytes"] + stats["host_bytes"]
+    return stats["device_bytes"] + stats["host_bytes"] + stats["statistics_bytes"]
 
 
 def add_streaming_efficiency(results: list[Result], bandwidth: Bandwidth) -> None:

@@ -108,6 +108,7 @@ def test_rank1_takes_2d_tensors_whose_statistics_cost_no_more_than_block_scales(
     statistics_bytes = sum(t.numel() * t.element_size() for t in statistics.batch_entry())  # both sets
     code_bytes = sum(page.nbytes for page, _ in optimizer._layout[matrix].segments)
     assert (code_bytes + statistics_bytes) / matrix.numel() <= 2 * (0.5 + 4 / BLOCK)  # what block scales would take
+    assert optimizer.paging_stats()["statistics_bytes"] == statistics_bytes == 2 * 2 * (64 + 64) * 4
     state = optimizer.state_dict()["state"][2]
     assert set(state) == {
         "step",

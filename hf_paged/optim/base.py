@@ -789,11 +789,18 @@ class PagedOptimizer(Optimizer):
         return self._store.evict(None if nbytes is None else parse_size(nbytes, "nbytes"))
 
     def paging_stats(self) -> dict[str, Any]:
-        """Page counts, bytes (on the devices, in host memory, moved each way) and copy stall seconds.
+        """Page counts, bytes (on the devices, in host memory, moved each way) and copy stall seconds, and
+        ``statistics_bytes``: the rank-1 statistics beside the pages (on the tensors' devices, not paged).
 
-        The figures are totals over the devices; ``"devices"`` has the same figures for each device.
+        The figures are totals over the devices; ``"devices"`` has the same page figures for each device.
         """
         stats = _store_stats(self._store)
+        stats["statistics_bytes"] = sum(
+            tensor.numel() * tensor.element_size()
+            for tensor_pages in self._layout.values()
+            if tensor_pages.statistics is not None
+            for tensor in tensor_pages.statistics.batch_entry()
+        )
         stats["device_budget"] = self.device_budget
         stats["page_size"] = self.page_size
         stats["devices"] = {device: _store_stats(store) for device, store in self._store.stores.items()}

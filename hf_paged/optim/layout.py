@@ -94,6 +94,10 @@ class StateLayout:
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter(self._pages_of)
 
+    def values(self) -> Iterator[TensorPages]:
+        """The pages of every tensor laid out."""
+        return iter(self._pages_of.values())
+
     def tensor_of(self, segment: Segment) -> torch.Tensor:
         """The tensor whose state ``segment`` holds."""
         return self._tensor_of[segment.owner]
