@@ -296,8 +296,8 @@ class OperatorCounter(TorchDispatchMode):
 
 def kernel_methods() -> list[tuple[Any, str]]:
     """What a kernel call is: torch's fused AdamW (``torch._fused_adamw_``, which PagedAdamW's fp32 pages also
-    call), and the per-segment calls (``__call__``) and batch calls (``update_batch``) of the kernel classes of the
-    modules of ``hf_paged.kernels`` imported so far."""
+    call), and the per-segment calls (``__call__``) and batch calls (``update_batch``, and the rank-1 statistics pass's
+    ``gather_batch``) of the kernel classes of the modules of ``hf_paged.kernels`` imported so far."""
     methods: list[tuple[Any, str]] = [(torch, "_fused_adamw_")]
     for module_name, module in sorted(sys.modules.items()):
         if module is None or not module_name.startswith("hf_paged.kernels"):
@@ -306,7 +306,8 @@ def kernel_methods() -> list[tuple[Any, str]]:
             if not isinstance(value, type) or value.__module__ != module_name:
                 continue
             if "allocates_nothing" in vars(value) or "update_batch" in vars(value):
-                methods += [(value, name) for name in ("__call__", "update_batch") if name in vars(value)]
+                names = ("__call__", "update_batch", "gather_batch")
+                methods += [(value, name) for name in names if name in vars(value)]
     return methods
 
 

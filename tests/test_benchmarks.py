@@ -75,7 +75,14 @@ ACCELERATOR_COLUMNS = [
     "host ms/step (kernels stubbed)",
     "bitsandbytes launches/step",
 ]
-COUNTED_KERNELS = {"torch AdamW fused", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW4bit", "PagedLion8bit"}
+COUNTED_KERNELS = {
+    "torch AdamW fused",
+    "PagedAdamW",
+    "PagedAdamW8bit",
+    "PagedAdamW4bit",
+    "PagedLion8bit",
+    "PagedAdamW4bit (rank-1)",
+}
 """The optimizers whose kernel calls the table counts (hf_paged's kernels and torch's fused AdamW)."""
 
 
