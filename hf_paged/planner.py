@@ -603,11 +603,18 @@ def _paged_state_bytes(optimizer: torch.optim.Optimizer) -> int | None:
 
 
 def _optimizer_state_bytes(optimizer: torch.optim.Optimizer, rounding: int) -> int:
-    """Bytes of the tensors of ``optimizer.state`` and of every page buffer, each rounded up to ``rounding``."""
+    """Bytes of the tensors of ``optimizer.state``, of every page buffer and of rank-1 statistics, each rounded up to
+    ``rounding``."""
     storages = {id(tensor.untyped_storage()): tensor for tensor in _tensors(list(optimizer.state.values()))}
     sizes = [tensor.untyped_storage().nbytes() for tensor in storages.values()]
     if isinstance(optimizer, PagedOptimizer):
         sizes += [numel * dtype.itemsize for page in optimizer._store.pages for numel, dtype in page.specs]
+        sizes += [
+            tensor.untyped_storage().nbytes()
+            for pages in optimizer._layout.values()
+            if pages.statistics is not None
+            for tensor in pages.statistics.batch_entry()
+        ]
     return sum(math.ceil(size / rounding) * rounding for size in sizes)
 
 

@@ -350,3 +350,30 @@ def test_compiled_updates_follow_the_eager_ones_within_the_workspace(monkeypatch
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
     peak = allocated_peak(optimizer.step)
     assert 0 < peak <= optimizer.step_workspace, (peak / page_size, "pages")
+
+
+def test_the_planner_counts_the_statistics_as_optimizer_state():
+    """``hf_paged.plan`` traces the statistics pass (on the CPU's kernels and the accelerator's Triton path) and counts
+    the statistics in the optimizer state, as a real run holds them."""
+    from hf_paged.planner import plan
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.GELU(), torch.nn.Linear(512, 512))
+
+    def build(module):
+        return hf_paged.PagedAdamW4bit(module.parameters(), compiled=False, normalization="rank1", page_size="64KiB")
+
+    real_model = model()
+    optimizer = build(real_model)
+    for _ in range(2):
+        real_model(torch.randn(8, 512)).square().mean().backward()
+        optimizer.step()
+    stats = optimizer.paging_stats()
+    assert stats["statistics_bytes"] == 2 * 2 * 2 * 1024 * 4  # two matrices, two states, two sets, rows and columns
+    steps = sum(state["step"].untyped_storage().nbytes() for state in optimizer.state.values())
+    expected = stats["device_bytes"] + stats["host_bytes"] + stats["statistics_bytes"] + steps
+    arguments = (model, lambda: torch.randn(8, 512), build)
+    loss = {"loss": lambda module, batch: module(batch).square().mean()}
+    assert plan(*arguments, **loss).optimizer_state_bytes == expected
+    assert plan(*arguments, **loss, device="cuda").optimizer_state_bytes >= expected
