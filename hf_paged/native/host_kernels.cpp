@@ -19,6 +19,10 @@
 // last block of a segment is updated through zero-padded copies of its parameter and gradient elements on the
 // stack, as the per-segment path pads it.
 //
+// Rank-1 normalized 4-bit AdamW state (adamw_rank1_batch_, adamw_rank1_gather_) takes the 4-bit maps with each
+// element's normalizer min(row max, column max) in place of the block's scale; its normalizers are computed per
+// block from the tensor's statistics. The gathering pass raises the next maxima, shared by the threads, atomically.
+//
 // The kernels write in place and allocate nothing once they write: every argument is checked before the first write.
 
 #include <ATen/Parallel.h>
@@ -33,6 +37,7 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <limits>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -91,6 +96,15 @@ struct Vec {
   }
   // 0 where a is NaN, else a.
   static F zero_nan(F a) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, a, _CMP_ORD_Q), a); }
+  // 1 / s where s >= FLT_MIN, else 0 (codecs.inverse_scales), and 1 / sqrt(s) where s > 0, else 0.
+  static F inverse_scales(F s) {
+    return _mm512_maskz_div_ps(_mm512_cmp_ps_mask(s, splat(FLT_MIN), _CMP_GE_OQ), splat(1.0f), s);
+  }
+  static F inverse_root_scales(F s) {
+    return _mm512_maskz_div_ps(_mm512_cmp_ps_mask(s, zero(), _CMP_GT_OQ), splat(1.0f), sqrt(s));
+  }
+  // Bit k set where lane k of a is greater than that of b.
+  static uint32_t greater(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
   static float reduce_max(F a) {
     alignas(64) float lanes[16];
     _mm512_store_ps(lanes, a);
@@ -186,6 +200,15 @@ struct Vec {
   }
   // 0 where a is NaN, else a.
   static F zero_nan(F a) { return _mm256_and_ps(a, _mm256_cmp_ps(a, a, _CMP_ORD_Q)); }
+  // 1 / s where s >= FLT_MIN, else 0 (codecs.inverse_scales), and 1 / sqrt(s) where s > 0, else 0.
+  static F inverse_scales(F s) {
+    return _mm256_and_ps(div(splat(1.0f), s), _mm256_cmp_ps(s, splat(FLT_MIN), _CMP_GE_OQ));
+  }
+  static F inverse_root_scales(F s) {
+    return _mm256_and_ps(div(splat(1.0f), sqrt(s)), _mm256_cmp_ps(s, zero(), _CMP_GT_OQ));
+  }
+  // Bit k set where lane k of a is greater than that of b.
+  static uint32_t greater(F a, F b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
   static float reduce_max(F a) {
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, a);
@@ -278,6 +301,9 @@ struct Vec {
   static F sign(F a) { return a > 0.0f ? 1.0f : (a < 0.0f ? -1.0f : 0.0f); }
   static F apply_sign(F magnitude, F source) { return magnitude * sign(source); }
   static F zero_nan(F a) { return std::isnan(a) ? 0.0f : a; }
+  static F inverse_scales(F s) { return s >= FLT_MIN ? 1.0f / s : 0.0f; }
+  static F inverse_root_scales(F s) { return s > 0.0f ? 1.0f / std::sqrt(s) : 0.0f; }
+  static uint32_t greater(F a, F b) { return a > b ? 1 : 0; }
   static float reduce_max(F a) { return a; }
 
   static F rint_root_times(F x, F top) { return std::nearbyint(std::sqrt(x) * top); }
@@ -320,11 +346,13 @@ struct Lerp {
   F coefficient;
 };
 
-// The running largest finite magnitude of a block (_BlockScaled.block_scales): a NaN counts as zero, an infinity
-// as FLT_MAX.
+// The magnitudes of values as block scales and rank-1 statistics count them: a NaN as zero, an infinity as FLT_MAX.
+inline F magnitude(F values) { return Vec::min(Vec::splat(FLT_MAX), Vec::zero_nan(Vec::abs(values))); }
+
+// The running largest finite magnitude of a block (_BlockScaled.block_scales).
 struct AbsMax {
   F largest = Vec::zero();
-  void add(F values) { largest = Vec::max(Vec::min(Vec::splat(FLT_MAX), Vec::zero_nan(Vec::abs(values))), largest); }
+  void add(F values) { largest = Vec::max(magnitude(values), largest); }
   float value() const { return Vec::reduce_max(largest); }
 };
 
@@ -407,14 +435,23 @@ struct Codes4 {
     return i < half ? Vec::load_nibble(packed + i, false) : Vec::load_nibble(packed + i - half, true);
   }
 
+  // The normalized values (codecs.decode_4bit) of elements i.. of a block whose codes are packed by half-blocks of
+  // `half` bytes: q |q| / 49 with q = code - 7, and ((code + 1) / 16)^4.
+  static F signed_value(const uint8_t* packed, int64_t half, int64_t i) {
+    const F level = Vec::sub(codes_at(packed, half, i), Vec::splat(7.0f));
+    return Vec::mul(Vec::mul(level, Vec::abs(level)), Vec::splat(static_cast<float>(1.0 / 49)));
+  }
+  static F unsigned_value(const uint8_t* packed, int64_t half, int64_t i) {
+    const F root = Vec::mul(Vec::add(codes_at(packed, half, i), Vec::splat(1.0f)), Vec::splat(0.0625f));
+    const F squared = Vec::mul(root, root);
+    return Vec::mul(squared, squared);
+  }
+
   // The decoded values of a block, eight (or one) at a time.
   struct SignedDecoder {
     SignedDecoder(const State& state, int64_t block, int64_t size)
         : packed(state.codes + block * (size / 2)), half(size / 2), scale(Vec::splat(state.scales[block])) {}
-    F operator()(int64_t i) const {
-      const F level = Vec::sub(codes_at(packed, half, i), Vec::splat(7.0f));
-      return Vec::mul(Vec::mul(Vec::mul(level, Vec::abs(level)), Vec::splat(static_cast<float>(1.0 / 49))), scale);
-    }
+    F operator()(int64_t i) const { return Vec::mul(signed_value(packed, half, i), scale); }
     const uint8_t* packed;
     int64_t half;
     F scale;
@@ -423,11 +460,7 @@ struct Codes4 {
   struct UnsignedDecoder {
     UnsignedDecoder(const State& state, int64_t block, int64_t size)
         : packed(state.codes + block * (size / 2)), half(size / 2), scale(Vec::splat(state.scales[block])) {}
-    F operator()(int64_t i) const {
-      const F root = Vec::mul(Vec::add(codes_at(packed, half, i), Vec::splat(1.0f)), Vec::splat(0.0625f));
-      const F squared = Vec::mul(root, root);
-      return Vec::mul(Vec::mul(squared, squared), scale);
-    }
+    F operator()(int64_t i) const { return Vec::mul(unsigned_value(packed, half, i), scale); }
     const uint8_t* packed;
     int64_t half;
     F scale;
@@ -548,6 +581,13 @@ struct Scratch {
   alignas(64) float updated[kMaxBlockSize];
 };
 
+// A rank-1 block's buffers (Rank1Normalized4bitCodec): those of any block, and the normalizers of each element of
+// each state, to decode its codes (`current`) and to encode its new value (`next`).
+struct Rank1Scratch : Scratch {
+  alignas(64) float current[2][kMaxBlockSize];
+  alignas(64) float next[2][kMaxBlockSize];
+};
+
 // Elements of fp32 state updated as one unit of work (a multiple of every vector width).
 constexpr int64_t kTile = 2048;
 
@@ -574,11 +614,16 @@ struct AdamW {
     F decay, beta2, sq_weight, eps, step_size, inv_bias_correction2_sqrt;
   };
 
+  // One vector of elements' new moment and second moment (adamw_moments_).
+  static void moments(const Constants& c, F gradient, F moment, F second, F& new_moment, F& new_second) {
+    new_moment = c.average(moment, gradient);
+    new_second = Vec::add(Vec::mul(second, c.beta2), Vec::mul(Vec::mul(gradient, gradient), c.sq_weight));
+  }
+
   // One vector of elements: the new moment and second moment, the square root of the latter, the new parameter.
   static void step(const Constants& c, F param, F gradient, F moment, F second, F& new_param, F& new_moment,
                    F& new_second, F& root) {
-    new_moment = c.average(moment, gradient);
-    new_second = Vec::add(Vec::mul(second, c.beta2), Vec::mul(Vec::mul(gradient, gradient), c.sq_weight));
+    moments(c, gradient, moment, second, new_moment, new_second);
     root = Vec::sqrt(new_second);
     const F denominator = Vec::add(Vec::mul(root, c.inv_bias_correction2_sqrt), c.eps);
     new_param = Vec::sub(Vec::mul(param, c.decay), Vec::mul(Vec::div(new_moment, denominator), c.step_size));
@@ -604,6 +649,52 @@ struct AdamW {
     writer.finish(size);
     Codes::encode_signed(states[0], block, size, scratch.moments, moment_max.value());
     Codes::encode_unsigned_roots(states[1], block, size, scratch.roots, second_max.value());
+  }
+
+  // A block of rank-1 normalized 4-bit states whose codes are packed[0] and packed[1]: Codes4's maps with each
+  // element's normalizer in place of the block's scale, scratch.current to decode and scratch.next to encode.
+  template <typename P, typename G>
+  static void rank1_block(P* p, const G* g, uint8_t* const* packed, int64_t size, const Constants& c,
+                          const Rounding& rounding, int64_t index, Rank1Scratch& scratch) {
+    const int64_t half = size / 2;
+    const ParamWriter<P> writer(p, rounding, index, scratch.updated);
+    for (int64_t i = 0; i < size; i += kWidth) {
+      const F moment = Vec::mul(Codes4::signed_value(packed[0], half, i), Vec::load(scratch.current[0] + i));
+      const F second = Vec::mul(Codes4::unsigned_value(packed[1], half, i), Vec::load(scratch.current[1] + i));
+      F new_param, new_moment, new_second, root;
+      step(c, Vec::load(p + i), Vec::load(g + i), moment, second, new_param, new_moment, new_second, root);
+      writer.store(i, new_param);
+      Vec::store(scratch.moments + i, new_moment);
+      Vec::store(scratch.roots + i, root);  // the encoding takes sqrt(v)
+    }
+    writer.finish(size);
+    const auto signed_code = [&](int64_t i) {
+      return Codes4::signed_code(Vec::load(scratch.moments + i), Vec::inverse_scales(Vec::load(scratch.next[0] + i)));
+    };
+    const auto unsigned_code = [&](int64_t i) {
+      return Codes4::unsigned_code(Vec::load(scratch.roots + i),
+                                   Vec::inverse_root_scales(Vec::load(scratch.next[1] + i)));
+    };
+    for (int64_t i = 0; i < half; i += kWidth) {
+      Vec::store_nibbles(packed[0] + i, signed_code(i), signed_code(i + half));
+      Vec::store_nibbles(packed[1] + i, unsigned_code(i), unsigned_code(i + half));
+    }
+  }
+
+  // The magnitudes of a rank-1 block's new moments (into scratch.moments) and second moments (scratch.roots),
+  // decoded and advanced as rank1_block advances them; writes nothing else.
+  template <typename G>
+  static void rank1_magnitudes(const G* g, const uint8_t* const* packed, int64_t size, const Constants& c,
+                               Rank1Scratch& scratch) {
+    const int64_t half = size / 2;
+    for (int64_t i = 0; i < size; i += kWidth) {
+      const F moment = Vec::mul(Codes4::signed_value(packed[0], half, i), Vec::load(scratch.current[0] + i));
+      const F second = Vec::mul(Codes4::unsigned_value(packed[1], half, i), Vec::load(scratch.current[1] + i));
+      F new_moment, new_second;
+      moments(c, Vec::load(g + i), moment, second, new_moment, new_second);
+      Vec::store(scratch.moments + i, magnitude(new_moment));
+      Vec::store(scratch.roots + i, magnitude(new_second));
+    }
   }
 
   // Elements [i, i + kWidth) of fp32 states.
@@ -686,31 +777,106 @@ void segment_blocks(P* param, const G* grad, const State* states, int64_t blocks
   });
 }
 
+// body(p, g) on a block of `count` of `size` elements: on its own parameter and gradient elements where it is whole,
+// else on zero-padded copies of them, as the per-segment path pads a partial last block (the new parameter values
+// copied back).
+template <typename P, typename G, class Body>
+void on_padded_block(P* p, const G* g, int64_t count, int64_t size, const Body& body) {
+  if (count == size) {
+    body(p, g);
+    return;
+  }
+  P padded_param[kMaxBlockSize];
+  G padded_grad[kMaxBlockSize];
+  std::copy_n(p, count, padded_param);
+  std::fill(padded_param + count, padded_param + size, P(0.0f));
+  std::copy_n(g, count, padded_grad);
+  std::fill(padded_grad + count, padded_grad + size, G(0.0f));
+  body(padded_param, static_cast<const G*>(padded_grad));
+  std::copy_n(padded_param, count, p);
+}
+
 // Blocks [first, last) of a segment of `length` elements (its parameter and gradient elements from p and g) whose
-// first block is block `first_block` of the page's `states`. A partial last block is updated through zero-padded
-// copies of its parameter and gradient elements, as the per-segment path pads it; `index` is the index in its
-// parameter of p[0].
+// first block is block `first_block` of the page's `states`; `index` is the index in its parameter of p[0].
 template <class Rule, class Codes, typename P, typename G>
 void batch_blocks(P* p, const G* g, const State* states, int64_t first_block, int64_t length, int64_t first,
                   int64_t last, int64_t size, const typename Rule::Constants& constants, const Rounding& rounding,
                   int64_t index, Scratch& scratch) {
   for (int64_t j = first; j < last; ++j) {
     const int64_t e = j * size;
-    const int64_t count = std::min(size, length - e);
-    if (count == size) {
-      Rule::template block<Codes>(p + e, g + e, states, first_block + j, size, constants, rounding, index + e,
+    on_padded_block(p + e, g + e, std::min(size, length - e), size, [&](P* block_p, const G* block_g) {
+      Rule::template block<Codes>(block_p, block_g, states, first_block + j, size, constants, rounding, index + e,
                                   scratch);
-      continue;
+    });
+  }
+}
+
+// The statistics of one tensor's rank-1 normalized states (PageBatch.statistics): the row and column maxima of each
+// state that its codes are normalized by, and those being gathered, of a matrix of `columns` columns.
+struct Rank1Maxima {
+  const float* rows[2];
+  const float* cols[2];
+  float* next_rows[2];
+  float* next_cols[2];
+  int64_t columns;
+};
+
+// torch.minimum of a row's and a column's maximum: the smaller, NaN where either is NaN.
+inline float normalizer(float row, float col) {
+  if (std::isnan(row) || std::isnan(col)) return std::numeric_limits<float>::quiet_NaN();
+  return col < row ? col : row;
+}
+
+// The normalizers min(rows[i], cols[j]) of elements [first, first + count) of a matrix of `columns` columns into
+// out[0, count), and 0 into out[count, size) (a partial last block's padding; count > 0).
+void fill_normalizers(const float* rows, const float* cols, int64_t columns, int64_t first, int64_t count,
+                      int64_t size, float* out) {
+  int64_t row = first / columns, col = first % columns;
+  for (int64_t k = 0; k < count; ++row, col = 0) {
+    const int64_t run = std::min(columns - col, count - k);
+    const float row_max = rows[row];
+    for (int64_t t = 0; t < run; ++t) out[k + t] = normalizer(row_max, cols[col + t]);
+    k += run;
+  }
+  std::fill(out + count, out + size, 0.0f);
+}
+
+// *target = max(*target, value), atomically: threads raise the maxima of the rows and columns they share.
+inline void raise_to(float* target, float value) {
+  float current;
+  __atomic_load(target, &current, __ATOMIC_RELAXED);
+  while (value > current &&
+         !__atomic_compare_exchange(target, &current, &value, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+  }
+}
+
+// Raises the maxima of the rows and columns of elements [first, first + count) of a matrix of `columns` columns to
+// their `magnitudes` (count > 0). A vector of columns is read first, without atomics, and only the columns below
+// their magnitudes are raised: maxima only grow, so a column read before another thread raised it is raised (or
+// found high enough) by raise_to, and one read at or above a magnitude stays there.
+void raise_maxima(float* rows, float* cols, int64_t columns, int64_t first, int64_t count, const float* magnitudes) {
+  int64_t row = first / columns, col = first % columns;
+  for (int64_t k = 0; k < count; ++row, col = 0) {
+    const int64_t run = std::min(columns - col, count - k);
+    const float* values = magnitudes + k;
+    float* run_cols = cols + col;
+    F row_max = Vec::zero();
+    int64_t t = 0;
+    for (; t + kWidth <= run; t += kWidth) {
+      const F vector = Vec::load(values + t);
+      row_max = Vec::max(vector, row_max);
+      for (uint32_t below = Vec::greater(vector, Vec::load(run_cols + t)); below != 0; below &= below - 1) {
+        const int lane = __builtin_ctz(below);
+        raise_to(run_cols + t + lane, values[t + lane]);
+      }
     }
-    P padded_param[kMaxBlockSize];
-    G padded_grad[kMaxBlockSize];
-    std::copy_n(p + e, count, padded_param);
-    std::fill(padded_param + count, padded_param + size, P(0.0f));
-    std::copy_n(g + e, count, padded_grad);
-    std::fill(padded_grad + count, padded_grad + size, G(0.0f));
-    Rule::template block<Codes>(padded_param, padded_grad, states, first_block + j, size, constants, rounding,
-                                index + e, scratch);
-    std::copy_n(padded_param, count, p + e);
+    float largest = Vec::reduce_max(row_max);
+    for (; t < run; ++t) {
+      largest = values[t] > largest ? values[t] : largest;
+      raise_to(run_cols + t, values[t]);
+    }
+    raise_to(rows + row, largest);
+    k += run;
   }
 }
 
@@ -931,8 +1097,8 @@ struct BatchSegment {
   void* param;       // the parameter's element `start`
   const void* grad;  // the gradient's element `start`
   c10::ScalarType param_type, grad_type;
-  int64_t start, length;
-  State states[Rule::kStates];   // blockwise: the page's codes and scales
+  int64_t tensor, start, length;
+  State states[Rule::kStates];   // blockwise: the page's codes and scales (rank-1: codes only)
   float* values[Rule::kStates];  // fp32 state: the segment's first elements
   int64_t first_block;           // blockwise: the segment's first block in the page
   const float* scalars;
@@ -961,14 +1127,14 @@ void check_cpu_contiguous(const char* op, const at::Tensor& tensor, const char* 
               tensor.is_contiguous() ? "" : " (not contiguous)");
 }
 
-// Checks every argument of a batch operator before anything is written, and reads the table: one BatchSegment per
-// row. `bits` is 8 or 4 for blockwise state of `block_size` elements a block, 32 for fp32 state (block_size 1).
+// Checks every argument of batch operator `op` before anything is written, and reads the table: one BatchSegment
+// per row. `bits` is 8 or 4 for blockwise state of `block_size` elements a block, 32 for fp32 state (block_size 1);
+// `rank1`: 4-bit rank-1 normalized state, whose pages hold each state's packed codes and no scales.
 template <class Rule>
-std::vector<BatchSegment<Rule>> check_batch(at::TensorList params, at::TensorList grads, at::TensorList buffers,
-                                            const at::Tensor& table, const at::Tensor& scalars,
+std::vector<BatchSegment<Rule>> check_batch(const char* op, at::TensorList params, at::TensorList grads,
+                                            at::TensorList buffers, const at::Tensor& table, const at::Tensor& scalars,
                                             const std::optional<at::Tensor>& rounding, int64_t bits,
-                                            int64_t block_size) {
-  const char* op = Rule::kBatchName;
+                                            int64_t block_size, bool rank1 = false) {
   TORCH_CHECK(bits == 8 || bits == 4 || bits == 32, op, ": bits must be 8, 4 or 32 (fp32 state), got ", bits);
   if (bits == 32) {
     TORCH_CHECK(block_size == 1, op, ": block_size must be 1 for fp32 state, got ", block_size);
@@ -988,14 +1154,18 @@ std::vector<BatchSegment<Rule>> check_batch(at::TensorList params, at::TensorLis
     TORCH_CHECK(grads[t].numel() == params[t].numel(), op, ": grads[", t, "] has ", grads[t].numel(),
                 " elements, params[", t, "] ", params[t].numel());
   }
-  const int64_t per_page = bits == 32 ? Rule::kStates : 2 * Rule::kStates;
+  const int64_t per_page = bits == 32 || rank1 ? Rule::kStates : 2 * Rule::kStates;
   TORCH_CHECK(buffers.size() % per_page == 0, op, ": buffers must hold ", per_page, " tensors per page, got ",
               buffers.size());
   const int64_t pages = static_cast<int64_t>(buffers.size()) / per_page;
   for (size_t b = 0; b < buffers.size(); ++b) {
     const int64_t k = static_cast<int64_t>(b) % per_page;
     c10::ScalarType expected = at::kFloat;  // fp32 values, and the scales of blockwise states
-    if (bits != 32 && k % 2 == 0) expected = bits == 8 && Rule::kSigned[k / 2] ? at::kChar : at::kByte;
+    if (rank1) {
+      expected = at::kByte;
+    } else if (bits != 32 && k % 2 == 0) {
+      expected = bits == 8 && Rule::kSigned[k / 2] ? at::kChar : at::kByte;
+    }
     TORCH_CHECK(buffers[b].device().is_cpu() && buffers[b].is_contiguous() && buffers[b].scalar_type() == expected,
                 op, ": buffers[", b, "] must be a contiguous CPU tensor of ", expected, ", got ",
                 buffers[b].scalar_type(), " on ", buffers[b].device(),
@@ -1043,6 +1213,7 @@ std::vector<BatchSegment<Rule>> check_batch(at::TensorList params, at::TensorLis
     segment.grad = static_cast<const char*>(grad.data_ptr()) + start * grad.element_size();
     segment.param_type = param.scalar_type();
     segment.grad_type = grad.scalar_type();
+    segment.tensor = tensor;
     segment.start = start;
     segment.length = length;
     segment.scalars = scalars.data_ptr<float>() + Rule::kScalars * row_index;
@@ -1068,6 +1239,14 @@ std::vector<BatchSegment<Rule>> check_batch(at::TensorList params, at::TensorLis
       const int64_t first_block = offset / block_size;
       const int64_t code_bytes = (first_block + blocks) * block_size / (bits == 8 ? 1 : 2);
       for (int64_t k = 0; k < Rule::kStates; ++k) {
+        if (rank1) {
+          const at::Tensor& codes = page_buffers[k];
+          TORCH_CHECK(code_bytes <= codes.numel(), op, ": table[", s, "] takes blocks [", first_block, ", ",
+                      first_block + blocks, ") of page ", page, ", whose state ", k, " has ", codes.numel(),
+                      " code bytes");
+          segment.states[k] = {static_cast<uint8_t*>(codes.data_ptr()), nullptr};
+          continue;
+        }
         const at::Tensor& codes = page_buffers[2 * k];
         const at::Tensor& scales = page_buffers[2 * k + 1];
         TORCH_CHECK(code_bytes <= codes.numel() && first_block + blocks <= scales.numel(), op, ": table[", s,
@@ -1122,13 +1301,10 @@ void update_units(const BatchSegment<Rule>& segment, int64_t first, int64_t last
   });
 }
 
-// Every segment of a batch in one parallel pass over all its blocks (or tiles); see hf_paged/kernels/batch.py.
-template <class Rule>
-void update_batch(at::TensorList params, at::TensorList grads, at::TensorList buffers, const at::Tensor& table,
-                  const at::Tensor& scalars, const std::optional<at::Tensor>& rounding, int64_t bits,
-                  int64_t block_size) {
-  const std::vector<BatchSegment<Rule>> segments =
-      check_batch<Rule>(params, grads, buffers, table, scalars, rounding, bits, block_size);
+// One parallel pass over every unit of every segment of a batch: body(s, first, last, scratch) takes units
+// [first, last) of segment s, with a thread's ScratchType buffers.
+template <class ScratchType, class Rule, class Body>
+void for_units(const std::vector<BatchSegment<Rule>>& segments, int64_t bits, int64_t block_size, const Body& body) {
   std::vector<int64_t> ends(segments.size());  // the units of segments [0, s], for each s
   int64_t total = 0;
   for (size_t s = 0; s < segments.size(); ++s) {
@@ -1137,17 +1313,162 @@ void update_batch(at::TensorList params, at::TensorList grads, at::TensorList bu
   }
   const int64_t grain = bits == 32 ? grain_blocks(kTile) : grain_blocks(block_size);
   at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
-    Scratch scratch;
+    ScratchType scratch;
     // the first segment with units at or after `begin`
     size_t s = std::upper_bound(ends.begin(), ends.end(), begin) - ends.begin();
     for (int64_t unit = begin; unit < end; ++s) {
       const int64_t segment_first = s == 0 ? 0 : ends[s - 1];
       const int64_t last = std::min(end, ends[s]);
       if (last > unit) {
-        update_units(segments[s], unit - segment_first, last - segment_first, bits, block_size, scratch);
+        body(s, unit - segment_first, last - segment_first, scratch);
         unit = last;
       }
     }
+  });
+}
+
+// Every segment of a batch in one parallel pass over all its blocks (or tiles); see hf_paged/kernels/batch.py.
+template <class Rule>
+void update_batch(at::TensorList params, at::TensorList grads, at::TensorList buffers, const at::Tensor& table,
+                  const at::Tensor& scalars, const std::optional<at::Tensor>& rounding, int64_t bits,
+                  int64_t block_size) {
+  const std::vector<BatchSegment<Rule>> segments =
+      check_batch<Rule>(Rule::kBatchName, params, grads, buffers, table, scalars, rounding, bits, block_size);
+  for_units<Scratch>(segments, bits, block_size, [&](size_t s, int64_t first, int64_t last, Scratch& scratch) {
+    update_units(segments[s], first, last, bits, block_size, scratch);
+  });
+}
+
+// Rank-1 normalized 4-bit AdamW state (Rank1Normalized4bitCodec) -------------------------------------------------
+
+// Checks the rank-1 statistics of a batch's params (8 tensors each: see PageBatch.statistics) and reads them.
+// `gathering`: the next maxima are written, so they must share no memory with each other or the current ones.
+std::vector<Rank1Maxima> check_statistics(const char* op, at::TensorList params, at::TensorList statistics,
+                                          bool gathering) {
+  TORCH_CHECK(statistics.size() == 8 * params.size(), op, ": statistics must hold 8 tensors per parameter (",
+              8 * params.size(), "), got ", statistics.size());
+  std::vector<Rank1Maxima> result(params.size());
+  for (size_t t = 0; t < params.size(); ++t) {
+    const at::Tensor* entry = statistics.data() + 8 * t;
+    const int64_t rows = entry[0].numel(), columns = entry[1].numel();
+    for (int64_t k = 0; k < 8; ++k) {
+      const at::Tensor& tensor = entry[k];
+      const int64_t expected = k % 2 == 0 ? rows : columns;
+      TORCH_CHECK(tensor.device().is_cpu() && tensor.is_contiguous() && tensor.scalar_type() == at::kFloat &&
+                      tensor.numel() == expected,
+                  op, ": statistics[", 8 * t + k, "] must be a contiguous CPU fp32 tensor of ", expected, " (the ",
+                  k % 2 == 0 ? "rows" : "columns", " of params[", t, "]), got ", tensor.numel(), " ",
+                  tensor.scalar_type(), " on ", tensor.device(), tensor.is_contiguous() ? "" : " (not contiguous)");
+    }
+    TORCH_CHECK(rows * columns == params[t].numel(), op, ": params[", t, "] has ", params[t].numel(),
+                " elements, its statistics ", rows, " rows of ", columns, " columns");
+    if (gathering) {
+      for (int64_t k = 4; k < 8; ++k) {
+        const auto begin = reinterpret_cast<uintptr_t>(entry[k].data_ptr());
+        for (int64_t other = 0; other < k; ++other) {
+          const auto other_begin = reinterpret_cast<uintptr_t>(entry[other].data_ptr());
+          const bool apart = begin + entry[k].nbytes() <= other_begin || other_begin + entry[other].nbytes() <= begin;
+          TORCH_CHECK(apart || entry[k].numel() == 0, op, ": statistics[", 8 * t + k,
+                      "] shares memory with statistics[", 8 * t + other, "]: the next maxima are written");
+        }
+      }
+    }
+    Rank1Maxima& maxima = result[t];
+    for (int64_t k = 0; k < 2; ++k) {
+      maxima.rows[k] = entry[2 * k].data_ptr<float>();
+      maxima.cols[k] = entry[2 * k + 1].data_ptr<float>();
+      maxima.next_rows[k] = entry[4 + 2 * k].data_ptr<float>();
+      maxima.next_cols[k] = entry[5 + 2 * k].data_ptr<float>();
+    }
+    maxima.columns = columns;
+  }
+  return result;
+}
+
+// The codes of block j of a rank-1 segment, each state's, and the normalizers to decode them (and, with `next`, to
+// encode the block's new state) into scratch.
+void rank1_prepare(const BatchSegment<AdamW>& segment, const Rank1Maxima& maxima, int64_t j, int64_t size, bool next,
+                   uint8_t* (&packed)[2], Rank1Scratch& scratch) {
+  const int64_t e = j * size;
+  const int64_t count = std::min(size, segment.length - e);
+  for (int64_t k = 0; k < 2; ++k) {
+    packed[k] = segment.states[k].codes + (segment.first_block + j) * (size / 2);
+    fill_normalizers(maxima.rows[k], maxima.cols[k], maxima.columns, segment.start + e, count, size,
+                     scratch.current[k]);
+    if (next) {
+      fill_normalizers(maxima.next_rows[k], maxima.next_cols[k], maxima.columns, segment.start + e, count, size,
+                       scratch.next[k]);
+    }
+  }
+}
+
+// adamw_rank1_batch_: every segment of a batch of rank-1 pages, decoded with the current maxima and encoded with the
+// next ones (see hf_paged/kernels/batch.py), in one parallel pass over all its blocks.
+void adamw_rank1_batch(at::TensorList params, at::TensorList grads, at::TensorList buffers, const at::Tensor& table,
+                       const at::Tensor& scalars, const std::optional<at::Tensor>& rounding, at::TensorList statistics,
+                       int64_t block_size) {
+  const char* op = "adamw_rank1_batch_";
+  const auto segments = check_batch<AdamW>(op, params, grads, buffers, table, scalars, rounding, 4, block_size, true);
+  const std::vector<Rank1Maxima> maxima = check_statistics(op, params, statistics, false);
+  for_units<Rank1Scratch>(segments, 4, block_size, [&](size_t s, int64_t first, int64_t last, Rank1Scratch& scratch) {
+    const BatchSegment<AdamW>& segment = segments[s];
+    with_type(segment.param_type, [&](auto param_value) {
+      using P = decltype(param_value);
+      with_type(segment.grad_type, [&](auto grad_value) {
+        using G = decltype(grad_value);
+        auto* p = static_cast<P*>(segment.param);
+        const auto* g = static_cast<const G*>(segment.grad);
+        const AdamW::Constants constants(segment.scalars);
+        for (int64_t j = first; j < last; ++j) {
+          uint8_t* packed[2];
+          rank1_prepare(segment, maxima[segment.tensor], j, block_size, true, packed, scratch);
+          const int64_t e = j * block_size;
+          on_padded_block(p + e, g + e, std::min(block_size, segment.length - e), block_size,
+                          [&](P* block_p, const G* block_g) {
+                            AdamW::rank1_block(block_p, block_g, packed, block_size, constants, segment.rounding,
+                                               segment.start + e, scratch);
+                          });
+        }
+      });
+    });
+  });
+}
+
+// adamw_rank1_gather_: raises the next row and column maxima of each tensor of a batch of rank-1 pages to the
+// magnitudes of the state a step computes (see hf_paged/kernels/batch.py); writes nothing else.
+void adamw_rank1_gather(at::TensorList params, at::TensorList grads, at::TensorList buffers, const at::Tensor& table,
+                        const at::Tensor& scalars, at::TensorList statistics, int64_t block_size) {
+  const char* op = "adamw_rank1_gather_";
+  const auto segments =
+      check_batch<AdamW>(op, params, grads, buffers, table, scalars, std::nullopt, 4, block_size, true);
+  const std::vector<Rank1Maxima> maxima = check_statistics(op, params, statistics, true);
+  for_units<Rank1Scratch>(segments, 4, block_size, [&](size_t s, int64_t first, int64_t last, Rank1Scratch& scratch) {
+    const BatchSegment<AdamW>& segment = segments[s];
+    const Rank1Maxima& tensor_maxima = maxima[segment.tensor];
+    with_type(segment.grad_type, [&](auto grad_value) {
+      using G = decltype(grad_value);
+      const auto* g = static_cast<const G*>(segment.grad);
+      const AdamW::Constants constants(segment.scalars);
+      G padded_grad[kMaxBlockSize];
+      for (int64_t j = first; j < last; ++j) {
+        uint8_t* packed[2];
+        rank1_prepare(segment, tensor_maxima, j, block_size, false, packed, scratch);
+        const int64_t e = j * block_size;
+        const int64_t count = std::min(block_size, segment.length - e);
+        const G* block_g = g + e;
+        if (count < block_size) {
+          std::copy_n(block_g, count, padded_grad);
+          std::fill(padded_grad + count, padded_grad + block_size, G(0.0f));
+          block_g = padded_grad;
+        }
+        AdamW::rank1_magnitudes(block_g, packed, block_size, constants, scratch);
+        const float* magnitudes[2] = {scratch.moments, scratch.roots};
+        for (int64_t k = 0; k < 2; ++k) {
+          raise_maxima(tensor_maxima.next_rows[k], tensor_maxima.next_cols[k], tensor_maxima.columns,
+                       segment.start + e, count, magnitudes[k]);
+        }
+      }
+    });
   });
 }
 
@@ -1182,6 +1503,15 @@ TORCH_LIBRARY(hf_paged, m) {
   m.def(
       "lion_batch_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] buffers, Tensor table, Tensor scalars, "
       "Tensor? rounding, int bits, int block_size) -> ()");
+  // A page batch of rank-1 normalized 4-bit AdamW state: buffers are each page's packed codes of both states,
+  // statistics each param's 8 maxima (PageBatch.statistics, flattened). The update decodes with the current maxima
+  // and encodes with the next ones; the gathering raises the next ones to the new state's magnitudes.
+  m.def(
+      "adamw_rank1_batch_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] buffers, Tensor table, Tensor scalars, "
+      "Tensor? rounding, Tensor[] statistics, int block_size) -> ()");
+  m.def(
+      "adamw_rank1_gather_(Tensor[] params, Tensor[] grads, Tensor[] buffers, Tensor table, Tensor scalars, "
+      "Tensor(a!)[] statistics, int block_size) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(hf_paged, CPU, m) {
@@ -1191,4 +1521,6 @@ TORCH_LIBRARY_IMPL(hf_paged, CPU, m) {
   m.impl("lion_fp32_", &hf_paged::fp32_segment<hf_paged::Lion>);
   m.impl("adamw_batch_", &hf_paged::update_batch<hf_paged::AdamW>);
   m.impl("lion_batch_", &hf_paged::update_batch<hf_paged::Lion>);
+  m.impl("adamw_rank1_batch_", &hf_paged::adamw_rank1_batch);
+  m.impl("adamw_rank1_gather_", &hf_paged::adamw_rank1_gather);
 }
