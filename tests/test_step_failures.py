@@ -20,7 +20,7 @@ from hf_paged.testing import simulated_streams
 from memory_utils import GIB, ScriptedMemory
 
 BUDGETS = {"no budget": None, "two pages": 2 * 4096}
-SAMPLED_FAILURES = 16
+SAMPLED_FAILURES = 10
 """Allocations of a step at which an out-of-memory error is injected, per optimizer and budget (spread evenly)."""
 
 
