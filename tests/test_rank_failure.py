@@ -255,6 +255,7 @@ def test_a_failure_on_one_rank_ends_every_rank_with_a_note(failed_run):
 
 
 @needs_torchrun
+@pytest.mark.slow  # about 9 s; the default run keeps the failure's note and the recoveries on their rank
 def test_the_last_checkpoint_resumes_bitwise_after_the_failure(failed_run, clean_run, tmp_path):
     folder, _ = failed_run
     checkpoint = os.path.join(folder, "checkpoint-2")
