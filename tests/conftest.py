@@ -19,6 +19,7 @@ if importlib.util.find_spec("triton") is not None and not torch.cuda.is_availabl
         import triton.language  # noqa: F401
 
 import hf_paged
+from hf_paged import native
 
 OPTIMIZERS = {
     "PagedAdamW": hf_paged.PagedAdamW,
@@ -101,6 +102,14 @@ def optimizer_kwargs(name: str, **paging) -> dict:
     if name.endswith("4bit"):
         kwargs.update(block_size=64, min_4bit_size=256)
     return kwargs
+
+
+@pytest.fixture(scope="module")
+def built():
+    """The host kernels, built (or loaded from the cache) once for the process; skips where they cannot be."""
+    reason = native.build_failure()
+    if reason is not None:
+        pytest.skip(f"host kernels unavailable: {reason}")
 
 
 @pytest.fixture(params=sorted(OPTIMIZERS))

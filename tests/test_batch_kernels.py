@@ -14,7 +14,6 @@ from conftest import decay_groups, make_mlp, regression_batches, train
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import hf_paged
-from hf_paged import native
 from hf_paged.codecs import Blockwise4bitCodec, Blockwise8bitCodec, Float32Codec, PageFormat, to_blocks
 from hf_paged.kernels import HostKernel, SegmentKernel, host_rule_name, segment_kernel
 from hf_paged.kernels.batch import NO_ROUNDING, PageBatch
@@ -50,14 +49,6 @@ SEGMENTS = [  # (tensor, start, length, page, offset, scalar row), in no particu
     (0, 600, 400, 1, 0, 0),
     (2, 0, 77, 1, 448, 0),
 ]
-
-
-@pytest.fixture(scope="module")
-def built():
-    """The host kernels, built (or loaded from the cache) once for the process."""
-    reason = native.build_failure()
-    if reason is not None:
-        pytest.skip(f"host kernels unavailable: {reason}")
 
 
 def page_format(rule_name: str, format_name: str) -> PageFormat:

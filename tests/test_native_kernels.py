@@ -28,14 +28,6 @@ FORMATS = [(Blockwise8bitCodec, 256), (Blockwise8bitCodec, 16), (Blockwise4bitCo
 RULES = {"adamw": (adamw_update_, (True, False), ADAMW_SCALARS), "lion": (lion_update_, (True,), LION_SCALARS)}
 
 
-@pytest.fixture(scope="module")
-def built():
-    """The host kernels, built (or loaded from the cache) once for the process."""
-    reason = native.build_failure()
-    if reason is not None:
-        pytest.skip(f"host kernels unavailable: {reason}")
-
-
 @pytest.fixture
 def use_native(monkeypatch):
     """``use_native(False)`` sets HF_PAGED_NATIVE=0 (the eager kernels), ``use_native(True)`` HF_PAGED_NATIVE=1."""

@@ -46,14 +46,6 @@ SEGMENTS = [  # (tensor, start, length, page, offset, scalar row), in no particu
 ]
 
 
-@pytest.fixture(scope="module")
-def built():
-    """The host kernels, built (or loaded from the cache) once for the process."""
-    reason = native.build_failure()
-    if reason is not None:
-        pytest.skip(f"host kernels unavailable: {reason}")
-
-
 def host_kernel() -> HostKernel:
     return HostKernel("adamw", FORMAT.codecs, SegmentKernel(adamw_update_, FORMAT.codecs, False))
 

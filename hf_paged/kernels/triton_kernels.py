@@ -359,6 +359,15 @@ def _raise_maxima(statistics, which, row, col, values, valid):
 
 
 @triton.jit
+def _segment_entry(table, scalars, segment, SCALARS: tl.constexpr):
+    """Row ``segment`` of a batch's table: its tensor, first element, length (elements), page and page offset
+    (elements), and the address of its row of ``scalars``."""
+    row = table + segment * 6
+    s = scalars + tl.load(row + 5) * SCALARS
+    return tl.load(row + 0), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4), s
+
+
+@triton.jit
 def _update_elements(
     param, grad, index, mask, old_moment, old_second, s, rounds, key_a, key_b, round_index,
     RULE: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ROUND: tl.constexpr,
@@ -389,13 +398,7 @@ def _update_batch_kernel(
     blockwise state with its scale, or of fp32 state; with ``RANK1``, of 4-bit state whose elements take their
     normalizers from the tensors' rows of ``statistic_addresses`` (:data:`STATISTICS_COLUMNS` entries each)."""
     segment = tl.program_id(0)
-    row = table + segment * 6
-    tensor = tl.load(row + 0)
-    start = tl.load(row + 1)
-    length = tl.load(row + 2)
-    page = tl.load(row + 3)
-    offset = tl.load(row + 4)
-    s = scalars + tl.load(row + 5) * SCALARS
+    tensor, start, length, page, offset, s = _segment_entry(table, scalars, segment, SCALARS)
     matches = tl.load(param_addresses + tensor * 2 + 1) == P_DTYPE * 3 + G_DTYPE
     if ROUND:
         key_a = tl.load(rounding + segment * 2)
@@ -550,14 +553,7 @@ def _gather_batch_kernel(
     have dtype ``G_DTYPE`` (segments of other dtypes are left to other launches), ``ROWS`` blocks at a time as
     :func:`_update_batch_kernel` tiles them: decode both states with the current normalizers, advance the moments,
     raise the next maxima of the elements' rows and columns. Writes nothing else."""
-    segment = tl.program_id(0)
-    row = table + segment * 6
-    tensor = tl.load(row + 0)
-    start = tl.load(row + 1)
-    length = tl.load(row + 2)
-    page = tl.load(row + 3)
-    offset = tl.load(row + 4)
-    s = scalars + tl.load(row + 5) * SCALARS
+    tensor, start, length, page, offset, s = _segment_entry(table, scalars, tl.program_id(0), SCALARS)
     matches = tl.load(param_addresses + tensor * 2 + 1) % 3 == G_DTYPE
     grad = tl.load(grad_addresses + tensor).to(tl.pointer_type(tl.int8)) + start * (4 if G_DTYPE == 0 else 2)
     moment_bytes = tl.load(buffer_addresses + page * 2).to(tl.pointer_type(tl.uint8)) + offset // 2
