@@ -369,10 +369,14 @@ class Rank1Statistics:
         following = [t for pair in zip(self.next_rows, self.next_cols) for t in pair]
         return (*current, *following)
 
+    @property
+    def next_maxima(self) -> list[torch.Tensor]:
+        """The row and column maxima being gathered, of every state."""
+        return [*self.next_rows, *self.next_cols]
+
     def begin(self) -> None:
         """Start gathering the statistics of the state being computed (from zero)."""
-        for buffer in (*self.next_rows, *self.next_cols):
-            buffer.zero_()
+        torch._foreach_zero_(self.next_maxima)
 
     def observe(self, state: int, first: int, values: torch.Tensor) -> None:
         """Take the magnitudes of ``values`` (flat, or blocks whose padding past the tensor's end is zero), elements
