@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import make_mlp, regression_batches, train
 from test_step_failures import FailingAllocations, assert_same, failing_step, mark_streaming, snapshot
+from test_step_plan import OperatorCalls
 from test_workspace import PeakAllocation, allocated_peak
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_paged
 from hf_paged.codecs import Blockwise4bitCodec, Rank1Normalized4bitCodec, Rank1Statistics, rank1_eligible, to_blocks
@@ -380,18 +380,6 @@ def test_the_planner_counts_the_statistics_as_optimizer_state():
     assert plan(*arguments, **loss, device="cuda").optimizer_state_bytes >= expected
 
 
-class OperatorCount(TorchDispatchMode):
-    """Counts the operators dispatched inside."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_a_steps_operator_calls_do_not_grow_with_rank1_tensors(built):
     """With the host kernels' page batches, the statistics pass and the update cost the same operator calls for 4
     and for 16 rank-1 matrices: no call per tensor (zeroing each tensor's next maxima apart took four)."""
@@ -405,7 +393,7 @@ def test_a_steps_operator_calls_do_not_grow_with_rank1_tensors(built):
                 param.grad = torch.randn_like(param)
             optimizer.step()
         assert {optimizer._layout[param].kind for param in params} == {"4bit-rank1"}
-        with OperatorCount() as count:
+        with OperatorCalls() as count:
             optimizer.step()
         calls.append(count.calls)
     assert calls[0] == calls[1] <= 12, calls
