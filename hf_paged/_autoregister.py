@@ -4,8 +4,11 @@
 import transformers. Two transformers modules matter: ``training_args`` (the names) and
 ``trainer_optimizer`` (the factories; it imports ``training_args`` while it loads). For each, if it is
 already loaded its part is registered at once, otherwise an import hook registers it right after the
-module is first loaded. DeepSpeed's ZeRO modules (stage 3, stages 1 and 2, BF16_Optimizer), once loaded, get the same
-treatment: their optimizer state tools learn to read paged state (:mod:`hf_paged.integrations.deepspeed_state`).
+module is first loaded. A registration runs while the module that imported the trigger may still be half
+loaded (``trainer_callback`` imports ``training_args``), so it loads only the core and
+:mod:`hf_paged.integrations.trainer`, never what needs the rest of transformers. DeepSpeed's ZeRO modules
+(stage 3, stages 1 and 2, BF16_Optimizer), once loaded, get the same treatment: their optimizer state tools
+learn to read paged state (:mod:`hf_paged.integrations.deepspeed_state`).
 """
 
 from __future__ import annotations
