@@ -2,10 +2,10 @@
 
 The composition is plain PyTorch, so it runs eagerly on every device. With ``compiled=True`` it is
 handed to :func:`torch.compile`, which fuses decode, update and encode into one kernel per segment
-shape family (segment lengths and the per-step scalars do not cause recompiles). Each rule, page format and
-device gets a compiled function of its own, so that only dtypes and block counts add entries to its cache, far
-below Dynamo's recompile limit; where compilation fails all the same, the kernel updates eagerly from then on,
-which is logged once.
+shape family (segment lengths and the per-step scalars do not cause recompiles). Each rule, page format, device
+and pair of parameter and gradient dtypes gets a compiled function of its own, so that only one-block calls and
+stochastic rounding add entries to its cache, far below Dynamo's recompile limit; where compilation fails all the
+same, the kernel updates eagerly from then on, which is logged once.
 """
 
 from __future__ import annotations
@@ -224,11 +224,15 @@ class SegmentKernel:
     once per step by :func:`prepare_scalars`, since torch.compile would specialize on float values and
     recompile at every step.
 
-    Each device gets a function with a code object of its own (:func:`_update_function`): Dynamo keeps compiled
-    entries and counts recompiles per code object, and one function shared by every rule, format and device
-    would recompile for each of them and, past the recompile limit, run eagerly without a word. Where
-    compilation fails all the same, the kernel logs it once and updates eagerly from then on (:attr:`compiled`
-    turns ``False``, so the optimizer's chunks and workspace follow).
+    Each device and pair of parameter and gradient dtypes gets a function with a code object of its own
+    (:func:`_update_function`): Dynamo keeps compiled entries and counts recompiles per code object, and one function
+    shared by every rule, format, device and dtype would recompile for each of them and, past the recompile limit, run
+    eagerly. Every tensor enters detached and at storage offset 0 (:func:`_as_compiled_input`), so that a view of a
+    parameter (which requires grad) and a padded copy (which does not) share an entry, and so do segments anywhere in
+    a page: a function's entries are then its calls of one block (Dynamo specializes a dimension of size 1) and its
+    other calls, each with and without stochastic rounding. Where compilation fails all the same, the kernel logs it
+    once and updates eagerly from then on (:attr:`compiled` turns ``False``, so the optimizer's chunks and workspace
+    follow).
     """
 
     def __init__(self, rule: UpdateRule, codecs: tuple[Codec, ...], compiled: bool) -> None:
@@ -236,16 +240,19 @@ class SegmentKernel:
         self.codecs = codecs
         self.compiled = compiled
         """Whether calls run compiled: as made, until a compilation fails."""
-        self._compiled_updates: dict[torch.device, Callable[..., None]] = {}
+        self._compiled_updates: dict[tuple[torch.device, torch.dtype, torch.dtype], Callable[..., None]] = {}
 
-    def _compiled_update(self, device: torch.device) -> Callable[..., None]:
-        """The compiled update of this kernel's segments on ``device`` (compiled at its first call)."""
-        update = self._compiled_updates.get(device)
+    def _compiled_update(self, param: torch.Tensor, grad: torch.Tensor) -> Callable[..., None]:
+        """The compiled update of this kernel's segments on ``param``'s device with ``param``'s and ``grad``'s dtypes
+        (compiled at its first call)."""
+        key = (param.device, param.dtype, grad.dtype)
+        update = self._compiled_updates.get(key)
         if update is None:
-            name = "_".join(["update", self.rule.__name__, *(type(codec).__name__ for codec in self.codecs)])
-            function = _update_function(self.rule, self.codecs, f"{name}_{str(device).replace(':', '')}")
+            parts = ["update", self.rule.__name__, *(type(codec).__name__ for codec in self.codecs)]
+            parts += [str(param.device).replace(":", ""), str(param.dtype)[6:], str(grad.dtype)[6:]]
+            function = _update_function(self.rule, self.codecs, "_".join(parts))
             update = torch.compile(function, fullgraph=True, options=_INDUCTOR_OPTIONS)
-            self._compiled_updates[device] = update
+            self._compiled_updates[key] = update
         return update
 
     def _fall_back(self, error: Exception) -> None:
@@ -278,6 +285,8 @@ class SegmentKernel:
         """Update one segment; ``scalars`` come from :func:`prepare_scalars` (0-d CPU tensors or floats);
         ``rounding`` (ints) rounds a bf16 ``param`` stochastically."""
         if self.compiled:
+            param, grad = _as_compiled_input(param), _as_compiled_input(grad)
+            encoded = [tuple(_as_compiled_input(array) for array in segment) for segment in encoded]
             for tensor in (param, grad, *(array for segment in encoded for array in segment)):
                 if tensor.shape[0] > 1:
                     torch._dynamo.mark_dynamic(tensor, 0)
@@ -288,12 +297,25 @@ class SegmentKernel:
                 else ElementRounding(*(torch.tensor(value, dtype=torch.int64) for value in rounding))
             )
             try:
-                self._compiled_update(param.device)(param, grad, encoded, scalars, compiled_rounding)
+                self._compiled_update(param, grad)(param, grad, encoded, scalars, compiled_rounding)
                 return
             except _compile_failures() as error:
                 self._fall_back(error)
         floats = {name: float(value) for name, value in scalars.items()}
         update_segment(self.rule, self.codecs, param, grad, encoded, floats, rounding)
+
+
+def _as_compiled_input(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s elements as a compiled kernel takes them: detached, and at storage offset 0 of a storage that
+    starts at its first element and keeps ``tensor``'s memory alive (writes reach ``tensor``).
+
+    Dynamo guards on ``requires_grad``, and makes the storage offset of a tensor with a dynamic size a symbol
+    specialized to 0 or 1 or guarded to be at least 2; offsets that change between calls (segments anywhere in a
+    page, a parameter's view and its padded copy) would each add an entry, up to the recompile limit."""
+    if tensor.storage_offset() == 0:
+        return tensor.detach()
+    storage = tensor.untyped_storage()[tensor.storage_offset() * tensor.element_size() :]
+    return tensor.new_empty(0).set_(storage, 0, tensor.shape, tensor.stride())
 
 
 def _update_function(rule: UpdateRule, codecs: tuple[Codec, ...], name: str) -> Callable[..., None]:
