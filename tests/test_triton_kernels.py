@@ -112,6 +112,39 @@ def test_a_segment_matches_the_eager_and_host_kernels_bitwise(triton_kernels, ru
         assert_equal_bits(results[name], results["eager"])
 
 
+def eager_and_triton(triton_kernels, rule, codecs, param, grad, buffers, scalars) -> list[tuple[list, list]]:
+    """One segment updated by the eager PyTorch kernel and by the Triton kernel, each on copies of ``param`` and the
+    page ``buffers``: for each, the parameter and buffers, and the segment's encoded state."""
+    page_format = PageFormat(codecs)
+    results = []
+    for kernel in (None, triton_kernels.TritonKernel(rule, codecs, SegmentKernel(rule, codecs, False))):
+        p, state = param.clone(), [buffer.clone() for buffer in buffers]
+        encoded = [codec.select(array, 0, param.numel()) for codec, array in zip(codecs, page_format.arrays(state))]
+        p_blocks, g_blocks = to_blocks(p, page_format.alignment), to_blocks(grad, page_format.alignment)
+        if kernel is None:
+            update_segment(rule, codecs, p_blocks, g_blocks, encoded, scalars)
+        else:
+            kernel(p_blocks, g_blocks, encoded, scalars)
+        results.append(([p, *state], encoded))
+    return results
+
+
+@pytest.mark.parametrize("state_format", ["fp32", "8bit"])
+def test_lion_stores_a_nan_gradients_momentum_as_zero(triton_kernels, state_format):
+    """A NaN gradient element: its Lion momentum is stored as zero, as the eager kernel stores it, bit for bit."""
+    rule, _ = RULES["lion"]
+    codecs = codecs_of("lion", state_format)
+    generator = torch.Generator().manual_seed(2)
+    param, grad = torch.randn(3 * BLOCK, generator=generator), torch.randn(3 * BLOCK, generator=generator)
+    grad[BLOCK + 5] = float("nan")
+    buffers = random_page_buffers(PageFormat(codecs), param.numel(), generator)
+    (eager, _), (triton, encoded) = eager_and_triton(
+        triton_kernels, rule, codecs, param, grad, buffers, scalars_of("lion")
+    )
+    assert codecs[0].decode(encoded[0]).reshape(-1)[BLOCK + 5] == 0.0
+    assert_equal_bits(triton, eager)
+
+
 @pytest.mark.parametrize("start", [0, 2**32 - 3 * BLOCK])
 @pytest.mark.parametrize(("rule_name", "state_format"), [("adamw", "8bit"), ("lion", "fp32")])
 def test_stochastic_rounding_draws_the_eager_bits(triton_kernels, rule_name, state_format, start):

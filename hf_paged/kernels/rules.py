@@ -123,7 +123,9 @@ def lion_update_(
     avg_weight: float,
 ) -> None:
     """One Lion update of fp32 tensors in place; ``decay`` is :math:`1 - \\gamma \\lambda`,
-    ``direction_weight`` and ``avg_weight`` are :math:`1 - \\beta_1` and :math:`1 - \\beta_2`."""
+    ``direction_weight`` and ``avg_weight`` are :math:`1 - \\beta_1` and :math:`1 - \\beta_2`. A NaN momentum (from
+    a NaN gradient) moves nothing (``sign(nan)`` is 0) and is stored as zero, whatever the state's format, so that its
+    parameter element moves again at the next step."""
     direction = exp_avg.lerp(grad, direction_weight).sign_()
     param.mul_(decay).sub_(direction * lr)
-    exp_avg.lerp_(grad, avg_weight)
+    exp_avg.lerp_(grad, avg_weight).nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)

@@ -710,7 +710,7 @@ struct AdamW {
   }
 };
 
-// lion_update_: p = p (1 - lr wd) - lr sign(lerp(m, g, 1 - b1)); m = lerp(m, g, 1 - b2).
+// lion_update_: p = p (1 - lr wd) - lr sign(lerp(m, g, 1 - b1)); m = lerp(m, g, 1 - b2), NaN stored as 0.
 struct Lion {
   static constexpr const char* kBatchName = "lion_batch_";
   static constexpr const char* kSegmentName = "lion_fp32_";
@@ -729,7 +729,7 @@ struct Lion {
   static void step(const Constants& c, F param, F gradient, F moment, F& new_param, F& new_moment) {
     const F direction = Vec::sign(c.direction(moment, gradient));
     new_param = Vec::sub(Vec::mul(param, c.decay), Vec::mul(direction, c.lr));
-    new_moment = c.average(moment, gradient);
+    new_moment = Vec::zero_nan(c.average(moment, gradient));
   }
 
   template <class Codes, typename P, typename G>
