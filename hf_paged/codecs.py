@@ -35,6 +35,11 @@ moments with blocks of 256.
   denominator of Adam's step (the paper's "zero-point problem"); including it in the first moment's map
   keeps a zero momentum from moving the parameter. A state's bytes per element are
   ``0.5 + 4 / block_size``: 1.0625 bytes per parameter for AdamW's two moments with blocks of 128.
+
+A non-finite value never makes a scale non-finite (:meth:`_BlockScaled.block_scales`): a NaN is stored as zero (as
+the smallest level in the 4-bit non-negative map, which has no zero) and an infinity as the largest code with the
+largest fp32 value as scale, which a non-negative state reads back as infinity (:func:`scaled`): a second moment
+whose square overflowed stays infinite, as torch's, and its element's later steps are m / inf = 0.
 """
 
 from __future__ import annotations
@@ -129,7 +134,8 @@ class _BlockScaled:
         """The scales of fp32 ``values`` shaped ``(blocks, block_size)``: each block's largest finite magnitude.
 
         A NaN counts as zero and an infinity as the largest fp32 value, so that one non-finite value never makes
-        its block's scale, and so every value the block decodes to in later steps, non-finite.
+        its block's scale, and so every value the block decodes to in later steps, non-finite (a non-negative state
+        reads the infinity back, see :func:`scaled`).
         """
         return values.abs().nan_to_num_(nan=0.0, posinf=FLOAT32_MAX).amax(dim=1)
 
@@ -176,7 +182,7 @@ class Blockwise8bitCodec(_BlockScaled):
         else:
             squared = normalized * normalized
             magnitude = squared * squared
-        return magnitude * scales.unsqueeze(1)
+        return scaled(magnitude, scales.unsqueeze(1), self.signed)
 
     def encode(self, values: torch.Tensor, encoded: EncodedSegment, block_scales: torch.Tensor | None = None) -> None:
         """Store fp32 ``values`` shaped ``(blocks, block_size)`` into a segment's codes and scales.
@@ -235,7 +241,7 @@ class Blockwise4bitCodec(_BlockScaled):
     def decode(self, encoded: EncodedSegment) -> torch.Tensor:
         """fp32 values of a segment, shaped ``(blocks, block_size)``."""
         packed, scales = encoded
-        return decode_4bit(packed, self.signed) * scales.unsqueeze(1)
+        return scaled(decode_4bit(packed, self.signed), scales.unsqueeze(1), self.signed)
 
     def encode(self, values: torch.Tensor, encoded: EncodedSegment, block_scales: torch.Tensor | None = None) -> None:
         """Store fp32 ``values`` shaped ``(blocks, block_size)`` into a segment's packed codes and scales.
@@ -309,7 +315,7 @@ class Rank1Normalized4bitCodec:
     def decode(self, encoded: EncodedSegment) -> torch.Tensor:
         """fp32 values of a segment, shaped ``(blocks, block_size)``: codes times their normalizers."""
         packed, normalizers = encoded[0], encoded[1]
-        return decode_4bit(packed, self.signed) * normalizers
+        return scaled(decode_4bit(packed, self.signed), normalizers, self.signed)
 
     def block_scales(self, values: torch.Tensor) -> None:
         """Rank-1 codes have no block scales: the statistics come from the whole tensor."""
@@ -480,7 +486,8 @@ def saturate_(normalized: torch.Tensor) -> torch.Tensor:
     """Values divided by their block's scale, in place: NaN to 0 and the rest clamped to [-1, 1].
 
     Finite values are within [-1, 1] already (but for an ulp); a NaN is stored as zero and an infinity as the
-    block's largest code (see :meth:`_BlockScaled.block_scales`), since casting them to integer codes is undefined.
+    block's largest code (see :meth:`_BlockScaled.block_scales` and :func:`scaled`), since casting them to integer
+    codes is undefined.
     """
     return normalized.nan_to_num_(nan=0.0).clamp_(-1.0, 1.0)
 
@@ -495,6 +502,20 @@ def fourth_roots(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """
     inverse_root = torch.where(scales > 0, scales.rsqrt(), torch.zeros_like(scales))
     return ieee_sqrt(saturate_(ieee_sqrt(values) * inverse_root))
+
+
+def scaled(normalized: torch.Tensor, scales: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The fp32 values of a state: its ``normalized`` values (in [-1, 1]) times their ``scales`` (broadcast against
+    them: block scales or rank-1 normalizers).
+
+    A non-negative state reads the largest fp32 value as +infinity: its largest code times a scale of the largest fp32
+    value, which is how an infinity is stored (:meth:`_BlockScaled.block_scales`). So a second moment whose squared
+    gradient overflowed stays infinite, as torch's, rather than decaying from 3.4e38 under a first moment of 0.1 g.
+    (A finite value beside the infinity that takes the largest code, within 0.8% (8-bit) or 12% (4-bit) of 3.4e38,
+    reads as infinity too.)
+    """
+    values = normalized * scales
+    return values if signed else values.masked_fill_(values == FLOAT32_MAX, math.inf)
 
 
 def decode_4bit(packed: torch.Tensor, signed: bool) -> torch.Tensor:

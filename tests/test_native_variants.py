@@ -1,9 +1,10 @@
 """The host kernels in every CPU capability this machine runs, each against the eager kernels.
 
 ``ATEN_CPU_CAPABILITY`` lowers the capability PyTorch's kernels (and so the host kernels' build) use. The
-comparisons of tests/test_native_kernels.py (per segment) and tests/test_batch_kernels.py (page batches) run in this
-process for the capability it has; here they run again in a subprocess for each other capability the machine can run
-(about 25 s per capability the first time, to build).
+comparisons of tests/test_native_kernels.py (per segment), tests/test_batch_kernels.py (page batches) and
+tests/test_nonfinite.py (non-finite and huge gradients) run in this process for the capability it has; here they run
+again in a subprocess for each other capability the machine can run (about 25 s per capability the first time, to
+build).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ COMPARISONS = {
         "test_batch_kernels.py",
         "matches_the_per_segment_path or independent_of_the_number_of_threads or rounds_by_its_index",
     ),
+    "non-finite": ("test_nonfinite.py", "native or store_non_finite_values"),
 }
 """The comparisons rerun per capability: a test file and the ``-k`` expression of its comparisons."""
 

@@ -1,11 +1,16 @@
-"""Non-finite gradients and blockwise state: a non-finite value never leaves a block's scale non-finite.
+"""Non-finite and huge gradients and blockwise state, against torch.optim.AdamW.
 
-One gradient element of 1e20 overflows its squared gradient to infinity. torch.optim.AdamW then keeps that
-element's parameter (its step is m / inf = 0) and every other one finite; the blockwise states used to take the
-infinity as their block's scale, so that every other element of the block decoded 0 x inf = NaN for good.
+One gradient element of 1e22 overflows its weighted square, (1 - beta2) g g, to infinity. torch.optim.AdamW then
+keeps that element's parameter for good (its steps are m / inf = 0) and every other one finite. The blockwise states
+once took the infinity as their block's scale, so that every other element of the block decoded 0 x inf = NaN for
+good; then they stored it as the largest fp32 value and read that back, so that the element's later steps were
+m / sqrt(3.4e38), about lr g / 1.8e19: it moved by 3 at 1e24 and by 3e6 at 1e30. A non-negative state now reads it
+back as infinity.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -48,23 +53,114 @@ def other_blocks(param: torch.Tensor) -> torch.Tensor:
     return torch.cat([flat[:256], flat[384:]])
 
 
-@pytest.fixture(params=["eager", "host"])
+@pytest.fixture(params=["torch", "native", "triton"])
 def kernels(request, monkeypatch):
-    if request.param == "host" and native.build_failure() is not None:
-        pytest.skip("host kernels unavailable")
-    monkeypatch.setenv("HF_PAGED_NATIVE", "1" if request.param == "host" else "0")
+    """The kernel family of the optimizers' CPU pages (``HF_PAGED_KERNELS``): the PyTorch kernels, the C++ host kernels
+    or the Triton kernels under Triton's interpreter."""
+    if request.param == "native":
+        if native.build_failure() is not None:
+            pytest.skip("host kernels unavailable")
+        monkeypatch.setenv("HF_PAGED_NATIVE", "1")
+    if request.param == "triton":
+        import test_triton_kernels  # noqa: F401  (skips where Triton cannot run under its interpreter)
+
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("HF_PAGED_KERNELS", request.param)
     return request.param
 
 
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_an_overflowed_gradient_leaves_parameters_and_scales_finite_as_in_torch(kernels, name):
-    reference, _ = train_with_one_bad_gradient(torch.optim.AdamW, 1e20)
+    reference, _ = train_with_one_bad_gradient(torch.optim.AdamW, 1e22)
     assert reference.isfinite().all()
-    param, optimizer = train_with_one_bad_gradient(getattr(hf_paged, name), 1e20)
+    param, optimizer = train_with_one_bad_gradient(getattr(hf_paged, name), 1e22)
     assert param.isfinite().all(), f"{(~param.isfinite()).sum()} non-finite parameters"
     assert all(value.float().isfinite().all() for value in saved_state(optimizer))
     clean, _ = train_with_one_bad_gradient(getattr(hf_paged, name), None)
     assert torch.equal(other_blocks(param), other_blocks(clean))  # blocks are independent
+
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
+HUGE = [1e20, 1e22, 1e24, 1e26, 1e30, FLOAT32_MAX, math.inf]
+"""Gradient magnitudes below and above the overflow of torch's (1 - beta2) g g, at sqrt(FLOAT32_MAX / (1 - beta2)):
+about 5.8e20 with beta2 = 0.999."""
+
+ADAMW_STATES = {
+    "8bit": (hf_paged.PagedAdamW8bit, {"block_size": 128, "min_8bit_size": 64}, (256,)),
+    "4bit": (hf_paged.PagedAdamW4bit, {"block_size": 128, "min_4bit_size": 64}, (256,)),
+    "4bit-rank1": (
+        hf_paged.PagedAdamW4bit,
+        {"block_size": 16, "min_4bit_size": 64, "normalization": "rank1"},
+        (64, 64),
+    ),
+}
+"""AdamW's quantized states by layout kind: the optimizer, its arguments and the parameter's shape (two blocks of 128;
+rank-1 state takes a matrix whose statistics cost no more than block scales: 64 x 64 in blocks of 16)."""
+
+HUGE_ELEMENT = 5
+DECAY = 1 - 1e-3 * 1e-2
+"""What a step of lr 1e-3 multiplies a parameter by before its update (weight decay 1e-2, the default)."""
+
+
+def train_with_one_huge_gradient(state: str | None, shape: tuple[int, ...], magnitude: float | None, steps: int = 6):
+    """``steps`` steps of lr 1e-3 on a zero parameter of ``shape`` by ``state``'s optimizer (``None``:
+    ``torch.optim.AdamW``), all gradients 0.01 but element 5's at the second step, ``magnitude`` (``None``: 0.01).
+    The parameter, flat, and the optimizer."""
+    param = torch.nn.Parameter(torch.zeros(shape))
+    if state is None:
+        optimizer = torch.optim.AdamW([param], lr=1e-3)
+    else:
+        optimizer_class, kwargs, _ = ADAMW_STATES[state]
+        optimizer = optimizer_class([param], lr=1e-3, **kwargs)
+    for step in range(steps):
+        param.grad = torch.full(shape, 0.01)
+        if step == 1 and magnitude is not None:
+            param.grad.view(-1)[HUGE_ELEMENT] = magnitude
+        optimizer.step()
+    if state is not None:
+        assert optimizer._layout[param].kind == state
+    return param.detach().reshape(-1), optimizer
+
+
+@pytest.mark.parametrize("magnitude", HUGE, ids=str)
+@pytest.mark.parametrize("state", sorted(ADAMW_STATES))
+def test_a_huge_gradient_moves_its_element_as_little_as_in_torch(kernels, monkeypatch, state, magnitude):
+    """After 6 steps the element is torch.optim.AdamW's: moved by its later steps m / sqrt(v) where (1 - beta2) g g
+    stays finite (1e20), by none of them where it overflows (m / inf = 0), NaN for an infinite gradient (inf / inf);
+    each kernel family's parameter and state bitwise the PyTorch kernels'."""
+    shape = ADAMW_STATES[state][2]
+    reference, _ = train_with_one_huge_gradient(None, shape, magnitude)
+    param, optimizer = train_with_one_huge_gradient(state, shape, magnitude)
+    torch.testing.assert_close(param[HUGE_ELEMENT], reference[HUGE_ELEMENT], rtol=1e-5, atol=0, equal_nan=True)
+    if kernels != "torch":
+        monkeypatch.setenv("HF_PAGED_KERNELS", "torch")
+        expected, expected_optimizer = train_with_one_huge_gradient(state, shape, magnitude)
+        torch.testing.assert_close(param, expected, rtol=0, atol=0, equal_nan=True)
+        for value, expected_value in zip(saved_state(optimizer), saved_state(expected_optimizer), strict=True):
+            assert torch.equal(value, expected_value)
+
+
+@pytest.mark.parametrize("magnitude", HUGE, ids=str)
+@pytest.mark.parametrize("state", sorted(ADAMW_STATES))
+def test_a_huge_gradient_leaves_the_rest_of_its_state_as_blockwise_scales_leave_it(kernels, state, magnitude):
+    """Rank-1 state: every other element bitwise as without the huge gradient (the elements of its row and column
+    take the other statistic as normalizer). Blockwise state: the other block bitwise as without it; the other
+    elements of its block, whose second moments decode to at least 2.4e-10 (8-bit) or 1.5e-5 (4-bit) of the huge one
+    from then on, take no step after it but the weight decay's."""
+    shape = ADAMW_STATES[state][2]
+    param, _ = train_with_one_huge_gradient(state, shape, magnitude)
+    clean, _ = train_with_one_huge_gradient(state, shape, None)
+    others = torch.arange(param.numel()) != HUGE_ELEMENT
+    if state == "4bit-rank1":
+        assert torch.equal(param[others], clean[others])
+        return
+    block = torch.arange(param.numel()) < 128
+    assert torch.equal(param[~block], clean[~block])
+    expected, _ = train_with_one_huge_gradient(state, shape, magnitude, steps=2)
+    for _ in range(4):
+        expected.mul_(DECAY)
+    assert not torch.equal(expected[block & others], clean[block & others])
+    assert torch.equal(param[block & others], expected[block & others])
 
 
 @pytest.mark.parametrize("name", QUANTIZED)
@@ -138,8 +234,9 @@ def test_host_kernels_store_non_finite_values_as_the_eager_kernels_do(rule_name,
     ],
 )
 def test_a_block_with_non_finite_values_keeps_its_finite_ones(codec):
-    """The scale is the block's largest finite magnitude: NaN is stored as zero, an infinity as the largest
-    finite magnitude's code, and the other values as they would be without them."""
+    """The scale is the block's largest finite magnitude: NaN is stored as zero, an infinity as the largest code
+    with the largest fp32 value as scale (read back as infinity in a non-negative state, as the largest fp32 value in
+    a signed one), and the other values as they would be without them."""
     values = torch.rand(2, 64, generator=torch.Generator().manual_seed(7)) + 0.5
     values = values if not codec.signed else values * torch.tensor([1.0, -1.0]).repeat(32)
     bad = values.clone()
@@ -151,10 +248,11 @@ def test_a_block_with_non_finite_values_keeps_its_finite_ones(codec):
     largest_finite = torch.finfo(torch.float32).max
     assert bad_segment[1][0] == clean_segment[1][0] and bad_segment[1][1] == largest_finite
     decoded = codec.decode(bad_segment)
-    assert decoded.isfinite().all()
+    assert decoded[0].isfinite().all()
     expected_first_row = codec.decode(clean_segment)[0].clone()
     four_bit_second_moment = isinstance(codec, Blockwise4bitCodec) and not codec.signed
     # NaN is stored as zero, which the 4-bit non-negative map lacks: its smallest level
     expected_first_row[4] = bad_segment[1][0] * (1 / 16) ** 4 if four_bit_second_moment else 0.0
     torch.testing.assert_close(decoded[0], expected_first_row, rtol=0, atol=0)
-    assert decoded[1, 9] == largest_finite
+    assert decoded[1, 9] == (largest_finite if codec.signed else math.inf)
+    assert decoded[1, torch.arange(64) != 9].isfinite().all()

@@ -54,9 +54,11 @@ def adamw_moments_(
 ) -> None:
     """The moments' part of :func:`adamw_update_`, the same operations: ``exp_avg`` and ``exp_avg_sq`` of fp32
     tensors updated in place (what a step must know of the new state before it encodes it, see
-    :class:`~hf_paged.codecs.Rank1Statistics`); takes every scalar of :func:`adamw_scalars` and uses three."""
+    :class:`~hf_paged.codecs.Rank1Statistics`); takes every scalar of :func:`adamw_scalars` and uses three. The
+    squared gradient is weighted first, ``(g (1 - beta2)) g`` as torch's AdamW rounds it, so that it overflows fp32
+    where torch's does (|g| above ``sqrt(3.4e38 / (1 - beta2))``, 5.8e20 with beta2 0.999)."""
     exp_avg.lerp_(grad, avg_weight)
-    exp_avg_sq.mul_(beta2).add_(grad * grad * sq_weight)
+    exp_avg_sq.mul_(beta2).add_(grad * sq_weight * grad)
 
 
 def adamw_scalars(group: dict[str, Any], step: float) -> dict[str, float]:

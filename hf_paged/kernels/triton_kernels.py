@@ -207,6 +207,12 @@ def _inverse_root(scale):
 
 
 @triton.jit
+def _infinity_at_max(values):
+    """+infinity where ``values`` are the largest fp32 value: how a non-negative state stores one (codecs.scaled)."""
+    return tl.where(values == 3.4028234663852886e38, float("inf"), values)
+
+
+@triton.jit
 def _decode(codes, scale, BITS: tl.constexpr, SIGNED: tl.constexpr):
     """fp32 values of integer ``codes`` (one per element, as fp32) of a block whose scale is ``scale``."""
     if BITS == 8:
@@ -216,7 +222,7 @@ def _decode(codes, scale, BITS: tl.constexpr, SIGNED: tl.constexpr):
         else:
             normalized = codes * 0.00392156862745098  # 1 / 255
             squared = normalized * normalized
-            return squared * squared * scale
+            return _infinity_at_max(squared * squared * scale)
     else:
         if SIGNED:
             level = codes - 7.0
@@ -224,7 +230,7 @@ def _decode(codes, scale, BITS: tl.constexpr, SIGNED: tl.constexpr):
         else:
             root = (codes + 1.0) * 0.0625
             squared = root * root
-            return squared * squared * scale
+            return _infinity_at_max(squared * squared * scale)
 
 
 @triton.jit
@@ -308,7 +314,7 @@ def _store_param(
 def _adamw_moments(grad, moment, second, s):
     """adamw_moments_ on fp32 values: the new first and second moments."""
     moment = _lerp(moment, grad, tl.load(s + 1))
-    second = second * tl.load(s + 2) + grad * grad * tl.load(s + 3)
+    second = second * tl.load(s + 2) + grad * tl.load(s + 3) * grad
     return moment, second
 
 

@@ -96,6 +96,10 @@ struct Vec {
   }
   // 0 where a is NaN, else a.
   static F zero_nan(F a) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, a, _CMP_ORD_Q), a); }
+  // +infinity where a is FLT_MAX, else a.
+  static F infinity_at_max(F a) {
+    return _mm512_mask_mov_ps(a, _mm512_cmp_ps_mask(a, splat(FLT_MAX), _CMP_EQ_OQ), splat(INFINITY));
+  }
   // 1 / s where s >= FLT_MIN, else 0 (codecs.inverse_scales), and 1 / sqrt(s) where s > 0, else 0.
   static F inverse_scales(F s) {
     return _mm512_maskz_div_ps(_mm512_cmp_ps_mask(s, splat(FLT_MIN), _CMP_GE_OQ), splat(1.0f), s);
@@ -200,6 +204,10 @@ struct Vec {
   }
   // 0 where a is NaN, else a.
   static F zero_nan(F a) { return _mm256_and_ps(a, _mm256_cmp_ps(a, a, _CMP_ORD_Q)); }
+  // +infinity where a is FLT_MAX, else a.
+  static F infinity_at_max(F a) {
+    return _mm256_blendv_ps(a, splat(INFINITY), _mm256_cmp_ps(a, splat(FLT_MAX), _CMP_EQ_OQ));
+  }
   // 1 / s where s >= FLT_MIN, else 0 (codecs.inverse_scales), and 1 / sqrt(s) where s > 0, else 0.
   static F inverse_scales(F s) {
     return _mm256_and_ps(div(splat(1.0f), s), _mm256_cmp_ps(s, splat(FLT_MIN), _CMP_GE_OQ));
@@ -301,6 +309,7 @@ struct Vec {
   static F sign(F a) { return a > 0.0f ? 1.0f : (a < 0.0f ? -1.0f : 0.0f); }
   static F apply_sign(F magnitude, F source) { return magnitude * sign(source); }
   static F zero_nan(F a) { return std::isnan(a) ? 0.0f : a; }
+  static F infinity_at_max(F a) { return a == FLT_MAX ? INFINITY : a; }
   static F inverse_scales(F s) { return s >= FLT_MIN ? 1.0f / s : 0.0f; }
   static F inverse_root_scales(F s) { return s > 0.0f ? 1.0f / std::sqrt(s) : 0.0f; }
   static uint32_t greater(F a, F b) { return a > b ? 1 : 0; }
@@ -349,6 +358,10 @@ struct Lerp {
 // The magnitudes of values as block scales and rank-1 statistics count them: a NaN as zero, an infinity as FLT_MAX.
 inline F magnitude(F values) { return Vec::min(Vec::splat(FLT_MAX), Vec::zero_nan(Vec::abs(values))); }
 
+// A non-negative state's values: normalized values times their scales, FLT_MAX read as +infinity, as an infinity is
+// stored (codecs.scaled).
+inline F unsigned_scaled(F normalized, F scale) { return Vec::infinity_at_max(Vec::mul(normalized, scale)); }
+
 // The running largest finite magnitude of a block (_BlockScaled.block_scales).
 struct AbsMax {
   F largest = Vec::zero();
@@ -394,7 +407,7 @@ struct Codes8 {
     F operator()(int64_t i) const {
       const F normalized = Vec::mul(Vec::load_codes(codes + i), Vec::splat(static_cast<float>(1.0 / 255)));
       const F squared = Vec::mul(normalized, normalized);
-      return Vec::mul(Vec::mul(squared, squared), scale);
+      return unsigned_scaled(Vec::mul(squared, squared), scale);
     }
     const uint8_t* codes;
     F scale;
@@ -460,7 +473,7 @@ struct Codes4 {
   struct UnsignedDecoder {
     UnsignedDecoder(const State& state, int64_t block, int64_t size)
         : packed(state.codes + block * (size / 2)), half(size / 2), scale(Vec::splat(state.scales[block])) {}
-    F operator()(int64_t i) const { return Vec::mul(unsigned_value(packed, half, i), scale); }
+    F operator()(int64_t i) const { return unsigned_scaled(unsigned_value(packed, half, i), scale); }
     const uint8_t* packed;
     int64_t half;
     F scale;
@@ -591,7 +604,7 @@ struct Rank1Scratch : Scratch {
 // Elements of fp32 state updated as one unit of work (a multiple of every vector width).
 constexpr int64_t kTile = 2048;
 
-// adamw_update_: m = lerp(m, g, 1 - b1); v = v b2 + g^2 (1 - b2);
+// adamw_update_: m = lerp(m, g, 1 - b1); v = v b2 + (g (1 - b2)) g;
 // p = p (1 - lr wd) - m / (sqrt(v) / sqrt(1 - b2^t) + eps) lr / (1 - b1^t).
 struct AdamW {
   static constexpr const char* kBatchName = "adamw_batch_";
@@ -617,7 +630,7 @@ struct AdamW {
   // One vector of elements' new moment and second moment (adamw_moments_).
   static void moments(const Constants& c, F gradient, F moment, F second, F& new_moment, F& new_second) {
     new_moment = c.average(moment, gradient);
-    new_second = Vec::add(Vec::mul(second, c.beta2), Vec::mul(Vec::mul(gradient, gradient), c.sq_weight));
+    new_second = Vec::add(Vec::mul(second, c.beta2), Vec::mul(Vec::mul(gradient, c.sq_weight), gradient));
   }
 
   // One vector of elements: the new moment and second moment, the square root of the latter, the new parameter.
@@ -660,7 +673,7 @@ struct AdamW {
     const ParamWriter<P> writer(p, rounding, index, scratch.updated);
     for (int64_t i = 0; i < size; i += kWidth) {
       const F moment = Vec::mul(Codes4::signed_value(packed[0], half, i), Vec::load(scratch.current[0] + i));
-      const F second = Vec::mul(Codes4::unsigned_value(packed[1], half, i), Vec::load(scratch.current[1] + i));
+      const F second = unsigned_scaled(Codes4::unsigned_value(packed[1], half, i), Vec::load(scratch.current[1] + i));
       F new_param, new_moment, new_second, root;
       step(c, Vec::load(p + i), Vec::load(g + i), moment, second, new_param, new_moment, new_second, root);
       writer.store(i, new_param);
@@ -689,7 +702,7 @@ struct AdamW {
     const int64_t half = size / 2;
     for (int64_t i = 0; i < size; i += kWidth) {
       const F moment = Vec::mul(Codes4::signed_value(packed[0], half, i), Vec::load(scratch.current[0] + i));
-      const F second = Vec::mul(Codes4::unsigned_value(packed[1], half, i), Vec::load(scratch.current[1] + i));
+      const F second = unsigned_scaled(Codes4::unsigned_value(packed[1], half, i), Vec::load(scratch.current[1] + i));
       F new_moment, new_second;
       moments(c, Vec::load(g + i), moment, second, new_moment, new_second);
       Vec::store(scratch.moments + i, magnitude(new_moment));
