@@ -51,14 +51,14 @@ TRITON_KERNELS = _interpreted_triton_kernels()
 
 from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
 from test_step_failures import FailingAllocations, failing_step, mark_streaming, snapshot
-from triton_cases import BLOCK, CASES, DTYPES, FORMATS, RULES, codecs_of, scalars_of
+from triton_cases import ADAMW_GROUP, BLOCK, CASES, DTYPES, FORMATS, RULES, codecs_of, scalars_of
 
 from hf_paged.codecs import Blockwise8bitCodec, Float32Codec, PageFormat, random_page_buffers, to_blocks
 from hf_paged.kernels import HostKernel, SegmentKernel, kernel_family, segment_kernel
 from hf_paged.kernels.batch import PageBatch
 from hf_paged.kernels.host import host_rule_name
 from hf_paged.kernels.pytorch import update_in_buffers, update_segment
-from hf_paged.kernels.rules import adamw_update_, lion_update_
+from hf_paged.kernels.rules import adamw_scalars, adamw_update_, lion_update_
 from hf_paged.native import build_failure
 from hf_paged.stochastic_rounding import ElementRounding, step_keys
 
@@ -143,6 +143,21 @@ def test_lion_stores_a_nan_gradients_momentum_as_zero(triton_kernels, state_form
     )
     assert codecs[0].decode(encoded[0]).reshape(-1)[BLOCK + 5] == 0.0
     assert_equal_bits(triton, eager)
+
+
+@pytest.mark.parametrize("eps", [0.0, float("inf")])
+@pytest.mark.parametrize("state_format", FORMATS)
+def test_adamw_takes_every_eps_torch_takes(triton_kernels, state_format, eps):
+    """eps = 0 and infinity, as torch.optim.AdamW takes them: the eager kernel's results, bit for bit, all finite."""
+    rule, _ = RULES["adamw"]
+    codecs = codecs_of("adamw", state_format)
+    generator = torch.Generator().manual_seed(3)
+    param, grad = torch.randn(3 * BLOCK, generator=generator), torch.randn(3 * BLOCK, generator=generator)
+    buffers = random_page_buffers(PageFormat(codecs), param.numel(), generator)
+    scalars = adamw_scalars({**ADAMW_GROUP, "eps": eps}, 3)
+    (eager, _), (triton, _) = eager_and_triton(triton_kernels, rule, codecs, param, grad, buffers, scalars)
+    assert_equal_bits(triton, eager)
+    assert triton[0].isfinite().all() and not torch.equal(triton[0], param)
 
 
 @pytest.mark.parametrize("start", [0, 2**32 - 3 * BLOCK])

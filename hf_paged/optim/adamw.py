@@ -115,7 +115,7 @@ class PagedAdamW(_PagedAdamWBase):
             ``weight_decay``).
         lr: learning rate :math:`\\gamma`.
         betas: :math:`(\\beta_1, \\beta_2)`, each in [0, 1).
-        eps: :math:`\\epsilon` > 0, added to the denominator.
+        eps: :math:`\\epsilon` >= 0, added to the denominator.
         weight_decay: decoupled weight decay :math:`\\lambda` >= 0.
         page_size, device_budget, prefetch, compiled: paging settings, see :class:`PagedOptimizer`.
         bf16_stochastic_round: round bf16 parameters' updated values to bf16 stochastically instead of to nearest,

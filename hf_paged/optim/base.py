@@ -92,8 +92,9 @@ def check_betas(betas: Any) -> None:
 
 
 def check_eps(eps: Any) -> None:
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not math.isfinite(eps) or eps <= 0:
-        raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
+    """What ``torch.optim.AdamW`` accepts: a number >= 0 (0 and infinity included)."""
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
+        raise ValueError(f"eps must be a number >= 0, got {eps!r}")
 
 
 def check_weight_decay(weight_decay: Any) -> None:
