@@ -142,11 +142,12 @@ def test_a_huge_gradient_moves_its_element_as_little_as_in_torch(kernels, monkey
 
 @pytest.mark.parametrize("magnitude", HUGE, ids=str)
 @pytest.mark.parametrize("state", sorted(ADAMW_STATES))
-def test_a_huge_gradient_leaves_the_rest_of_its_state_as_blockwise_scales_leave_it(kernels, state, magnitude):
+def test_a_huge_gradient_leaves_the_rest_of_its_state_as_blockwise_scales_leave_it(state, magnitude):
     """Rank-1 state: every other element bitwise as without the huge gradient (the elements of its row and column
     take the other statistic as normalizer). Blockwise state: the other block bitwise as without it; the other
     elements of its block, whose second moments decode to at least 2.4e-10 (8-bit) or 1.5e-5 (4-bit) of the huge one
-    from then on, take no step after it but the weight decay's."""
+    from then on, take no step after it but the weight decay's. (In the default kernel family: every family's
+    parameter is the PyTorch kernels', bitwise, see the test above.)"""
     shape = ADAMW_STATES[state][2]
     param, _ = train_with_one_huge_gradient(state, shape, magnitude)
     clean, _ = train_with_one_huge_gradient(state, shape, None)
