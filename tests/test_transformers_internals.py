@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 
 import pytest
 import transformers
@@ -61,6 +62,32 @@ def test_missing_trainer_names_give_an_error_naming_the_version(monkeypatch):
     monkeypatch.delattr(trainer, "SCHEDULER_NAME")
     with pytest.raises(internals.RegistrationError, match=rf"resume.*transformers {transformers.__version__}.*SCHEDULER_NAME"):
         internals.load_optimizer_state_on_cpu(lambda optimizer: True)
+
+
+def test_checkpoints_are_written_through_the_methods_we_redirect():
+    """Every write of ``Trainer._save_checkpoint`` into the checkpoint's folder goes through a method that
+    ``write_checkpoints_whole`` redirects to the partial folder; the best checkpoint and the rotation are as it
+    expects."""
+    from transformers import trainer
+
+    method = trainer.Trainer._save_checkpoint
+    assert method.hf_paged_original is not None, "hf_paged did not wrap Trainer._save_checkpoint"
+    source = inspect.getsource(method.hf_paged_original)
+    writes = set(re.findall(r"self\.([\w.]+)\((?:os\.path\.join\()?output_dir\b", source))
+    assert writes == {*internals._CHECKPOINT_WRITERS, "state.save_to_json", "_push_from_checkpoint"}, writes
+    assert "output_dir = os.path.join(run_dir, checkpoint_folder)" in source
+    assert 'checkpoint_folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"' in source
+    assert "if os.path.exists(best_checkpoint_dir):" in source
+    assert "rotate_checkpoints(" in source
+
+
+def test_missing_save_methods_give_an_error_naming_the_version(monkeypatch):
+    from transformers import trainer
+
+    monkeypatch.setattr(trainer.Trainer, "_save_checkpoint", lambda self, model, trial: None)
+    monkeypatch.delattr(trainer.Trainer, "_save_rng_state")
+    with pytest.raises(internals.RegistrationError, match=rf"checkpoints whole.*{transformers.__version__}.*_save_rng"):
+        internals.write_checkpoints_whole(lambda trainer: True)
 
 
 def test_training_arguments_are_checked_after_post_init_and_set_optimizer():

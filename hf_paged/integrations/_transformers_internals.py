@@ -8,7 +8,9 @@ transformers has no public registry of optimizers: names are members of the ``Op
 the frame of ``CallbackHandler.call_event``, and the trainer running a callback in the frame of the loop that
 called it. Resuming replaces ``Trainer._load_optimizer_and_scheduler`` for our optimizers, to load their
 state to the CPU, and wraps ``Trainer._load_callback_state`` so that our callbacks keep their instance.
-``Trainer._save`` is wrapped so that ``save_on_each_node`` writes the model's weights on every node.
+``Trainer._save`` is wrapped so that ``save_on_each_node`` writes the model's weights on every node, and
+``Trainer._save_checkpoint`` so that a checkpoint takes its name only once it is written whole (its writers,
+``TrainerState.save_to_json`` and ``_push_from_checkpoint`` are redirected for the time of a save).
 TRL's trainers keep metrics per micro-batch in ``_metrics`` and ``_total_train_tokens``, which a replayed
 micro-batch must not count twice. All are used here and nowhere else;
 ``tests/test_transformers_internals.py`` fails loudly when a release changes them.
@@ -16,12 +18,15 @@ micro-batch must not count twice. All are used here and nowhere else;
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import glob
 import importlib
 import os
+import shutil
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -267,6 +272,149 @@ def save_weights_on_each_node() -> None:
     _save.hf_paged_original = original
     _save.__doc__ = original.__doc__
     trainer_cls._save = _save
+
+
+PARTIAL_PREFIX = "_partial-"
+"""What the folder of a checkpoint being written is called before its name: ``_partial-checkpoint-200``. Neither
+``get_last_checkpoint``, ``resume_from_checkpoint=True``, the rotation of checkpoints nor a push to the Hub takes it."""
+
+_CHECKPOINT_WRITERS = ("save_model", "_save_optimizer_and_scheduler", "_save_scaler", "_save_rng_state")
+"""The Trainer's methods that ``Trainer._save_checkpoint`` gives the checkpoint's folder to write in."""
+
+
+def write_checkpoints_whole(applies: Callable[[Any], bool]) -> None:
+    """Make the Trainer write a checkpoint of a trainer for which ``applies(trainer)`` holds into
+    ``_partial-checkpoint-N`` and rename it ``checkpoint-N`` once every process has written its part (idempotent).
+
+    ``Trainer._save_checkpoint`` writes into ``checkpoint-N`` directly, and every process writes its part (its RNG
+    state, its shards) on its own: a process that ends during a save (an error, SIGTERM, SIGKILL) leaves a folder that
+    ``get_last_checkpoint`` and ``resume_from_checkpoint=True`` take and the Trainer cannot load. Here the processes
+    meet after writing (a barrier); the process that writes the Trainer's state (``args.should_save``: the first, or
+    the first of each node with ``save_on_each_node``) renames the folder (atomic), then rotates the checkpoints, and
+    the first process pushes to the Hub, as the Trainer does; partial folders that an earlier save left are removed
+    before writing. A ``checkpoint-N`` that exists already (written again, or begun by a subclass) gets the files.
+    """
+    module = importlib.import_module("transformers.trainer")
+    trainer_cls = getattr(module, "Trainer", None)
+    original = getattr(trainer_cls, "_save_checkpoint", None)
+    if getattr(original, "hf_paged_original", None) is not None:
+        return
+    methods = (*_CHECKPOINT_WRITERS, "_push_from_checkpoint", "_get_output_dir")
+    if (
+        original is None
+        or not all(hasattr(trainer_cls, name) for name in methods)
+        or not all(hasattr(module, name) for name in ("PREFIX_CHECKPOINT_DIR", "rotate_checkpoints"))
+    ):
+        raise _fail(
+            "Trainer._save_checkpoint, "
+            + ", ".join(f"Trainer.{name}" for name in methods)
+            + ", PREFIX_CHECKPOINT_DIR and rotate_checkpoints in transformers.trainer",
+            action="write checkpoints whole",
+            instead="resume from a checkpoint that holds trainer_state.json",
+        )
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        if not applies(self):
+            return original(self, model, trial)
+        run_dir = self._get_output_dir(trial=trial)
+        final = os.path.join(run_dir, f"{module.PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        partial = os.path.join(run_dir, PARTIAL_PREFIX + os.path.basename(final))
+        if self.args.should_save:
+            for left in glob.glob(os.path.join(glob.escape(run_dir), PARTIAL_PREFIX + "*")):
+                shutil.rmtree(left, ignore_errors=True)
+        self.accelerator.wait_for_everyone()  # no process writes into a folder being removed
+        if self.args.save_strategy != "no" and self.state.best_global_step == self.state.global_step:
+            self.state.best_model_checkpoint = final  # the Trainer sets it where the folder exists: not yet, here
+        pushes: list[str] = []
+        with _writing_into(self, final, partial, pushes):
+            original(self, model, trial)
+        self.accelerator.wait_for_everyone()  # every process has written its part
+        if self.args.should_save:
+            _move(partial, final)
+            module.rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+        self.accelerator.wait_for_everyone()  # the checkpoint is whole for every process
+        if pushes:
+            self._push_from_checkpoint(final)
+
+    _save_checkpoint.hf_paged_original = original
+    _save_checkpoint.__doc__ = original.__doc__
+    trainer_cls._save_checkpoint = _save_checkpoint
+
+
+@contextlib.contextmanager
+def _writing_into(trainer: Any, final: str, partial: str, pushes: list[str]) -> Iterator[None]:
+    """Inside, the checkpoint's writers write into ``partial`` what they are given for ``final``, and its push to the
+    Hub is kept in ``pushes`` for when the checkpoint has its name."""
+
+    def redirected(write: Callable[..., Any]) -> Callable[..., Any]:
+        def write_partial(path: str, *args: Any, **kwargs: Any) -> Any:
+            if path == final or path.startswith(final + os.sep):
+                path = partial + path[len(final) :]
+            return write(path, *args, **kwargs)
+
+        return write_partial
+
+    writers = {name: redirected(getattr(trainer, name)) for name in _CHECKPOINT_WRITERS}
+    with (
+        _overriding(trainer, {**writers, "_push_from_checkpoint": pushes.append}),
+        _overriding(trainer.state, {"save_to_json": redirected(trainer.state.save_to_json)}),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def _overriding(target: Any, attributes: dict[str, Any]) -> Iterator[None]:
+    """Inside, ``target`` has ``attributes`` of its own; then those it had before, if any."""
+    before = {name: vars(target)[name] for name in attributes if name in vars(target)}
+    vars(target).update(attributes)
+    try:
+        yield
+    finally:
+        for name in attributes:
+            if name in before:
+                vars(target)[name] = before[name]
+            else:
+                del vars(target)[name]
+
+
+def _move(partial: str, final: str) -> None:
+    """Give ``partial`` the name ``final`` (atomic); where ``final`` exists, move ``partial``'s entries into it."""
+    try:
+        os.rename(partial, final)
+        return
+    except FileNotFoundError:  # another node's first process moved it (save_on_each_node on storage nodes share)
+        return
+    except OSError:
+        if not os.path.isdir(final):
+            raise
+    for name in os.listdir(partial):
+        target = os.path.join(final, name)
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target)
+        os.replace(os.path.join(partial, name), target)
+    os.rmdir(partial)
+
+
+def around_checkpoint_saves(
+    trainer: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> Callable[[], None]:
+    """Make ``trainer`` save each checkpoint through ``wrap(save)`` (``save``: its own ``_save_checkpoint``, which
+    every save strategy calls); returns what undoes it."""
+    own = vars(trainer).get("_save_checkpoint")
+    trainer._save_checkpoint = wrap(trainer._save_checkpoint)
+
+    def undo() -> None:
+        if own is None:
+            vars(trainer).pop("_save_checkpoint", None)
+        else:
+            trainer._save_checkpoint = own
+
+    return undo
 
 
 def calling_trainer(max_depth: int = 8) -> Any | None:

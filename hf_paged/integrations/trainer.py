@@ -10,6 +10,7 @@ import torch
 
 from ..memory import probe_for
 from ..optim import PagedAdamW, PagedAdamW4bit, PagedAdamW8bit, PagedLion, PagedLion8bit, PagedOptimizer
+from ..recovery import paged_optimizer_of
 from ..sizes import parse_size
 from . import _transformers_internals as internals
 
@@ -196,6 +197,15 @@ def is_paged(optimizer: Any) -> bool:
     return isinstance(getattr(optimizer, "optimizer", optimizer), PagedOptimizer)
 
 
+def _trains_with_paged(trainer: Any) -> bool:
+    """Whether ``trainer``'s optimizer is, or wraps at any depth (DeepSpeed's engine), an hf-paged optimizer."""
+    try:
+        paged_optimizer_of(trainer.optimizer)
+    except TypeError:
+        return False
+    return True
+
+
 def _keeps_its_instance(callback: Any) -> bool:
     """Whether ``callback`` loads its saved state itself at a resume (``MemorySpikeCallback``)."""
     from ..callbacks import MemorySpikeCallback  # hf_paged.callbacks imports this module
@@ -206,10 +216,12 @@ def _keeps_its_instance(callback: Any) -> bool:
 def register_resume() -> None:
     """Make the Trainer load our optimizers' state from a checkpoint to the CPU, under any world size, and hand
     ``MemorySpikeCallback``'s saved state to the callback it was given (``restore_callback_states_from_checkpoint``)
-    instead of replacing it with a new one; with ``save_on_each_node``, write the model's weights on every node."""
+    instead of replacing it with a new one; with ``save_on_each_node``, write the model's weights on every node; with
+    our optimizers, name a checkpoint ``checkpoint-N`` only once every process has written it whole."""
     internals.load_optimizer_state_on_cpu(is_paged)
     internals.restore_callback_states_in_place(_keeps_its_instance)
     internals.save_weights_on_each_node()
+    internals.write_checkpoints_whole(_trains_with_paged)
 
 
 def register(replace_bitsandbytes: bool | None = None) -> None:
