@@ -3,8 +3,10 @@
 An out-of-memory error injected in backward on one rank ends every rank within seconds with hf-paged's note, also
 when the failed rank's process holds on to its connections (as the peers of a failed rank wait in an NCCL collective
 until its timeout); the last checkpoint resumes bitwise. A micro-batch inside DDP's ``no_sync`` and the optimizer's
-step recover on their rank, bitwise. The default run covers DDP on one node; ``HF_PAGED_SLOW=1`` adds two nodes,
-FSDP2, DeepSpeed ZeRO-3 and torchrun's restarts.
+step recover on their rank, bitwise. A failure or a kill while a checkpoint is written leaves no checkpoint that
+``get_last_checkpoint`` or ``resume_from_checkpoint=True`` would take incomplete, whatever the save strategy; an error
+in a save or an evaluation ends every rank as one in backward does. The default run covers DDP on one node;
+``HF_PAGED_SLOW=1`` adds two nodes, FSDP2, DeepSpeed ZeRO-3, torchrun's restarts and more save strategies.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import contextlib
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
+from transformers.trainer_utils import get_last_checkpoint
 
 from hf_paged.rank_failure import EXIT_CODE, RankFailure, RankFailureWatcher, failure_key
 
@@ -50,6 +54,25 @@ def descendants(pid: int) -> list[int]:
             for child in map(int, file.read().split()):
                 found += [child, *descendants(child)]
     return found
+
+
+def missing_files(checkpoint: str) -> list[str]:
+    """What a checkpoint of the DDP run lacks to resume on two ranks."""
+    files = [
+        "model.safetensors",
+        "optimizer.pt",
+        "scheduler.pt",
+        "trainer_state.json",
+        "rng_state_0.pth",
+        "rng_state_1.pth",
+    ]
+    return [name for name in files if not os.path.isfile(os.path.join(checkpoint, name))]
+
+
+def noted_checkpoint(text: str) -> str | None:
+    """The checkpoint a failure's note tells to resume from."""
+    found = re.search(r"Resume from the last checkpoint, (.+?checkpoint-\d+)\.", text)
+    return found and found.group(1)
 
 
 def read_json(path: str) -> dict | None:
@@ -292,6 +315,101 @@ def test_no_sync_micro_batch_and_optimizer_step_recover_on_their_rank(clean_run,
     for rank in (0, 1):
         assert run.results[rank]["checksum"] == clean_run.results[rank]["checksum"]
         assert run.results[rank]["losses"] == clean_run.results[rank]["losses"]
+
+
+INTERRUPTED_SAVE = ("--run-ahead", "--interrupt-save", "2", "6")
+"""Rank 0 writes the rest of checkpoint-2 6 s after its model weights, and step 3 starts without a collective: rank 1
+fails in step 3 while rank 0 writes, unless the ranks wait for each other after a save."""
+
+
+@needs_torchrun
+@pytest.mark.parametrize(
+    ("strategy", "failed_rank", "resume"),
+    [  # the default run resumes with True in tests/test_whole_checkpoints.py
+        ("epoch", "holds on", False),
+        pytest.param("best", "holds on", True, marks=pytest.mark.slow),
+        pytest.param("steps", "exits", True, marks=pytest.mark.slow),
+    ],
+)
+def test_a_failure_while_a_checkpoint_is_written_leaves_it_complete(tmp_path, strategy, failed_rank, resume):
+    """Rank 1 fails in the backward of step 3 while rank 0 would still write checkpoint-2 (a save at the end of an
+    epoch, of a new best evaluation, or of ``save_steps``), and holds on or exits (torchrun's agent then ends rank 0
+    with SIGTERM): the failure's note names checkpoint-2 whole, and ``resume_from_checkpoint=True`` resumes from it."""
+    options = [*ACCUMULATE, "--save-strategy", strategy, *(["--eval-steps", "2"] if strategy == "best" else [])]
+    failure = [*INTERRUPTED_SAVE, "--fail-step", "3", "--fail-micro-batch", "1"]
+    failure += ["--linger", "600", "--pg-timeout", "1200"] if failed_rank == "holds on" else []
+    run = launch(tmp_path, *options, *failure, timeout=150)
+    assert run.returncodes != [0]
+    assert run.seconds_after_failure < ENDS_WITHIN, run.output[-4000:]
+    checkpoint = str(tmp_path / "checkpoint-2")
+    assert noted_checkpoint(run.failure["traceback"]) == checkpoint, run.failure["traceback"]
+    assert missing_files(checkpoint) == []
+    assert get_last_checkpoint(str(tmp_path)) == checkpoint
+    if not resume:
+        return
+    resumed = launch(tmp_path, *options, "--fail-in", "none", "--resume-from", "last")
+    assert resumed.returncodes == [0], resumed.output[-4000:]
+    assert [resumed.results[rank]["resumed_from"] for rank in (0, 1)] == [checkpoint, checkpoint]
+
+
+@needs_torchrun
+@pytest.mark.slow  # about 40 s; tests/test_whole_checkpoints.py has a save that fails in one process
+def test_a_checkpoint_killed_while_written_is_not_resumed(clean_run, tmp_path):
+    """Rank 0 is killed (SIGKILL) while it writes checkpoint-4; torchrun restarts the job, which resumes with
+    ``resume_from_checkpoint=True`` from checkpoint-2, the last one written whole, and ends bitwise as the clean run."""
+    run = launch(
+        tmp_path,
+        *ACCUMULATE,
+        "--fail-in",
+        "none",
+        "--interrupt-save",
+        "4",
+        "-1",
+        "--resume-from",
+        "auto",
+        "--pg-timeout",
+        "120",
+        launcher=("--max-restarts", "1"),
+        timeout=300,
+    )
+    assert run.returncodes == [0], run.output[-4000:]
+    for rank in (0, 1):
+        assert run.results[rank]["resumed_from"] == str(tmp_path / "checkpoint-2")
+        assert run.results[rank]["checksum"] == clean_run.results[rank]["checksum"]
+    assert missing_files(str(tmp_path / "checkpoint-4")) == []
+
+
+@needs_torchrun
+@pytest.mark.parametrize(
+    ("where", "rank", "step"), [("save", 0, 4), pytest.param("evaluation", 1, 2, marks=pytest.mark.slow)]
+)
+def test_a_failure_in_a_save_or_an_evaluation_ends_every_rank(tmp_path, where, rank, step):
+    """Rank 0 fails in writing checkpoint-4 (no space left), or rank 1 in the evaluation after step 2, and holds on:
+    the other rank ends within seconds, told where it failed and which checkpoint to resume from."""
+    run = launch(
+        tmp_path,
+        *ACCUMULATE,
+        *(["--eval-steps", "2"] if where == "evaluation" else []),
+        "--fail-rank",
+        str(rank),
+        "--fail-in",
+        where,
+        "--fail-step",
+        str(step),
+        "--linger",
+        "600",
+        "--pg-timeout",
+        "1200",
+        timeout=150,
+    )
+    assert run.returncodes != [0]
+    assert run.seconds_after_failure < ENDS_WITHIN, run.output[-4000:]
+    phase = {"save": "checkpoint save", "evaluation": "evaluation"}[where]
+    note = f"hf-paged: ending rank {1 - rank} because rank {rank} failed in the {phase} of step {step} with "
+    assert note in run.output, run.output[-4000:]
+    checkpoint = str(tmp_path / "checkpoint-2") if where == "save" else None
+    assert noted_checkpoint(run.failure["traceback"]) == checkpoint, run.failure["traceback"]
+    assert get_last_checkpoint(str(tmp_path)) == checkpoint
 
 
 # The full matrix (HF_PAGED_SLOW=1) ---------------------------------------------------------------------------

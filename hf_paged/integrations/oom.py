@@ -7,9 +7,11 @@ optimizer step, skipped ones included. Metrics that a trainer accumulates per mi
 (TRL's token counts, entropy and accuracy) are rewound before a replay, so logs match a run without the error.
 
 Under several processes a replay is exact only where it runs no collective: a micro-batch of DDP's gradient
-accumulation inside ``no_sync``. An error anywhere else in forward, backward or the optimizer's step is published to
-every rank of the job (:mod:`hf_paged.rank_failure`), whose watchers end their processes within seconds with a note on
-which rank failed, at which step, and what to change.
+accumulation inside ``no_sync``. An error anywhere else in forward, backward or the optimizer's step, and one in an
+evaluation or a checkpoint's save, is published to every rank of the job (:mod:`hf_paged.rank_failure`), whose watchers
+end their processes within seconds with a note on which rank failed, at which step, what to change and the last
+checkpoint written whole (a checkpoint gets its name only then: see
+:func:`~hf_paged.integrations._transformers_internals.write_checkpoints_whole`).
 """
 
 from __future__ import annotations
@@ -144,10 +146,10 @@ def _replay_is_local(model: Any) -> bool:
 
 
 class _RankFailures(TrainerCallback):
-    """Under several processes: publishes an error of this rank's forward, backward or optimizer step in the job's
-    store, watches for the other ranks' (a :class:`~hf_paged.rank_failure.RankFailureWatcher`), and holds off the
-    end of this process while a checkpoint is being written. Added to the trainer's callbacks; stops at the end of
-    training (and is left in the callbacks, inert: removing it while the trainer calls them would skip another)."""
+    """Under several processes: publishes an error of this rank's forward, backward, optimizer step, evaluation or
+    checkpoint save in the job's store and watches for the other ranks' (a
+    :class:`~hf_paged.rank_failure.RankFailureWatcher`). Added to the trainer's callbacks; stops at the end of training
+    (and is left in the callbacks, inert: removing it while the trainer calls them would skip another)."""
 
     def __init__(self, trainer: Any, optimizer: Any) -> None:
         self.trainer = trainer
@@ -160,18 +162,25 @@ class _RankFailures(TrainerCallback):
                 "published to the others",
                 trainer.args.world_size,
             )
-        self._saving = contextlib.ExitStack()
         self._closed = False
         self._snapshot_hook: torch.utils.hooks.RemovableHandle | None = None
         self._own_step = optimizer.__dict__.get("step")
-        step = optimizer.step
-
-        def guarded_step(*args: Any, **kwargs: Any) -> Any:
-            with self.publishing("optimizer step"):
-                return step(*args, **kwargs)
-
-        optimizer.step = guarded_step
+        self._own_evaluate = vars(trainer).get("evaluate")
+        optimizer.step = self._published(optimizer.step, "optimizer step")
+        trainer.evaluate = self._published(trainer.evaluate, "evaluation", after_step=True)
+        self._unwrap_saves = internals.around_checkpoint_saves(
+            trainer, lambda save: self._published(save, "checkpoint save", after_step=True)
+        )
         trainer.add_callback(self)
+
+    def _published(self, call: Callable[..., Any], phase: str, after_step: bool = False) -> Callable[..., Any]:
+        """``call`` that publishes an error it raises as one in ``phase``."""
+
+        def published(*args: Any, **kwargs: Any) -> Any:
+            with self.publishing(phase, after_step):
+                return call(*args, **kwargs)
+
+        return published
 
     def snapshot_buffers_after_broadcast(self, model: Any, recovery: OOMRecovery) -> None:
         """Under DDP, take the buffers a replay restores once the window's first forward has broadcast rank 0's (a
@@ -191,20 +200,21 @@ class _RankFailures(TrainerCallback):
         self._snapshot_hook = model.module.register_forward_pre_hook(snapshot)
 
     @contextlib.contextmanager
-    def publishing(self, phase: str):
-        """Publish an error raised inside (once), and note it on the error."""
+    def publishing(self, phase: str, after_step: bool = False):
+        """Publish an error raised inside (once), and note it on the error: one in ``phase`` of the step under way, or
+        of the step just ended where ``after_step``."""
         try:
             yield
         except Exception as error:
             if not getattr(error, "_hf_paged_rank_failure", False):
                 error._hf_paged_rank_failure = True
-                self._publish(error, phase)
+                self._publish(error, phase, self.trainer.state.global_step + (0 if after_step else 1))
             raise
 
-    def _publish(self, error: Exception, phase: str) -> None:
+    def _publish(self, error: Exception, phase: str, step: int) -> None:
         output_dir = self.trainer.args.output_dir
         checkpoint = get_last_checkpoint(output_dir) if output_dir and os.path.isdir(output_dir) else None
-        failure = RankFailure.of(error, self.rank, self.trainer.state.global_step + 1, phase, checkpoint)
+        failure = RankFailure.of(error, self.rank, step, phase, checkpoint)
         if self.watcher is None:
             error.add_note(f"hf-paged: {failure.describe()}")
             return
@@ -215,29 +225,24 @@ class _RankFailures(TrainerCallback):
             error.add_note(f"hf-paged: this error on rank {self.rank} follows another: {first.describe()}")
 
     def close(self) -> None:
-        """Stop watching and give the optimizer its own step back (idempotent)."""
+        """Stop watching and give the optimizer its own step, the trainer its own evaluation and saves back
+        (idempotent)."""
         if self._closed:
             return
         self._closed = True
         if self.watcher is not None:
             self.watcher.stop()
-        self._saving.close()
         if self._snapshot_hook is not None:
             self._snapshot_hook.remove()
-        if self._own_step is None:
-            self.optimizer.__dict__.pop("step", None)
-        else:
-            self.optimizer.step = self._own_step
-
-    def on_step_begin(self, args, state, control, **kwargs) -> None:
-        self._saving.close()
-
-    def on_step_end(self, args, state, control, **kwargs) -> None:
-        if control.should_save and not self._closed and self.watcher is not None:
-            self._saving.enter_context(self.watcher.checkpointing())
-
-    def on_save(self, args, state, control, **kwargs) -> None:
-        self._saving.close()
+        for owner, name, own in (
+            (self.optimizer, "step", self._own_step),
+            (self.trainer, "evaluate", self._own_evaluate),
+        ):
+            if own is None:
+                vars(owner).pop(name, None)
+            else:
+                setattr(owner, name, own)
+        self._unwrap_saves()
 
     def on_train_end(self, args, state, control, **kwargs) -> None:
         self.close()  # a watcher left running would end this process once the job's store goes away

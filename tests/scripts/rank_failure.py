@@ -7,24 +7,37 @@ Launched with ``torchrun`` (one node, or two ``--nnodes 2 --node-rank 0|1`` laun
 
 ``--engine`` picks DDP, FSDP2 (accelerate's, through the Trainer) or DeepSpeed ZeRO-3. The model is the tests' tiny
 Llama, the optimizer ``hf_paged_adamw_8bit`` under a budget (its pages stream at every step) and
-``MemorySpikeCallback`` (which turns on hf-paged's handling of errors). On rank ``--fail-rank`` at optimizer step
-``--fail-step`` (from 1), ``--fail-in`` picks where ``torch.OutOfMemoryError`` is raised, ``--fail-times`` times
-each, in the first attempt of a job only (``TORCHELASTIC_RESTART_COUNT`` 0):
+``MemorySpikeCallback`` (which turns on hf-paged's handling of errors). ``--save-strategy`` is the Trainer's (``epoch``:
+an epoch of ``--save-steps`` steps; ``best``: the lowest evaluation loss), ``--eval-steps`` evaluates every so many
+steps. On rank ``--fail-rank`` at optimizer step ``--fail-step`` (from 1), ``--fail-in`` picks where an error is
+raised, ``--fail-times`` times each, in the first attempt of a job only (``TORCHELASTIC_RESTART_COUNT`` 0):
 
-- ``backward``: a gradient hook on the first decoder layer's MLP output, at the ``--fail-micro-batch``-th backward of
-  the step (from 0, replays counted);
-- ``optimizer``: the optimizer's first page allocations of the step;
+- ``backward``: ``torch.OutOfMemoryError`` in a gradient hook on the first decoder layer's MLP output, at the
+  ``--fail-micro-batch``-th backward of the step (from 0, replays counted);
+- ``optimizer``: ``torch.OutOfMemoryError`` in the optimizer's first page allocations of the step;
+- ``evaluation``: ``torch.OutOfMemoryError`` in the forward of the evaluation after the step;
+- ``save``: ``OSError`` (no space left on device) in the checkpoint written after the step, once the model's weights
+  are written (the optimizer's ``state_dict``: the rank that writes it);
 - ``none``: nowhere.
 
-``--resume-from auto`` resumes from the last checkpoint in ``--output-dir`` when torchrun restarted the job, and the
-process group's keys then go under a prefix per attempt (:func:`init_process_group_per_attempt`).
+``--run-ahead`` turns off the collectives a DDP step starts with (the count of label tokens across ranks,
+``average_tokens_across_devices``, and DDP's broadcast of buffers), as a model without buffers whose loss counts no
+tokens has none: a rank then goes on into the next step while another still writes a checkpoint.
+
+``--interrupt-save STEP SECONDS`` makes rank 0's checkpoint of step ``STEP`` wait ``SECONDS`` once the model's weights
+are written (a save that takes long; ``SECONDS`` -1: the process kills itself there with SIGKILL), in the first
+attempt only.
+
+``--resume-from auto`` resumes with ``resume_from_checkpoint=True`` (the last checkpoint in ``--output-dir``) when
+torchrun restarted the job, and the process group's keys then go under a prefix per attempt
+(:func:`init_process_group_per_attempt`); ``--resume-from last`` resumes with ``True`` at once.
 
 With ``--linger S`` the failing rank catches the error and keeps its process (and its connections) for ``S``
 seconds before raising it again: its peers then wait in the collective it never joins, as they would on NCCL
 after it ended.
 
 Each rank that finishes writes ``rank<R>.json`` in ``--output-dir`` (its logged losses, the sum and norm of its
-parameters, the recoveries counted); the failing rank writes ``failure.json`` (the time it raised, the note on its
+parameters, the recoveries counted, the checkpoint it resumed from); the failing rank writes ``failure.json`` (the time it raised, the note on its
 error) before it raises.
 """
 
@@ -33,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -58,12 +72,14 @@ OPTIM_ARGS = "page_size=4KiB,device_budget=16KiB,block_size=64,min_8bit_size=256
 
 
 class Injector(TrainerCallback):
-    """Raises ``torch.OutOfMemoryError`` on one rank at one optimizer step, in backward or in the optimizer step."""
+    """Raises an error on one rank at one optimizer step (in backward, the optimizer step, the evaluation or the
+    checkpoint after it), and makes rank 0's checkpoint of one step wait or kill its process."""
 
     def __init__(self, model: torch.nn.Module, options: argparse.Namespace, rank: int) -> None:
         self.options = options
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         self.armed = rank == options.fail_rank and first_attempt
+        self.interrupts = rank == 0 and first_attempt and options.interrupt_save is not None
         self.left = {where: options.fail_times for where in options.fail_in}
         self.backwards = 0
         self.step = 0
@@ -72,6 +88,20 @@ class Injector(TrainerCallback):
     def _forward(self, module, args, output):
         if torch.is_grad_enabled() and output.requires_grad:
             output.register_hook(self._backward)
+        elif not torch.is_grad_enabled() and self._now("evaluation"):
+            self.left["evaluation"] -= 1
+            raise torch.OutOfMemoryError("injected in evaluation")
+
+    def _saving(self, optimizer):
+        """An optimizer ``state_dict`` pre-hook: the checkpoint's model weights are written, the rest is not."""
+        if self._now("save"):
+            self.left["save"] -= 1
+            raise OSError(28, "injected: No space left on device")
+        if self.interrupts and self.step == self.options.interrupt_save[0]:
+            self.interrupts = False
+            if self.options.interrupt_save[1] < 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(self.options.interrupt_save[1])
 
     def _backward(self, grad):
         calls, self.backwards = self.backwards, self.backwards + 1
@@ -81,6 +111,9 @@ class Injector(TrainerCallback):
 
     def _now(self, where: str) -> bool:
         return self.armed and self.step == self.options.fail_step and self.left.get(where, 0) > 0
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        paged_optimizer_of(optimizer).register_state_dict_pre_hook(self._saving)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.step, self.backwards = state.global_step + 1, 0
@@ -119,8 +152,12 @@ def training_args(options: argparse.Namespace) -> TrainingArguments:
         max_steps=options.steps,
         per_device_train_batch_size=BATCH,
         gradient_accumulation_steps=options.grad_accum,
-        save_strategy="steps",
+        save_strategy=options.save_strategy,
         save_steps=options.save_steps,
+        eval_strategy="steps" if options.eval_steps else "no",
+        eval_steps=options.eval_steps,
+        metric_for_best_model="loss" if options.save_strategy == "best" else None,
+        per_device_eval_batch_size=BATCH,
         logging_steps=1,
         use_cpu=True,
         report_to=[],
@@ -128,6 +165,8 @@ def training_args(options: argparse.Namespace) -> TrainingArguments:
         seed=0,
         dataloader_num_workers=0,
         ddp_timeout=options.pg_timeout,
+        ddp_broadcast_buffers=not options.run_ahead,
+        average_tokens_across_devices=not options.run_ahead,
         deepspeed=deepspeed,
     )
 
@@ -182,15 +221,23 @@ def main() -> None:
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--save-steps", type=int, default=2)
+    parser.add_argument("--save-strategy", choices=["steps", "epoch", "best"], default="steps")
+    parser.add_argument("--eval-steps", type=int, default=None)
+    parser.add_argument("--run-ahead", action="store_true", help="no collective at the start of a step")
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--fail-rank", type=int, default=1)
     parser.add_argument("--fail-step", type=int, default=3)
-    parser.add_argument("--fail-in", nargs="+", choices=["backward", "optimizer", "none"], default=["backward"])
+    parser.add_argument(
+        "--fail-in", nargs="+", choices=["backward", "optimizer", "evaluation", "save", "none"], default=["backward"]
+    )
     parser.add_argument("--fail-micro-batch", type=int, default=0)
     parser.add_argument("--fail-times", type=int, default=1000)
     parser.add_argument("--linger", type=float, default=0.0)
+    parser.add_argument("--interrupt-save", nargs=2, type=float, metavar=("STEP", "SECONDS"), default=None)
     parser.add_argument("--pg-timeout", type=int, default=600, help="seconds a collective may wait")
-    parser.add_argument("--resume-from", default=None, help="a checkpoint, or auto (the last one, after a restart)")
+    parser.add_argument(
+        "--resume-from", default=None, help="a checkpoint, last (the last one), or auto (the last one, after a restart)"
+    )
     options = parser.parse_args()
     os.environ.setdefault("HF_PAGED_COMPILE", "0")
     torch.set_num_threads(1)
@@ -198,17 +245,19 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     resume_from = options.resume_from
     if resume_from == "auto":
-        restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-        resume_from = get_last_checkpoint(options.output_dir) if restarted else None
+        resume_from = "last" if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" else None
         init_process_group_per_attempt(options.pg_timeout)
+    resumed_from = get_last_checkpoint(options.output_dir) if resume_from == "last" else resume_from
     args = training_args(options)
     model = tiny_llama()
     injector = Injector(model, options, rank)
     spikes = MemorySpikeCallback(plot=False)
-    data = token_dataset(samples=BATCH * options.grad_accum * args.world_size * options.steps)
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[injector, spikes])
+    epoch_steps = options.save_steps if options.save_strategy == "epoch" else options.steps
+    data = token_dataset(samples=BATCH * options.grad_accum * args.world_size * epoch_steps)
+    evaluation = token_dataset(samples=BATCH * args.world_size, seed=1) if options.eval_steps else None
+    trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=evaluation, callbacks=[injector, spikes])
     try:
-        trainer.train(resume_from_checkpoint=resume_from)
+        trainer.train(resume_from_checkpoint=True if resume_from == "last" else resume_from)
     except Exception:
         if rank == options.fail_rank:
             with open(os.path.join(options.output_dir, "failure.json"), "w") as file:
@@ -222,7 +271,7 @@ def main() -> None:
         "checksum": checksum,
         "norm": norm,
         "oom_recoveries": spikes.oom_recoveries,
-        "resumed_from": resume_from,
+        "resumed_from": resumed_from,
     }
     with open(os.path.join(options.output_dir, f"rank{rank}.json"), "w") as file:
         json.dump(result, file)
