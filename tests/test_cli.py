@@ -435,6 +435,18 @@ def test_env_prints_versions_devices_and_optimizer_names(tmp_path):
     assert all(name in out for name in OPTIMIZER_NAMES)
 
 
+def test_env_installs_the_filters_of_train_and_plan(tmp_path):
+    """``hf-paged env`` keeps out what ``train`` and ``plan`` keep out: the stack it reports on (peft imports
+    torchao, bitsandbytes asks for its optional CPU kernel), imported in its process, prints none of those lines."""
+    code = "from hf_paged.cli import main; main(['env']); import peft, bitsandbytes"
+    completed = subprocess.run(
+        [sys.executable, "-c", code], check=False, env=_env(tmp_path), capture_output=True, text=True, timeout=120
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert "optimizers (TrainingArguments optim=)" in completed.stdout
+    assert unwanted_lines(completed.stdout + completed.stderr) == {}
+
+
 def test_importing_hf_paged_leaves_the_cli_out():
     code = (
         "import sys, hf_paged; "

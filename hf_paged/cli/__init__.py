@@ -13,6 +13,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from . import quiet
 from .config import Config, ConfigError
 
 
@@ -75,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``hf-paged`` command line; return the exit status (0 success, 1 a plan that does not fit, 2 bad
     arguments or config)."""
     args = _parser().parse_args(argv)
+    quiet.install()
     try:
         if args.command == "env":
             from .env import report
@@ -96,11 +98,9 @@ def _train(args: argparse.Namespace) -> int:
     """``hf-paged train``; launched as several processes, only the first (rank 0) prints the plan, config and
     summary, and each process ends once it has trained (see :func:`~hf_paged.process_exit.end_distributed_run`)."""
     from ..process_exit import end_distributed_run
-    from . import quiet
     from .config import load_config, to_dict, update
     from .train import is_main_process
 
-    quiet.install()
     config = load_config(args.config, args.overrides)
     if args.output_dir is not None:
         update(config, {"training": {"output_dir": args.output_dir}}, source="--output-dir")
@@ -134,7 +134,6 @@ def _train(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from ..sizes import parse_size
-    from . import quiet
     from .config import load_config
     from .plan import format_report, report, setup_from_config
 
@@ -144,7 +143,6 @@ def _plan(args: argparse.Namespace) -> int:
             capacity = parse_size(args.device_memory, "--device-memory")
         except (TypeError, ValueError) as error:
             raise ConfigError(str(error)) from None
-    quiet.install()
     config = load_config(args.config, args.overrides)
     outcome = report(setup_from_config(config, args.method), args.device, _capacity(config, capacity, args.device))
     print(format_report(outcome), flush=True)
