@@ -99,11 +99,14 @@ def _train(args: argparse.Namespace) -> int:
     summary, and each process ends once it has trained (see :func:`~hf_paged.process_exit.end_distributed_run`)."""
     from ..process_exit import end_distributed_run
     from .config import load_config, to_dict, update
+    from .sources import check_sources
     from .train import is_main_process
 
     config = load_config(args.config, args.overrides)
     if args.output_dir is not None:
         update(config, {"training": {"output_dir": args.output_dir}}, source="--output-dir")
+    if args.plan or not args.print_config:
+        check_sources(config)
     planned = None
     if args.plan:
         from .plan import format_report, report, setup_from_config
@@ -136,6 +139,7 @@ def _plan(args: argparse.Namespace) -> int:
     from ..sizes import parse_size
     from .config import load_config
     from .plan import format_report, report, setup_from_config
+    from .sources import check_sources
 
     capacity = None
     if args.device_memory is not None:
@@ -144,6 +148,7 @@ def _plan(args: argparse.Namespace) -> int:
         except (TypeError, ValueError) as error:
             raise ConfigError(str(error)) from None
     config = load_config(args.config, args.overrides)
+    check_sources(config)
     outcome = report(setup_from_config(config, args.method), args.device, _capacity(config, capacity, args.device))
     print(format_report(outcome), flush=True)
     return 1 if outcome.fits is False else 0
