@@ -66,16 +66,19 @@ def test_processes_train_together_with_ddp_on_the_cpu(launch):
     state = json.loads((output_dir / "trainer_state.json").read_text())
     assert state["global_step"] == 2 and state["log_history"][-1]["epoch"] == 1.0
     assert "parallel_mode != ParallelMode.DISTRIBUTED" not in completed.stderr
+    assert "find_unused_parameters=True was specified" not in completed.stderr  # every adapter is used each step
     rows = [json.loads(line) for line in (output_dir / "memory_timeline.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]  # written by rank 0 only, once per step
 
 
 def test_the_summary_and_messages_are_printed_once(launch):
     """Rank 0 prints the progress, hf-paged's messages, the Trainer's logs and the summary; the other rank nothing."""
-    completed, _ = launch
+    completed, output_dir = launch
     out = completed.stdout
     assert out.count("hf-paged train summary") == 1
-    assert re.search(r"model +tiny with QLoRA \(4-bit base weights\) on cpu(:0)?, 2 processes \(data parallel\)", out)
+    assert re.search(r"model +tiny with QLoRA \(4-bit base weights\) on cpu, 2 processes \(data parallel\)", out)
+    assert "hf-paged: model 'tiny' with QLoRA (4-bit base weights) on cpu\n" in out
+    assert json.loads((output_dir / "summary.json").read_text())["device"] == "cpu"
     messages = [line for line in (out + completed.stderr).splitlines() if line.startswith("hf-paged")]
     assert len(messages) >= 5 and len(messages) == len(set(messages)), messages
     assert out.count("'loss':") == 2  # the Trainer logs on rank 0 only

@@ -265,7 +265,9 @@ def training_arguments(config: Config) -> Any:
     """``TrainingArguments`` from ``config.training`` (the hf-paged optimizer names are registered first).
 
     Launched as several processes on a machine without an accelerator, the processes train with DDP on the
-    CPU (gloo): ``use_cpu`` is set, without which each process would train alone on all the data."""
+    CPU (gloo): ``use_cpu`` is set, without which each process would train alone on all the data.
+    ``ddp_find_unused_parameters`` is ``False`` unless set: the adapters are all used at every step (a LoRA of
+    experts that a step may not route to needs ``true``)."""
     register()
     from transformers import TrainingArguments
 
@@ -273,6 +275,8 @@ def training_arguments(config: Config) -> Any:
     accelerator = _accelerator_available()
     if "dataloader_pin_memory" not in settings:
         settings["dataloader_pin_memory"] = accelerator  # pinned batches need an accelerator
+    # every trained parameter is a LoRA adapter of a module each forward pass runs: DDP need not search the graph
+    settings.setdefault("ddp_find_unused_parameters", False)
     if not accelerator and launched_processes() > 1:
         settings["use_cpu"] = True  # accelerate makes a CPU process group of the launch only when told use_cpu
     try:
@@ -351,7 +355,8 @@ def run(config: Config | None = None, plan: MemoryPlan | None = None) -> dict[st
     tokenizer = build_tokenizer(config)
     dataset = training_data(config, tokenizer, args)
     method = "QLoRA (4-bit base weights)" if config.lora.quantize else "LoRA"
-    _progress(f"model {config.model.name!r} with {method} on {args.device}")
+    device = device_name(args.device, args.world_size)
+    _progress(f"model {config.model.name!r} with {method} on {device}")
     model = build_model(config, tokenizer, args.device)
     trainable, total = _parameter_counts(model)
     for note in quiet.notes():
@@ -382,7 +387,7 @@ def run(config: Config | None = None, plan: MemoryPlan | None = None) -> dict[st
     summary = {
         "model": config.model.name,
         "method": method,
-        "device": str(args.device),
+        "device": device,
         "processes": args.world_size,
         "optimizer": str(getattr(args.optim, "value", args.optim)),
         "trainable_params": trainable,
@@ -409,6 +414,12 @@ def run(config: Config | None = None, plan: MemoryPlan | None = None) -> dict[st
     if trainer.is_world_process_zero():
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     return summary
+
+
+def device_name(device: torch.device, processes: int) -> str:
+    """Where training runs, as the summary says it: the device's type for the CPU or for several processes (each
+    has its own index), else the device (``cuda:0``)."""
+    return device.type if device.type == "cpu" or processes > 1 else str(device)
 
 
 def _size(value: int | None, suffix: str = "") -> str:
