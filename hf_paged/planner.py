@@ -5,7 +5,10 @@ dtypes but no data, so an 8B-parameter model costs no memory) and runs ``steps``
 backward, then the optimizer step and ``zero_grad(set_to_none=True)``, the order of ``transformers.Trainer``.
 A ``TorchDispatchMode`` sees every tensor an operator returns and a ledger follows each storage from then until
 Python frees it (a weak reference, so tracing keeps nothing alive). The live bytes of all storages, taken
-after every operator, give each phase's peak, exactly as PyTorch's CPU allocator would see it.
+after every operator, give each phase's peak, exactly as PyTorch's CPU allocator would see it. For the CPU, the
+working memory some kernels allocate and free inside one call, which no operator returns (oneDNN's scratch of
+matrix products, the flash-attention kernel's buffers, the casts of mixed-dtype operands), is measured by running
+each kind of such a call once for real (:class:`_KernelScratch`): it depends on the CPU's instruction set.
 
 A fresh dispatch mode traces each phase: a mode reused across phases is kept by non-reentrant checkpointing
 and what it holds stays alive. The optimizer is traced eagerly (``torch.compile`` of fake tensors plans other
@@ -22,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import sys
 import time
 import warnings
 import weakref
@@ -298,12 +303,138 @@ def _grouped_mm_output(
     return torch.empty_strided(size, stride, dtype=dtype, device=mat_a.device)
 
 
-class _StorageTracker(TorchDispatchMode):
-    """Adds the storage of every tensor an operator returns to a ledger (holds no tensor itself)."""
+SCRATCH_MEASURE_LIMIT = 256 * 2**20
+"""Largest bytes of operands and outputs of a CPU operator call whose working memory a plan measures."""
 
-    def __init__(self, ledger: _Ledger) -> None:
+_SCRATCH_OPERATORS = frozenset(
+    {
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten.bmm.default,
+        torch.ops.aten.baddbmm.default,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    }
+)
+"""Operators whose CPU kernels allocate working memory through PyTorch's allocator: oneDNN's scratchpads of matrix
+products (fp32 accumulators and packed operands, which depend on the CPU's instruction set) and the flash-attention
+kernel's per-thread buffers."""
+
+
+def _real_zeros(tensor: torch.Tensor) -> torch.Tensor:
+    """A real tensor of zeros with ``tensor``'s shape, strides and dtype."""
+    reach = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    length = 0 if tensor.numel() == 0 else reach + 1
+    return torch.zeros(length, dtype=tensor.dtype).as_strided(tensor.shape, tensor.stride())
+
+
+@contextlib.contextmanager
+def _standard_error_discarded() -> Iterator[None]:
+    """The process's standard error (file descriptor 2) goes nowhere inside: kineto writes a line each time a
+    profiler starts or stops, at a level only ``KINETO_LOG_LEVEL`` set before its first use would hide."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _allocated_then_freed(sizes: list[int]) -> int:
+    """Highest bytes held above what remains, over a call's allocations (positive) and frees (negative) in order."""
+    live = peak = 0
+    for size in sizes:
+        live += size
+        peak = max(peak, live)
+    return peak - live
+
+
+class _KernelScratch:
+    """The working memory CPU kernels allocate and free inside one operator call, which no operator returns and fake
+    tensors therefore do not show: oneDNN's scratchpads of matrix products, the flash-attention kernel's per-thread
+    buffers, and the copies to the common dtype that an operator of mixed floating dtypes makes of its inputs on
+    the CPU (a bfloat16 tensor times a float32 one). How much depends on the CPU's instruction set and thread
+    count, so each kind of call (shapes, strides, dtypes) runs once for real on zeros under ``torch.profiler``, and
+    its allocations that the call frees count as allocated and freed at once in the plan."""
+
+    def __init__(self) -> None:
+        self._bytes: dict[tuple, int] = {}
+        self.unmeasured = 0
+        """Calls not measured: over :data:`SCRATCH_MEASURE_LIMIT`, refused on zeros, or while a profiler runs."""
+
+    @staticmethod
+    def holds_scratch(func: Any, tensors: list[torch.Tensor]) -> bool:
+        """Whether a CPU call of ``func`` on ``tensors`` may allocate memory it frees before returning."""
+        if func in _SCRATCH_OPERATORS:
+            return True
+        if getattr(func, "namespace", None) != "aten":
+            return False
+        return len({tensor.dtype for tensor in tensors if tensor.is_floating_point() and tensor.dim() > 0}) > 1
+
+    def nbytes(self, func: Any, args: tuple, kwargs: dict, output: Any) -> int:
+        """Bytes of working memory of the call ``func(*args, **kwargs)`` that returned ``output`` (fake tensors)."""
+        tensors = [item for item in tree_flatten((args, kwargs))[0] if isinstance(item, torch.Tensor)]
+        if not self.holds_scratch(func, tensors):
+            return 0
+        key = (func, _signature(args), _signature(kwargs), torch.get_num_threads())
+        if key not in self._bytes:
+            outputs = [item for item in tree_flatten(output)[0] if isinstance(item, torch.Tensor)]
+            operands = sum(tensor.untyped_storage().nbytes() for tensor in [*tensors, *outputs])
+            measured = None
+            if operands <= SCRATCH_MEASURE_LIMIT and not torch.autograd.profiler._is_profiler_enabled:
+                measured = self._measure(func, args, kwargs)
+            if measured is None:
+                self.unmeasured += 1
+                return 0
+            self._bytes[key] = measured
+        return self._bytes[key]
+
+    @staticmethod
+    def _measure(func: Any, args: tuple, kwargs: dict) -> int | None:
+        """The call's working memory, run on zeros under the profiler; ``None`` if it refuses zeros."""
+        from torch._C._profiler import _EventType
+        from torch.profiler import ProfilerActivity, profile
+        from torch.utils._python_dispatch import _disable_current_modes
+        from torch.utils._pytree import tree_map
+
+        with _disable_current_modes():
+            real_args, real_kwargs = tree_map(
+                lambda item: _real_zeros(item) if isinstance(item, torch.Tensor) else item, (args, kwargs)
+            )
+            generator = torch.default_generator.get_state()
+            profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            with _standard_error_discarded():
+                profiler.start()
+            try:
+                output = func(*real_args, **real_kwargs)  # held until the profiler stops: what stays is no scratch
+            except RuntimeError:  # a value zeros do not satisfy (a check of the data)
+                return None
+            finally:
+                with _standard_error_discarded():
+                    profiler.stop()
+                torch.default_generator.set_state(generator)
+            del output
+        allocations = []
+        pending = list(profiler.profiler.kineto_results.experimental_event_tree())
+        while pending:
+            event = pending.pop()
+            if event.typed[0] == _EventType.Allocation:
+                allocations.append((event.start_time_ns, event.typed[1].alloc_size))
+            pending.extend(event.children)
+        return _allocated_then_freed([size for _, size in sorted(allocations)])
+
+
+class _StorageTracker(TorchDispatchMode):
+    """Adds the storage of every tensor an operator returns to a ledger (holds no tensor itself), and the working
+    memory that CPU kernels free before they return, where a :class:`_KernelScratch` is given."""
+
+    def __init__(self, ledger: _Ledger, scratch: _KernelScratch | None = None) -> None:
         super().__init__()
         self._ledger = ledger
+        self._scratch = scratch
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -317,6 +448,10 @@ class _StorageTracker(TorchDispatchMode):
         for item in tree_flatten(output)[0]:
             if isinstance(item, torch.Tensor):
                 self._ledger.add(item.untyped_storage())
+        if self._scratch is not None:
+            scratch = self._scratch.nbytes(func, args, kwargs, output)
+            if scratch:
+                self._ledger.transient(scratch)
         return output
 
 
@@ -722,6 +857,7 @@ def plan(
     added = CUDA_WORKSPACE_BYTES if on_cuda else 0
     classifier = _Classifier(ledger)
     kernel_calls = _KernelCalls(ledger)
+    scratch = _KernelScratch() if target.type == "cpu" else None
     phases: list[PhasePeak] = []
     with (
         _fake_mode(),
@@ -753,7 +889,7 @@ def plan(
             for phase in PHASES:
                 ledger.mark()
                 held_before = classifier.kinds(built, built_optimizer, extra, after_step=False)
-                with _StorageTracker(ledger):
+                with _StorageTracker(ledger, scratch):
                     if phase == FORWARD_BACKWARD:
                         for _ in range(accumulation):
                             inputs = batch()
@@ -781,6 +917,11 @@ def plan(
     notes = [f"includes {format_size(CUDA_WORKSPACE_BYTES)} of cuBLAS workspace"] if on_cuda else []
     if family == "triton":
         notes.append("paged optimizer steps traced with the Triton kernels, one launch per page batch")
+    if scratch is not None and scratch.unmeasured:
+        notes.append(
+            f"leaves out the CPU kernels' working memory of {scratch.unmeasured} operator calls (over "
+            f"{format_size(SCRATCH_MEASURE_LIMIT)} of operands, refused on zeros, or planned while a profiler ran)"
+        )
     return MemoryPlan(
         device=str(target),
         phases=phases,

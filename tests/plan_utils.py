@@ -2,27 +2,39 @@
 
 from __future__ import annotations
 
+import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from hf_paged.planner import FORWARD_BACKWARD, OPTIMIZER_STEP, default_loss
 
-TOLERANCE = 0.02
-"""Largest relative difference allowed between a planned and a measured peak."""
+TOLERANCE = 0.0025
+"""Largest relative difference allowed between a planned and a measured peak (the README's 0.25%)."""
 
 
-def measured_peaks(build, batch, optimizer, steps: int = 2) -> list[tuple[str, int, int]]:
+def _fill_process_tables() -> None:
+    """bitsandbytes keeps tables for the process from its first quantization on (the dynamic map, the NF4 codes
+    and their bounds: 1,276 bytes); filled before a truth is taken, as any later run in the process finds them."""
+    try:
+        from bitsandbytes.functional import quantize_4bit
+    except ImportError:
+        return
+    quantize_4bit(torch.ones(64), blocksize=64, quant_type="nf4", compress_statistics=True)
+
+
+def measured_peaks(build, batch, optimizer, steps: int = 2, loss=default_loss) -> list[tuple[str, int, int]]:
     """(phase, step, peak bytes of live tensors) of a real run of ``steps`` training steps on the CPU, from the
     allocation events of ``torch.profiler``; everything is allocated inside the profile, so live bytes start at 0."""
+    _fill_process_tables()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         model = build()
         built_optimizer = optimizer(model)
         for step in range(1, steps + 1):
             with record_function(f"plan-test:{FORWARD_BACKWARD}:{step}"):
                 inputs = batch()
-                loss = default_loss(model, inputs)
-                loss.backward()
-                del loss, inputs
+                value = loss(model, inputs)
+                value.backward()
+                del value, inputs
             with record_function(f"plan-test:{OPTIMIZER_STEP}:{step}"):
                 built_optimizer.step()
                 built_optimizer.zero_grad(set_to_none=True)
@@ -59,3 +71,25 @@ def check_plan(planned, measured) -> list[str]:
         if abs(ratio - 1) > TOLERANCE:
             failures.append(f"{item.phase} step {item.step}: planned {item.peak_bytes} measured {truth}")
     return failures
+
+
+def check_bfloat16_mlp() -> None:
+    """Plan and train for real a bfloat16 MLP whose backward peaks in a matrix product; assert they agree."""
+    from torch import nn
+
+    from hf_paged.planner import plan
+
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)).to(torch.bfloat16)
+
+    def batch() -> torch.Tensor:
+        return torch.randn(64, 256, dtype=torch.bfloat16)
+
+    def loss(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+        return model(inputs).float().pow(2).mean()
+
+    def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), foreach=False)
+
+    planned = plan(build, batch, optimizer, loss=loss)
+    assert not check_plan(planned, measured_peaks(build, batch, optimizer, loss=loss))

@@ -2,12 +2,16 @@
 
 Each case builds a small Llama from a config as ``hf-paged train`` would, trains two steps for real under
 ``torch.profiler`` (``profile_memory=True``), sums the allocator's events into the live bytes over time and takes
-each phase's peak; the plan of the same setup, traced under fake tensors, must be within 2% of it.
+each phase's peak; the plan of the same setup, traced under fake tensors, must be within 0.25% of it.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +32,7 @@ from hf_paged.cli.plan import (
 )
 from hf_paged.planner import FORWARD_BACKWARD, KINDS, OPTIMIZER_STEP, MemoryPlan, default_loss, plan
 
-from plan_utils import check_plan, measured_peaks
+from plan_utils import check_bfloat16_mlp, check_plan, measured_peaks
 
 SMALL_LLAMA = [
     "model.tiny.hidden_size=128",
@@ -122,6 +126,22 @@ class _SquaredMean(nn.Module):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.inner(inputs).pow(2).mean()
+
+
+def test_plan_counts_the_working_memory_of_bfloat16_matrix_products() -> None:
+    """oneDNN's bfloat16 matrix products allocate scratch (packed operands, fp32 accumulators) through PyTorch's
+    allocator and free it before returning: on this machine's CPU."""
+    check_bfloat16_mlp()
+
+
+def test_plan_counts_the_working_memory_of_another_instruction_set() -> None:
+    """The scratch depends on the CPU: capped at AVX-512 with bfloat16 instructions and no AMX, it is larger than on
+    an AMX CPU (the tiny Mistral of tests/test_plan_architectures.py was planned 6% low on such a CPU). oneDNN reads
+    the cap when it starts, so in a fresh process."""
+    environment = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+    command = [sys.executable, "-c", "from plan_utils import check_bfloat16_mlp; check_bfloat16_mlp()"]
+    result = subprocess.run(command, check=False, env=environment, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
 def test_plan_kinds_of_qlora() -> None:
