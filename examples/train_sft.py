@@ -18,7 +18,7 @@ from hf_paged.cli import quiet
 quiet.install()  # first, as in train_trainer.py: before the libraries below are imported
 
 import torch  # noqa: E402
-from datasets import Dataset  # noqa: E402
+from datasets import Dataset, disable_progress_bars, enable_progress_bars  # noqa: E402
 from train_trainer import OUTPUT_ROOT, PROMPT, model_and_tokenizer, parse_args, read_records, say_where  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
@@ -49,13 +49,19 @@ def main(argv: list[str] | None = None) -> None:
         save_strategy="no",
         report_to="none",
     )
-    trainer = SFTTrainer(
-        model=model,
-        args=config,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=[MemorySpikeCallback()],
-    )
+    # TRL prepares the examples in five passes (EOS, tokenizing, labels, truncating, dropping fully masked ones),
+    # each with a progress bar of its own; over examples already in memory they take no time worth drawing
+    disable_progress_bars()
+    try:
+        trainer = SFTTrainer(
+            model=model,
+            args=config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[MemorySpikeCallback()],
+        )
+    finally:
+        enable_progress_bars()
     trainer.train()
     trainer.save_model()
     say_where(args.output_dir)

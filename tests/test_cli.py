@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import json
 import logging
@@ -82,6 +83,36 @@ def test_default_run_prints_no_warning_the_user_cannot_act_on(default_run):
     noise = re.compile(r"warning|failed to load|deprecat", re.IGNORECASE)
     lines = (completed.stdout + completed.stderr).splitlines()
     assert [line for line in lines if noise.search(line) and not line.startswith("hf-paged")] == []
+
+
+def _readme_transcript() -> list[str]:
+    """The lines of the README's "What you should see" block of the quick start."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    return readme.split("What you should see", 1)[1].split("```text\n", 1)[1].split("```", 1)[0].splitlines()
+
+
+def test_the_readme_shows_what_the_default_run_prints(default_run):
+    """The quick start's transcript is this run's, trimmed: hf-paged's lines, the data's progress bars by name, the
+    keys of the Trainer's first log line, the training metrics and the summary's rows, in the order printed."""
+    completed, _ = default_run
+    transcript = _readme_transcript()
+    printed = [line.strip() for line in re.split(r"[\r\n]", completed.stdout + completed.stderr) if line.strip()]
+    said = [line for line in transcript if line.startswith("hf-paged:")]
+    assert said == [line for line in completed.stdout.splitlines() if line.startswith("hf-paged:")]
+    bars = [line.split(":", 1)[0] for line in transcript[1:] if re.search(r"\d examples/s\]$", line)]
+    assert bars == ["Generating train split", "tokenizing", "keeping examples with a labelled token"]
+    assert all(any(line.startswith(f"{bar}: ") and "285" in line for line in printed) for bar in bars)
+    logs = [ast.literal_eval(line) for line in completed.stdout.splitlines() if line.startswith("{'")]
+    shown = [line for line in transcript if line.startswith("{'")]
+    first_keys = re.findall(r"'([\w/]+)': ", shown[0])
+    assert set(first_keys) <= set(logs[0]) and first_keys[:2] == ["loss", "grad_norm"]
+    assert list(ast.literal_eval(shown[-1])) == list(logs[-1])  # train_runtime ... epoch, shown whole
+    assert re.search(r"^100%\|\S+\| 160/160 ", transcript[transcript.index("hf-paged train summary") - 1])
+    rows = transcript[transcript.index("hf-paged train summary") + 1 :]
+    summary = completed.stdout.split("hf-paged train summary\n", 1)[1].splitlines()
+    assert [re.split(r"\s{2,}", row.strip())[0] for row in rows] == [
+        re.split(r"\s{2,}", row.strip())[0] for row in summary
+    ]
 
 
 def test_quiet_drops_only_the_messages_it_names(caplog):

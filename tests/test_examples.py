@@ -26,6 +26,9 @@ UNWANTED = {
     "pin_memory on the CPU": re.compile(r"pin_memory"),
     "the TqdmWarning of a notebook": re.compile(r"TqdmWarning|IProgress not found"),
     "a deprecation": re.compile(r"deprecat|FutureWarning", re.IGNORECASE),
+    "TRL's dataset preparation bars": re.compile(
+        r"(Adding EOS to|Tokenizing|Building labels for|Truncating|Dropping fully masked examples from) train dataset"
+    ),
 }
 """Third-party lines that ``hf-paged train`` keeps out, and the examples and the notebook must keep out too."""
 
@@ -102,6 +105,7 @@ Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes'
 dataloader.py:759: UserWarning: 'pin_memory' argument is set as true but no accelerator is found
 tqdm/auto.py:21: TqdmWarning: IProgress not found. Please update jupyter and ipywidgets.
 training_args.py:1541: FutureWarning: `gradient_checkpointing` is deprecated and will be removed in v6.
+Tokenizing train dataset: 100%|██████████| 8/8 [00:00<00:00, 1594.87 examples/s]
 hf_paged.qlora: QLoRA: 17,408 trainable of 132,800 parameters (13.11%); 14 4-bit linear layers in 0.05 MiB
 """
     assert {name: len(lines) for name, lines in unwanted_lines(printed).items()} == dict.fromkeys(UNWANTED, 1)

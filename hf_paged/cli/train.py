@@ -152,7 +152,10 @@ def tokenize(records: Any, config: Config, tokenizer: Any) -> Any:
         return {"input_ids": ids[:max_length], "labels": labels[:max_length]}
 
     tokenized = records.map(encode, remove_columns=records.column_names, desc="tokenizing")
-    kept = tokenized.filter(lambda example: any(label != IGNORE_INDEX for label in example["labels"]))
+    kept = tokenized.filter(
+        lambda example: any(label != IGNORE_INDEX for label in example["labels"]),
+        desc="keeping examples with a labelled token",
+    )
     if len(kept) < len(tokenized) and is_main_process():
         logger.warning(
             "hf-paged: dropped %d of %d examples whose response lies beyond tokenizer.max_length=%d",
