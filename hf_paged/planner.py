@@ -24,6 +24,7 @@ Only torch is imported here: models built from configs, adapters and 4-bit weigh
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 import sys
@@ -343,10 +344,26 @@ def _standard_error_discarded() -> Iterator[None]:
         os.close(saved)
 
 
-def _allocated_then_freed(sizes: list[int]) -> int:
-    """Highest bytes held above what remains, over a call's allocations (positive) and frees (negative) in order."""
+def allocations_inside(events: Iterable[tuple]) -> Iterator[tuple]:
+    """The allocator's events of a profile, in order, each ending ``(address, size)`` (size negative for a free),
+    without the frees of blocks allocated before the profile: the profiler reports those where an earlier profile saw
+    them allocated (garbage of earlier work collected during this one)."""
+    held: set[int] = set()
+    for event in events:
+        address, size = event[-2:]
+        if size > 0:
+            held.add(address)
+        elif address in held:
+            held.remove(address)
+        else:
+            continue
+        yield event
+
+
+def _allocated_then_freed(events: list[tuple[int, int]]) -> int:
+    """Highest bytes held above what remains, over a call's ``(address, size)`` allocator events in order."""
     live = peak = 0
-    for size in sizes:
+    for _, size in allocations_inside(events):
         live += size
         peak = max(peak, live)
     return peak - live
@@ -406,6 +423,8 @@ class _KernelScratch:
             )
             generator = torch.default_generator.get_state()
             profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            collecting = gc.isenabled()
+            gc.disable()  # no garbage of earlier work is freed inside
             with _standard_error_discarded():
                 profiler.start()
             try:
@@ -415,6 +434,8 @@ class _KernelScratch:
             finally:
                 with _standard_error_discarded():
                     profiler.stop()
+                if collecting:
+                    gc.enable()
                 torch.default_generator.set_state(generator)
             del output
         allocations = []
@@ -422,9 +443,9 @@ class _KernelScratch:
         while pending:
             event = pending.pop()
             if event.typed[0] == _EventType.Allocation:
-                allocations.append((event.start_time_ns, event.typed[1].alloc_size))
+                allocations.append((event.start_time_ns, event.typed[1].ptr, event.typed[1].alloc_size))
             pending.extend(event.children)
-        return _allocated_then_freed([size for _, size in sorted(allocations)])
+        return _allocated_then_freed([(address, size) for _, address, size in sorted(allocations)])
 
 
 class _StorageTracker(TorchDispatchMode):

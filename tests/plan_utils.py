@@ -6,7 +6,7 @@ import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from hf_paged.planner import FORWARD_BACKWARD, OPTIMIZER_STEP, default_loss
+from hf_paged.planner import FORWARD_BACKWARD, OPTIMIZER_STEP, allocations_inside, default_loss
 
 TOLERANCE = 0.0025
 """Largest relative difference allowed between a planned and a measured peak (the README's 0.25%)."""
@@ -24,7 +24,9 @@ def _fill_process_tables() -> None:
 
 def measured_peaks(build, batch, optimizer, steps: int = 2, loss=default_loss) -> list[tuple[str, int, int]]:
     """(phase, step, peak bytes of live tensors) of a real run of ``steps`` training steps on the CPU, from the
-    allocation events of ``torch.profiler``; everything is allocated inside the profile, so live bytes start at 0."""
+    allocation events of ``torch.profiler``; everything is allocated inside the profile, so live bytes start at 0, and
+    frees of blocks allocated before it (which the profiler reports where an earlier profile saw them allocated:
+    garbage of an earlier test collected during this run) are left out."""
     _fill_process_tables()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         model = build()
@@ -43,12 +45,12 @@ def measured_peaks(build, batch, optimizer, steps: int = 2, loss=default_loss) -
     while pending:
         event = pending.pop()
         if event.typed[0] == _EventType.Allocation:
-            allocations.append((event.start_time_ns, event.typed[1].alloc_size))
+            allocations.append((event.start_time_ns, event.typed[1].ptr, event.typed[1].alloc_size))
         elif event.name.startswith("plan-test:"):
             _, phase, step = event.name.split(":")
             windows.append((event.start_time_ns, event.end_time_ns, phase, int(step)))
         pending.extend(event.children)
-    allocations.sort()
+    allocations = [(when, size) for when, _, size in allocations_inside(sorted(allocations))]
     peaks = []
     for start, end, phase, step in sorted(windows):
         live = sum(size for when, size in allocations if when < start)

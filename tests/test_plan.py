@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
 
 import hf_paged
 from hf_paged import native as native_module
@@ -30,7 +32,15 @@ from hf_paged.cli.plan import (
     plan_setup,
     setup_from_config,
 )
-from hf_paged.planner import FORWARD_BACKWARD, KINDS, OPTIMIZER_STEP, MemoryPlan, default_loss, plan
+from hf_paged.planner import (
+    FORWARD_BACKWARD,
+    KINDS,
+    OPTIMIZER_STEP,
+    MemoryPlan,
+    allocations_inside,
+    default_loss,
+    plan,
+)
 
 from plan_utils import check_bfloat16_mlp, check_plan, measured_peaks
 
@@ -132,6 +142,27 @@ def test_plan_counts_the_working_memory_of_bfloat16_matrix_products() -> None:
     """oneDNN's bfloat16 matrix products allocate scratch (packed operands, fp32 accumulators) through PyTorch's
     allocator and free it before returning: on this machine's CPU."""
     check_bfloat16_mlp()
+
+
+def test_frees_of_blocks_allocated_under_an_earlier_profile_are_left_out() -> None:
+    """The profiler reports the free of a block that an earlier profile saw allocated (garbage of earlier work,
+    collected during a later measurement): it is not the later work's, in a plan's measured scratch or a truth."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True):
+        old = torch.zeros(1000)
+    address = old.data_ptr()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as later:
+        new = torch.zeros(10)
+        del old
+    events = []
+    pending = list(later.profiler.kineto_results.experimental_event_tree())
+    while pending:
+        event = pending.pop()
+        if event.typed[0] == _EventType.Allocation:
+            events.append((event.start_time_ns, event.typed[1].ptr, event.typed[1].alloc_size))
+        pending.extend(event.children)
+    events.sort()
+    assert (address, -4000) in [event[1:] for event in events]
+    assert [size for _, _, size in allocations_inside(events)] == [new.numel() * 4]
 
 
 def test_plan_counts_the_working_memory_of_another_instruction_set() -> None:
