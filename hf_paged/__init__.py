@@ -5,7 +5,17 @@ or rest in host memory, and work the same on CUDA, other accelerators and the CP
 """
 
 from . import _autoregister
-from .optim import PagedAdamW, PagedAdamW4bit, PagedAdamW8bit, PagedLion, PagedLion8bit, PagedOptimizer
+from .optim import (
+    PagedAdamW,
+    PagedAdamW4bit,
+    PagedAdamW8bit,
+    PagedAdEMAMix,
+    PagedAdEMAMix4bit,
+    PagedAdEMAMix8bit,
+    PagedLion,
+    PagedLion8bit,
+    PagedOptimizer,
+)
 from .recovery import OOMRecovery, recover_oom
 from .sizes import parse_size
 
@@ -15,6 +25,9 @@ __all__ = [
     "MemoryPlan",
     "MemorySpikeCallback",
     "OOMRecovery",
+    "PagedAdEMAMix",
+    "PagedAdEMAMix4bit",
+    "PagedAdEMAMix8bit",
     "PagedAdamW",
     "PagedAdamW4bit",
     "PagedAdamW8bit",

@@ -17,7 +17,7 @@ import hf_paged
 from hf_paged.codecs import Blockwise4bitCodec, Blockwise8bitCodec, Float32Codec, PageFormat, to_blocks
 from hf_paged.kernels import HostKernel, SegmentKernel, host_rule_name, segment_kernel
 from hf_paged.kernels.batch import NO_ROUNDING, PageBatch
-from hf_paged.kernels.rules import adamw_scalars, adamw_update_, lion_update_
+from hf_paged.kernels.rules import adamw_scalars, adamw_update_, ademamix_scalars, ademamix_update_, lion_update_
 from hf_paged.stochastic_rounding import ElementRounding, parameter_seed, step_keys
 
 CPU = torch.device("cpu")
@@ -34,7 +34,23 @@ LION_ROWS = [
         "avg_weight": 0.7,
     },  # weights of 0.5 and more: ATen's other lerp
 ]
-RULES = {"adamw": (adamw_update_, (True, False), ADAMW_ROWS), "lion": (lion_update_, (True,), LION_ROWS)}
+ADEMAMIX_ROWS = [
+    ademamix_scalars(
+        {"lr": 1e-2, "betas": (0.9, 0.999, 0.9999), "alpha": 5.0, "t_alpha": None, "t_beta3": None, "eps": 1e-8,
+         "weight_decay": 1e-2},
+        3,
+    ),
+    ademamix_scalars(
+        {"lr": 3e-3, "betas": (0.4, 0.99, 0.999), "alpha": 8.0, "t_alpha": 10, "t_beta3": 10, "eps": 1e-6,
+         "weight_decay": 0.0},
+        2,
+    ),
+]  # fmt: skip
+RULES = {
+    "adamw": (adamw_update_, (True, False), ADAMW_ROWS),
+    "lion": (lion_update_, (True,), LION_ROWS),
+    "ademamix": (ademamix_update_, (True, True, False), ADEMAMIX_ROWS),
+}
 FORMATS = {
     "8bit": lambda signed: Blockwise8bitCodec(64, signed),
     "4bit": lambda signed: Blockwise4bitCodec(64, signed),

@@ -18,6 +18,7 @@ from hf_paged import native
 from hf_paged.codecs import Blockwise4bitCodec, Blockwise8bitCodec
 from hf_paged.kernels import HostKernel, SegmentKernel, segment_kernel
 from hf_paged.kernels.host import fits_vector_lanes
+from hf_paged.kernels.rules import ademamix_scalars, ademamix_update_
 from hf_paged.optim.adamw import adamw_scalars, adamw_update_
 from hf_paged.optim.lion import lion_update_
 
@@ -25,7 +26,16 @@ CPU = torch.device("cpu")
 ADAMW_SCALARS = adamw_scalars({"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}, 3)
 LION_SCALARS = {"lr": 1e-4, "decay": 1 - 1e-4 * 0.1, "direction_weight": 0.1, "avg_weight": 0.01}
 FORMATS = [(Blockwise8bitCodec, 256), (Blockwise8bitCodec, 16), (Blockwise4bitCodec, 128), (Blockwise4bitCodec, 16)]
-RULES = {"adamw": (adamw_update_, (True, False), ADAMW_SCALARS), "lion": (lion_update_, (True,), LION_SCALARS)}
+ADEMAMIX_SCALARS = ademamix_scalars(
+    {"lr": 1e-3, "betas": (0.9, 0.999, 0.9999), "alpha": 5.0, "t_alpha": 10, "t_beta3": 10, "eps": 1e-8,
+     "weight_decay": 1e-2},
+    3,
+)  # fmt: skip
+RULES = {
+    "adamw": (adamw_update_, (True, False), ADAMW_SCALARS),
+    "lion": (lion_update_, (True,), LION_SCALARS),
+    "ademamix": (ademamix_update_, (True, True, False), ADEMAMIX_SCALARS),
+}
 
 
 @pytest.fixture
@@ -356,7 +366,7 @@ def test_4bit_blocks_narrower_than_two_vectors_are_refused_before_any_write(buil
     param, grad = torch.randn(4, 16), torch.randn(4, 16)
     encoded = random_segment(codecs, 4, torch.Generator().manual_seed(0))
     before = param.clone()
-    (avg_codes, avg_scales), (sq_codes, sq_scales) = encoded
+    arrays = [array for segment in encoded for array in segment]
     with pytest.raises(RuntimeError, match="4-bit blocks must be of at least 32 elements"):
-        torch.ops.hf_paged.adamw_blockwise_(param, grad, avg_codes, avg_scales, sq_codes, sq_scales, 4, 16, *[0.5] * 7)
+        torch.ops.hf_paged.adamw_segment_(param, grad, arrays, 4, 16, [0.5] * 7)
     assert torch.equal(param, before)

@@ -21,17 +21,32 @@ from hf_paged.codecs import (
 )
 from hf_paged.kernels.batch import PageBatch
 from hf_paged.kernels.pytorch import gather_in_buffers, update_in_buffers
-from hf_paged.kernels.rules import adamw_moments_, adamw_scalars, adamw_update_, lion_update_
+from hf_paged.kernels.rules import (
+    adamw_moments_,
+    adamw_scalars,
+    adamw_update_,
+    ademamix_scalars,
+    ademamix_update_,
+    lion_update_,
+)
 from hf_paged.stochastic_rounding import ElementRounding, step_keys
 
 BLOCK = 64
 """Elements per block of the 8-bit and 4-bit codecs."""
-RULES = {"adamw": (adamw_update_, (True, False)), "lion": (lion_update_, (True,))}
+RULES = {
+    "adamw": (adamw_update_, (True, False)),
+    "lion": (lion_update_, (True,)),
+    "ademamix": (ademamix_update_, (True, True, False)),
+}
 """Each rule with the signedness of its states."""
 FORMATS = ("8bit", "4bit", "fp32")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ADAMW_GROUP = {"lr": 1e-2, "betas": (0.9, 0.999), "weight_decay": 0.1, "eps": 1e-8}
 LION_SCALARS = {"lr": 1e-3, "decay": 0.9999, "direction_weight": 0.1, "avg_weight": 0.01}
+ADEMAMIX_GROUP = {
+    "lr": 1e-2, "betas": (0.9, 0.999, 0.9999), "alpha": 5.0, "t_alpha": 10, "t_beta3": 10, "eps": 1e-8,
+    "weight_decay": 0.1,
+}  # fmt: skip
 
 
 def codecs_of(rule_name: str, state_format: str) -> tuple:
@@ -45,7 +60,11 @@ def codecs_of(rule_name: str, state_format: str) -> tuple:
 
 def scalars_of(rule_name: str, step: int = 3) -> dict[str, float]:
     """The rule's scalars at optimizer step ``step``."""
-    return adamw_scalars(ADAMW_GROUP, step) if rule_name == "adamw" else dict(LION_SCALARS)
+    if rule_name == "adamw":
+        return adamw_scalars(ADAMW_GROUP, step)
+    if rule_name == "ademamix":
+        return ademamix_scalars(ADEMAMIX_GROUP, step)
+    return dict(LION_SCALARS)
 
 
 CASES = {

@@ -1,7 +1,8 @@
-"""The host kernels: ``hf_paged/native/host_kernels.cpp``, a C++ pass over each block of a CPU segment of AdamW's
-and Lion's 8-bit and 4-bit state, or over the elements of their fp32 state; per segment, or for every segment of a
-page batch at once (:class:`~hf_paged.kernels.batch.PageBatch`). AdamW's rank-1 normalized 4-bit state takes page
-batches only (and its statistics pass, :meth:`HostKernel.gather_batch`); its single segments go to the fallback.
+"""The host kernels: ``hf_paged/native/host_kernels.cpp``, a C++ pass over each block of a CPU segment of AdamW's,
+Lion's and AdEMAMix's 8-bit and 4-bit state, or over the elements of their fp32 state; per segment, or for every
+segment of a page batch at once (:class:`~hf_paged.kernels.batch.PageBatch`). AdamW's rank-1 normalized 4-bit state
+takes page batches only (and its statistics pass, :meth:`HostKernel.gather_batch`); its single segments go to the
+fallback.
 
 Built at first use by :mod:`hf_paged.native`; ``HF_PAGED_NATIVE=0`` turns them off, and where they cannot be
 built the PyTorch kernels remain, and the reason is logged once.
@@ -25,7 +26,7 @@ from ..codecs import (
 from ..stochastic_rounding import ElementRounding
 from .batch import PageBatch
 from .pytorch import SegmentKernel, update_or_undo
-from .rules import UpdateRule, adamw_update_, lion_update_
+from .rules import ADEMAMIX_SCALAR_NAMES, UpdateRule, adamw_update_, ademamix_update_, lion_update_
 
 
 class HostKernel:
@@ -59,7 +60,7 @@ class HostKernel:
         """The rule's scalars in the operator's order: the columns of a :class:`PageBatch`'s ``scalars``."""
         self.rank1 = isinstance(first, Rank1Normalized4bitCodec)
         """Whether the state is rank-1 normalized (AdamW only): batches take its statistics, segments the fallback."""
-        self._operator = getattr(torch.ops.hf_paged, f"{rule_name}_{'fp32' if self.bits == 32 else 'blockwise'}_")
+        self._operator = getattr(torch.ops.hf_paged, f"{rule_name}_segment_")
         self._batch_operator = getattr(torch.ops.hf_paged, f"{rule_name}_{'rank1_' if self.rank1 else ''}batch_")
 
     @property
@@ -90,10 +91,7 @@ class HostKernel:
         arrays = [array for segment in encoded for array in segment]
         values = [float(scalars[name]) for name in self.scalar_names]
         rounding_arguments = () if rounding is None or param.dtype != torch.bfloat16 else (True, *rounding)
-        if self.bits == 32:
-            self._operator(param, grad, arrays, values, *rounding_arguments)
-        else:
-            self._operator(param, grad, *arrays, self.bits, self.block_size, *values, *rounding_arguments)
+        self._operator(param, grad, arrays, self.bits, self.block_size, values, *rounding_arguments)
 
     def takes_batch(self, device: torch.device, param_dtype: torch.dtype, grad_dtype: torch.dtype) -> bool:
         """Whether :meth:`update_batch` takes segments of ``param_dtype`` parameters with ``grad_dtype`` gradients on
@@ -184,18 +182,19 @@ _HOST_RULES: dict[str, tuple[tuple[bool, ...], tuple[str, ...]]] = {
         ("decay", "avg_weight", "beta2", "sq_weight", "eps", "step_size", "inv_bias_correction2_sqrt"),
     ),
     "lion": ((True,), ("lr", "decay", "direction_weight", "avg_weight")),
+    "ademamix": ((True, True, False), ADEMAMIX_SCALAR_NAMES),
 }
 """The rules with a host kernel: the signedness of their states, and their scalars in the operator's order."""
 
 
-_HOST_RULE_NAMES: dict[UpdateRule, str] = {adamw_update_: "adamw", lion_update_: "lion"}
+_HOST_RULE_NAMES: dict[UpdateRule, str] = {adamw_update_: "adamw", lion_update_: "lion", ademamix_update_: "ademamix"}
 """The update rules that have a host kernel, by function."""
 
 
 def host_rule_name(rule: UpdateRule, codecs: tuple[Codec, ...]) -> str | None:
-    """The host kernel's name for ``rule`` on ``codecs`` (``"adamw"`` or ``"lion"``), or ``None`` where it has
-    none: a rule other than AdamW's and Lion's, states that are not all 8-bit, all 4-bit, all rank-1 normalized
-    4-bit (of one block size; AdamW only) or all fp32."""
+    """The host kernel's name for ``rule`` on ``codecs`` (``"adamw"``, ``"lion"`` or ``"ademamix"``), or ``None`` where
+    it has none: a rule other than AdamW's, Lion's and AdEMAMix's, states that are not all 8-bit, all 4-bit, all
+    rank-1 normalized 4-bit (of one block size; AdamW only) or all fp32."""
     name = _HOST_RULE_NAMES.get(rule)
     if name is None or not codecs:
         return None

@@ -1,5 +1,5 @@
-"""The Triton kernels: AdamW and Lion on 8-bit, 4-bit and fp32 state, and AdamW on rank-1 normalized 4-bit state,
-one launch per page batch.
+"""The Triton kernels: AdamW, Lion and AdEMAMix on 8-bit, 4-bit and fp32 state, and AdamW on rank-1 normalized 4-bit
+state, one launch per page batch.
 
 Each program updates tiles of whole blocks of a segment (``block_size`` elements of blockwise state, or
 :data:`FP32_BLOCK` elements of fp32 state) in registers: it reads the parameter, gradient and state codes, decodes the
@@ -16,14 +16,15 @@ else. See :mod:`hf_paged.kernels.batch`.
 
 The arithmetic is that of the host kernels (``hf_paged/native/host_kernels.cpp``) operation by operation: products
 and sums rounded one by one (launched with ``enable_fp_fusion=False``, so that no multiply and add are contracted),
-lerp as ATen's (one fused multiply-add), square roots and quotients IEEE-rounded (``sqrt_rn``, ``div_rn``), codes
-rounded to nearest, ties to even. Conversions to bf16 round to nearest even in integer arithmetic (a NaN becomes
-``0x7FC0``, as ``c10::BFloat16`` on the CPU), so results are bitwise the host's and the eager PyTorch kernels' on
-finite values. Stochastic rounding of bf16 parameters takes the hash of :mod:`hf_paged.stochastic_rounding` in
-32-bit integer arithmetic. Where the host and eager kernels differ among themselves (Lion's sign of a NaN
-momentum: 0 in the host kernels), these follow the host kernels. The one difference: lerp here is always one fused
-multiply-add, as ATen's CPU kernels compute it where the CPU has one (AVX2, AVX-512, ARM); on a CPU without (PyTorch's
-``default`` capability) they round its product and sum apart, and a moment can differ by an ulp, its code by one.
+lerp, ``add(alpha=)`` and ``addcmul`` as ATen's (one fused multiply-add each), square roots and quotients IEEE-rounded
+(``sqrt_rn``, ``div_rn``), codes rounded to nearest, ties to even. Conversions to bf16 round to nearest even in
+integer arithmetic (a NaN becomes ``0x7FC0``, as ``c10::BFloat16`` on the CPU), so results are bitwise the host's and
+the eager PyTorch kernels' on finite values. Stochastic rounding of bf16 parameters takes the hash of
+:mod:`hf_paged.stochastic_rounding` in 32-bit integer arithmetic. Where the host and eager kernels differ among
+themselves (Lion's sign of a NaN momentum: 0 in the host kernels), these follow the host kernels. The one difference:
+those three operations are always one fused multiply-add here, as ATen's CPU kernels compute them where the CPU has
+one (AVX2, AVX-512, ARM); on a CPU without (PyTorch's ``default`` capability) they round the product and sum apart,
+and a moment can differ by an ulp, its code by one.
 
 On the CPU they run only under Triton's interpreter (``TRITON_INTERPRET=1`` when Triton and this module are first
 imported, and while they run), which the tests use to run them without an accelerator.
@@ -64,7 +65,16 @@ from ..codecs import (
 from ..stochastic_rounding import ElementRounding, step_keys
 from .batch import LENGTH, OFFSET, PAGE, ROW, START, TENSOR, PageBatch
 from .pytorch import gather_in_buffers, update_in_buffers, update_or_undo
-from .rules import UpdateRule, adamw_moments_, adamw_scalars, adamw_update_, lion_update_
+from .rules import (
+    ADEMAMIX_SCALAR_NAMES,
+    UpdateRule,
+    adamw_moments_,
+    adamw_scalars,
+    adamw_update_,
+    ademamix_scalars,
+    ademamix_update_,
+    lion_update_,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +98,12 @@ _RULES: dict[UpdateRule, tuple[str, tuple[bool, ...], tuple[str, ...]]] = {
         ("decay", "avg_weight", "beta2", "sq_weight", "eps", "step_size", "inv_bias_correction2_sqrt"),
     ),
     lion_update_: ("lion", (True,), ("lr", "decay", "direction_weight", "avg_weight")),
+    ademamix_update_: ("ademamix", (True, True, False), ADEMAMIX_SCALAR_NAMES),
 }
 """The rules with Triton kernels: their name, the signedness of their states, and their scalars in kernel order."""
+
+_RULE_CODES = {"adamw": 0, "lion": 1, "ademamix": 2}
+"""The code of each rule that the update kernel is specialized on (``RULE``)."""
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 """Parameter and gradient dtypes the kernels take, by the code the kernels are specialized on."""
@@ -102,8 +116,8 @@ def _pair_code(param: torch.Tensor, grad: torch.Tensor) -> int:
 
 def triton_rule(rule: UpdateRule, codecs: tuple[Codec, ...]) -> tuple[str, int, int] | None:
     """The Triton kernel's rule name, state bits (8, 4, or 32 for fp32 state) and block size for ``rule`` on
-    ``codecs``, or ``None`` where it has none: a rule other than AdamW's and Lion's, or states that are not all
-    8-bit, all 4-bit (of one block size), all fp32, or (AdamW only) all rank-1 normalized 4-bit."""
+    ``codecs``, or ``None`` where it has none: a rule other than AdamW's, Lion's and AdEMAMix's, or states that are
+    not all 8-bit, all 4-bit (of one block size), all fp32, or (AdamW only) all rank-1 normalized 4-bit."""
     entry = _RULES.get(rule)
     if entry is None or not codecs:
         return None
@@ -375,22 +389,116 @@ def _segment_entry(table, scalars, segment, SCALARS: tl.constexpr):
 
 
 @triton.jit
+def _ademamix_values(param, grad, fast, slow, second, s):
+    """ademamix_update_ on fp32 values: the new parameter, fast and slow averages, second moment and its square root.
+    Each average is one fused multiply-add (ATen's add with alpha), the second moment one (ATen's addcmul), and so is
+    the weight decay's share of the update."""
+    fast = tl.fma(grad, tl.load(s + 1), fast * tl.load(s + 0))
+    slow = tl.fma(grad, tl.load(s + 3), slow * tl.load(s + 2))
+    second = tl.fma(grad * tl.load(s + 5), grad, second * tl.load(s + 4))
+    root = tl.sqrt_rn(second)
+    denominator = tl.div_rn(root, tl.load(s + 8)) + tl.load(s + 6)
+    update = tl.div_rn(tl.div_rn(fast, tl.load(s + 7)) + slow * tl.load(s + 9), denominator)
+    param = param + tl.fma(param, tl.load(s + 10), update) * tl.load(s + 11)
+    return param, fast, slow, second, root
+
+
+@triton.jit
 def _update_elements(
-    param, grad, index, mask, old_moment, old_second, s, rounds, key_a, key_b, round_index,
+    param, grad, index, mask, old0, old1, old2, s, rounds, key_a, key_b, round_index,
     RULE: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ROUND: tl.constexpr,
 ):  # fmt: skip
     """Update elements ``index`` of a parameter (masked elements read as zeros and are not written) from their
-    decoded state; return the new state (fp32) and, for AdamW, the second moment's square roots."""
+    decoded states ``old0``, ``old1``, ``old2`` (a rule with fewer states ignores the others; see :data:`_RULES`);
+    return the new states (fp32; a rule's missing ones repeat its first) and the square roots of the second moment
+    (AdamW, AdEMAMix), which the encoding of that non-negative state takes."""
     p = _load_float(param, index, mask, P_DTYPE)
     g = _load_float(grad, index, mask, G_DTYPE)
     if RULE == 0:
-        p, moment, second, root = _adamw_values(p, g, old_moment, old_second, s)
+        p, new0, new1, root = _adamw_values(p, g, old0, old1, s)
+        new2 = new0
+    elif RULE == 1:
+        p, new0 = _lion_values(p, g, old0, s)
+        new1 = new0
+        new2 = new0
+        root = new0
     else:
-        p, moment = _lion_values(p, g, old_moment, s)
-        second = moment
-        root = moment
+        p, new0, new1, new2, root = _ademamix_values(p, g, old0, old1, old2, s)
     _store_param(param, index, mask, p, rounds, key_a, key_b, round_index, P_DTYPE, ROUND)
-    return moment, second, root
+    return new0, new1, new2, root
+
+
+@triton.jit
+def _fp32_values(buffers, k, offset):
+    """Where the values of state ``k`` of a segment of fp32 state start (buffer ``k`` of its page, ``offset`` on)."""
+    return tl.load(buffers + k).to(tl.pointer_type(tl.float32)) + offset
+
+
+@triton.jit
+def _decode_8bit(buffers, k, offset, index, whole, scale_index, blocks, SIGNED: tl.constexpr):
+    """The values of state ``k`` at elements ``index`` of a segment of 8-bit state starting at element ``offset`` of its
+    page (its codes and scales: the page's buffers ``2 k`` and ``2 k + 1``), ``whole`` the rows of its blocks
+    ``scale_index`` of which ``blocks`` are valid."""
+    scales = tl.load(buffers + 2 * k + 1).to(tl.pointer_type(tl.float32))
+    scale = tl.load(scales + scale_index, mask=blocks, other=0.0)[:, None]
+    if SIGNED:
+        codes = tl.load(buffers + 2 * k).to(tl.pointer_type(tl.int8)) + offset
+    else:
+        codes = tl.load(buffers + 2 * k).to(tl.pointer_type(tl.uint8)) + offset
+    return _decode(tl.load(codes + index, mask=whole, other=0).to(tl.float32), scale, 8, SIGNED)
+
+
+@triton.jit
+def _encode_8bit(buffers, k, offset, index, whole, scale_index, blocks, values, roots, SIGNED: tl.constexpr):
+    """Store the new ``values`` of state ``k`` (a non-negative state's from their square roots ``roots``) at elements
+    ``index`` of a segment of 8-bit state (see :func:`_decode_8bit`), each block scaled by its largest magnitude."""
+    scale = _largest(values)
+    if SIGNED:
+        codes = tl.load(buffers + 2 * k).to(tl.pointer_type(tl.int8)) + offset
+        tl.store(codes + index, _signed_code(values, _reciprocal(scale)[:, None], 8).to(tl.int8), mask=whole)
+    else:
+        codes = tl.load(buffers + 2 * k).to(tl.pointer_type(tl.uint8)) + offset
+        tl.store(codes + index, _unsigned_code(roots, _inverse_root(scale)[:, None], 8).to(tl.uint8), mask=whole)
+    tl.store(tl.load(buffers + 2 * k + 1).to(tl.pointer_type(tl.float32)) + scale_index, scale, mask=blocks)
+
+
+@triton.jit
+def _decode_4bit(packed, byte, whole, low_scale, high_scale, SIGNED: tl.constexpr):
+    """The values of a state's elements whose 4-bit codes are the low and high nibbles of bytes ``byte`` from
+    ``packed``, scaled by ``low_scale`` and ``high_scale`` (a block's scale or each element's normalizer)."""
+    codes = tl.load(packed + byte, mask=whole, other=0).to(tl.int32)
+    low = _decode((codes & 15).to(tl.float32), low_scale, 4, SIGNED)
+    return low, _decode((codes >> 4).to(tl.float32), high_scale, 4, SIGNED)
+
+
+@triton.jit
+def _encode_4bit(packed, byte, whole, low, high, low_inverse, high_inverse, SIGNED: tl.constexpr):
+    """Store 4-bit codes into the low and high nibbles of bytes ``byte`` from ``packed``: of the values ``low`` and
+    ``high`` times ``low_inverse`` and ``high_inverse`` (a non-negative state: of the square roots ``low`` and ``high``
+    times the inverse square roots of their scales)."""
+    if SIGNED:
+        codes = _signed_code(low, low_inverse, 4) | (_signed_code(high, high_inverse, 4) << 4)
+    else:
+        codes = _unsigned_code(low, low_inverse, 4) | (_unsigned_code(high, high_inverse, 4) << 4)
+    tl.store(packed + byte, codes.to(tl.uint8), mask=whole)
+
+
+@triton.jit
+def _encode_4bit_blocks(
+    buffers, k, offset, byte, whole, scale_index, blocks, low, high, low_roots, high_roots, SIGNED: tl.constexpr
+):
+    """Store the new values ``low`` and ``high`` of state ``k`` of a segment of blockwise 4-bit state (its packed codes
+    and scales: the page's buffers ``2 k`` and ``2 k + 1``; a non-negative state's codes from the square roots), each
+    block scaled by its largest magnitude."""
+    scale = tl.maximum(_largest(low), _largest(high))
+    packed = tl.load(buffers + 2 * k).to(tl.pointer_type(tl.uint8)) + offset // 2
+    if SIGNED:
+        inverse = _reciprocal(scale)[:, None]
+        _encode_4bit(packed, byte, whole, low, high, inverse, inverse, True)
+    else:
+        inverse_root = _inverse_root(scale)[:, None]
+        _encode_4bit(packed, byte, whole, low_roots, high_roots, inverse_root, inverse_root, False)
+    tl.store(tl.load(buffers + 2 * k + 1).to(tl.pointer_type(tl.float32)) + scale_index, scale, mask=blocks)
 
 
 @triton.jit(do_not_specialize=["round_shift", "programs"])
@@ -403,7 +511,11 @@ def _update_batch_kernel(
     ``G_DTYPE`` (segments of other dtypes are left to other launches), ``ROWS`` blocks at a time: blocks
     ``program_id(1) * ROWS`` on, then every ``programs * ROWS`` blocks further. A block is ``BLOCK`` elements of
     blockwise state with its scale, or of fp32 state; with ``RANK1``, of 4-bit state whose elements take their
-    normalizers from the tensors' rows of ``statistic_addresses`` (:data:`STATISTICS_COLUMNS` entries each)."""
+    normalizers from the tensors' rows of ``statistic_addresses`` (:data:`STATISTICS_COLUMNS` entries each).
+
+    The rule ``RULE`` (see :data:`_RULES`) has state 0 (signed), state 1 unless it is Lion (signed for AdEMAMix, the
+    non-negative second moment for AdamW) and state 2 for AdEMAMix (its non-negative second moment)."""
+    SLOW: tl.constexpr = RULE == 2  # state 1 is signed and state 2 the second moment
     segment = tl.program_id(0)
     tensor, start, length, page, offset, s = _segment_entry(table, scalars, segment, SCALARS)
     matches = tl.load(param_addresses + tensor * 2 + 1) == P_DTYPE * 3 + G_DTYPE
@@ -423,132 +535,129 @@ def _update_batch_kernel(
     blocks = tl.where(matches, (length + BLOCK - 1) // BLOCK, 0)
     for base in range(tl.program_id(1) * ROWS, blocks, programs * ROWS):
         block = base + tl.arange(0, ROWS)
-        whole = (block < blocks)[:, None]  # the rows of blocks of the segment
+        valid = block < blocks
+        whole = valid[:, None]  # the rows of blocks of the segment
         if BITS == 32:
             index = block[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
             mask = whole & (index < length)
-            moments = tl.load(buffers).to(tl.pointer_type(tl.float32)) + offset
-            old_moment = tl.load(moments + index, mask=mask, other=0.0)
-            if RULE == 0:
-                seconds = tl.load(buffers + 1).to(tl.pointer_type(tl.float32)) + offset
-                old_second = tl.load(seconds + index, mask=mask, other=0.0)
-            else:
-                seconds = moments
-                old_second = old_moment
-            moment, second, root = _update_elements(
-                param, grad, index, mask, old_moment, old_second, s, rounds, key_a, key_b,
-                start + round_shift + index, RULE, P_DTYPE, G_DTYPE, ROUND,
+            old0 = tl.load(_fp32_values(buffers, 0, offset) + index, mask=mask, other=0.0)
+            old1 = old0
+            old2 = old0
+            if RULE != 1:
+                old1 = tl.load(_fp32_values(buffers, 1, offset) + index, mask=mask, other=0.0)
+            if SLOW:
+                old2 = tl.load(_fp32_values(buffers, 2, offset) + index, mask=mask, other=0.0)
+            new0, new1, new2, root = _update_elements(
+                param, grad, index, mask, old0, old1, old2, s, rounds, key_a, key_b, start + round_shift + index,
+                RULE, P_DTYPE, G_DTYPE, ROUND,
             )  # fmt: skip
-            tl.store(moments + index, moment, mask=mask)
-            if RULE == 0:
-                tl.store(seconds + index, second, mask=mask)
-        else:
+            tl.store(_fp32_values(buffers, 0, offset) + index, new0, mask=mask)
+            if RULE != 1:
+                tl.store(_fp32_values(buffers, 1, offset) + index, new1, mask=mask)
+            if SLOW:
+                tl.store(_fp32_values(buffers, 2, offset) + index, new2, mask=mask)
+        elif BITS == 8:
             scale_index = offset // BLOCK + block
-            if not RANK1:
-                moment_scales = tl.load(buffers + 1).to(tl.pointer_type(tl.float32))
-                moment_scale = tl.load(moment_scales + scale_index, mask=block < blocks, other=0.0)[:, None]
-                if RULE == 0:
-                    second_scales = tl.load(buffers + 3).to(tl.pointer_type(tl.float32))
-                    second_scale = tl.load(second_scales + scale_index, mask=block < blocks, other=0.0)[:, None]
-            if BITS == 8:
-                index = block[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-                mask = whole & (index < length)
-                moment_codes = tl.load(buffers).to(tl.pointer_type(tl.int8)) + offset
-                old_moment = _decode(
-                    tl.load(moment_codes + index, mask=whole, other=0).to(tl.float32), moment_scale, 8, True
-                )
-                if RULE == 0:
-                    second_codes = tl.load(buffers + 2).to(tl.pointer_type(tl.uint8)) + offset
-                    old_second = _decode(
-                        tl.load(second_codes + index, mask=whole, other=0).to(tl.float32), second_scale, 8, False
-                    )
-                else:
-                    old_second = old_moment
-                moment, second, root = _update_elements(
-                    param, grad, index, mask, old_moment, old_second, s, rounds, key_a, key_b,
-                    start + round_shift + index, RULE, P_DTYPE, G_DTYPE, ROUND,
+            index = block[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+            mask = whole & (index < length)
+            old0 = _decode_8bit(buffers, 0, offset, index, whole, scale_index, valid, True)
+            old1 = old0
+            old2 = old0
+            if RULE != 1:
+                old1 = _decode_8bit(buffers, 1, offset, index, whole, scale_index, valid, SLOW)
+            if SLOW:
+                old2 = _decode_8bit(buffers, 2, offset, index, whole, scale_index, valid, False)
+            new0, new1, new2, root = _update_elements(
+                param, grad, index, mask, old0, old1, old2, s, rounds, key_a, key_b, start + round_shift + index,
+                RULE, P_DTYPE, G_DTYPE, ROUND,
+            )  # fmt: skip
+            _encode_8bit(buffers, 0, offset, index, whole, scale_index, valid, new0, root, True)
+            if RULE != 1:
+                _encode_8bit(buffers, 1, offset, index, whole, scale_index, valid, new1, root, SLOW)
+            if SLOW:
+                _encode_8bit(buffers, 2, offset, index, whole, scale_index, valid, new2, root, False)
+        else:
+            # byte i of a block holds element i (low nibble) and element i + BLOCK // 2 (high nibble)
+            scale_index = offset // BLOCK + block
+            byte = block[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
+            low_index = byte + block[:, None] * (BLOCK // 2)
+            high_index = low_index + BLOCK // 2
+            low_valid = whole & (low_index < length)
+            high_valid = whole & (high_index < length)
+            if RANK1:
+                # AdamW only: element (row, col) of its tensor, normalized by min(rows[row], cols[col]); padding by 0;
+                # each state's packed codes are the page's buffer k
+                row_statistics = statistic_addresses + tensor * 9  # STATISTICS_COLUMNS
+                columns = tl.load(row_statistics + 8)
+                low_row = (start + low_index) // columns
+                low_col = start + low_index - low_row * columns
+                high_row = (start + high_index) // columns
+                high_col = start + high_index - high_row * columns
+                moments = tl.load(buffers).to(tl.pointer_type(tl.uint8)) + offset // 2
+                seconds = tl.load(buffers + 1).to(tl.pointer_type(tl.uint8)) + offset // 2
+                old0_low, old0_high = _decode_4bit(
+                    moments, byte, whole, _normalizers(row_statistics, 0, low_row, low_col, low_valid),
+                    _normalizers(row_statistics, 0, high_row, high_col, high_valid), True,
                 )  # fmt: skip
-                new_moment_scale = _largest(moment)
-                inverse = _reciprocal(new_moment_scale)[:, None]
-                tl.store(moment_codes + index, _signed_code(moment, inverse, 8).to(tl.int8), mask=whole)
-                tl.store(moment_scales + scale_index, new_moment_scale, mask=block < blocks)
-                if RULE == 0:
-                    new_second_scale = _largest(second)
-                    codes = _unsigned_code(root, _inverse_root(new_second_scale)[:, None], 8)
-                    tl.store(second_codes + index, codes.to(tl.uint8), mask=whole)
-                    tl.store(second_scales + scale_index, new_second_scale, mask=block < blocks)
+                old1_low, old1_high = _decode_4bit(
+                    seconds, byte, whole, _normalizers(row_statistics, 1, low_row, low_col, low_valid),
+                    _normalizers(row_statistics, 1, high_row, high_col, high_valid), False,
+                )  # fmt: skip
+                old2_low = old0_low
+                old2_high = old0_high
             else:
-                # byte i of a block holds element i (low nibble) and element i + BLOCK // 2 (high nibble)
-                byte = block[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
-                low_index = byte + block[:, None] * (BLOCK // 2)
-                high_index = low_index + BLOCK // 2
-                low_valid = whole & (low_index < length)
-                high_valid = whole & (high_index < length)
-                if RANK1:
-                    # element (row, col) of its tensor, normalized by min(rows[row], cols[col]); padding by 0
-                    row_statistics = statistic_addresses + tensor * 9  # STATISTICS_COLUMNS
-                    columns = tl.load(row_statistics + 8)
-                    low_row = (start + low_index) // columns
-                    low_col = start + low_index - low_row * columns
-                    high_row = (start + high_index) // columns
-                    high_col = start + high_index - high_row * columns
-                    low_moment_scale = _normalizers(row_statistics, 0, low_row, low_col, low_valid)
-                    high_moment_scale = _normalizers(row_statistics, 0, high_row, high_col, high_valid)
-                    low_second_scale = _normalizers(row_statistics, 1, low_row, low_col, low_valid)
-                    high_second_scale = _normalizers(row_statistics, 1, high_row, high_col, high_valid)
-                    second_buffer = buffers + 1
-                else:
-                    low_moment_scale = moment_scale
-                    high_moment_scale = moment_scale
-                    if RULE == 0:
-                        low_second_scale = second_scale
-                        high_second_scale = second_scale
-                    second_buffer = buffers + 2
-                moment_bytes = tl.load(buffers).to(tl.pointer_type(tl.uint8)) + offset // 2
-                packed = tl.load(moment_bytes + byte, mask=whole, other=0).to(tl.int32)
-                low_moment = _decode((packed & 15).to(tl.float32), low_moment_scale, 4, True)
-                high_moment = _decode((packed >> 4).to(tl.float32), high_moment_scale, 4, True)
-                if RULE == 0:
-                    second_bytes = tl.load(second_buffer).to(tl.pointer_type(tl.uint8)) + offset // 2
-                    packed = tl.load(second_bytes + byte, mask=whole, other=0).to(tl.int32)
-                    low_second = _decode((packed & 15).to(tl.float32), low_second_scale, 4, False)
-                    high_second = _decode((packed >> 4).to(tl.float32), high_second_scale, 4, False)
-                else:
-                    low_second = low_moment
-                    high_second = high_moment
-                low_moment, low_second, low_root = _update_elements(
-                    param, grad, low_index, low_valid, low_moment, low_second, s, rounds, key_a, key_b,
-                    start + round_shift + low_index, RULE, P_DTYPE, G_DTYPE, ROUND,
+                # each state's packed codes and scales are the page's buffers 2 k and 2 k + 1
+                scales = tl.load(buffers + 1).to(tl.pointer_type(tl.float32))
+                scale = tl.load(scales + scale_index, mask=valid, other=0.0)[:, None]
+                packed = tl.load(buffers).to(tl.pointer_type(tl.uint8)) + offset // 2
+                old0_low, old0_high = _decode_4bit(packed, byte, whole, scale, scale, True)
+                old1_low = old0_low
+                old1_high = old0_high
+                old2_low = old0_low
+                old2_high = old0_high
+                if RULE != 1:
+                    scales = tl.load(buffers + 3).to(tl.pointer_type(tl.float32))
+                    scale = tl.load(scales + scale_index, mask=valid, other=0.0)[:, None]
+                    packed = tl.load(buffers + 2).to(tl.pointer_type(tl.uint8)) + offset // 2
+                    old1_low, old1_high = _decode_4bit(packed, byte, whole, scale, scale, SLOW)
+                if SLOW:
+                    scales = tl.load(buffers + 5).to(tl.pointer_type(tl.float32))
+                    scale = tl.load(scales + scale_index, mask=valid, other=0.0)[:, None]
+                    packed = tl.load(buffers + 4).to(tl.pointer_type(tl.uint8)) + offset // 2
+                    old2_low, old2_high = _decode_4bit(packed, byte, whole, scale, scale, False)
+            new0_low, new1_low, new2_low, root_low = _update_elements(
+                param, grad, low_index, low_valid, old0_low, old1_low, old2_low, s, rounds, key_a, key_b,
+                start + round_shift + low_index, RULE, P_DTYPE, G_DTYPE, ROUND,
+            )  # fmt: skip
+            new0_high, new1_high, new2_high, root_high = _update_elements(
+                param, grad, high_index, high_valid, old0_high, old1_high, old2_high, s, rounds, key_a, key_b,
+                start + round_shift + high_index, RULE, P_DTYPE, G_DTYPE, ROUND,
+            )  # fmt: skip
+            if RANK1:
+                _encode_4bit(
+                    moments, byte, whole, new0_low, new0_high,
+                    _reciprocal(_normalizers(row_statistics, 2, low_row, low_col, low_valid)),
+                    _reciprocal(_normalizers(row_statistics, 2, high_row, high_col, high_valid)), True,
                 )  # fmt: skip
-                high_moment, high_second, high_root = _update_elements(
-                    param, grad, high_index, high_valid, high_moment, high_second, s, rounds, key_a, key_b,
-                    start + round_shift + high_index, RULE, P_DTYPE, G_DTYPE, ROUND,
+                _encode_4bit(
+                    seconds, byte, whole, root_low, root_high,
+                    _inverse_root(_normalizers(row_statistics, 3, low_row, low_col, low_valid)),
+                    _inverse_root(_normalizers(row_statistics, 3, high_row, high_col, high_valid)), False,
                 )  # fmt: skip
-                if RANK1:
-                    low_inverse = _reciprocal(_normalizers(row_statistics, 2, low_row, low_col, low_valid))
-                    high_inverse = _reciprocal(_normalizers(row_statistics, 2, high_row, high_col, high_valid))
-                else:
-                    new_moment_scale = tl.maximum(_largest(low_moment), _largest(high_moment))
-                    low_inverse = _reciprocal(new_moment_scale)[:, None]
-                    high_inverse = low_inverse
-                    tl.store(moment_scales + scale_index, new_moment_scale, mask=block < blocks)
-                codes = _signed_code(low_moment, low_inverse, 4) | (_signed_code(high_moment, high_inverse, 4) << 4)
-                tl.store(moment_bytes + byte, codes.to(tl.uint8), mask=whole)
-                if RULE == 0:
-                    if RANK1:
-                        low_inverse_root = _inverse_root(_normalizers(row_statistics, 3, low_row, low_col, low_valid))
-                        high_inverse_root = _inverse_root(
-                            _normalizers(row_statistics, 3, high_row, high_col, high_valid)
-                        )
-                    else:
-                        new_second_scale = tl.maximum(_largest(low_second), _largest(high_second))
-                        low_inverse_root = _inverse_root(new_second_scale)[:, None]
-                        high_inverse_root = low_inverse_root
-                        tl.store(second_scales + scale_index, new_second_scale, mask=block < blocks)
-                    codes = _unsigned_code(low_root, low_inverse_root, 4) | (
-                        _unsigned_code(high_root, high_inverse_root, 4) << 4
-                    )
-                    tl.store(second_bytes + byte, codes.to(tl.uint8), mask=whole)
+            else:
+                _encode_4bit_blocks(
+                    buffers, 0, offset, byte, whole, scale_index, valid, new0_low, new0_high, root_low, root_high, True
+                )
+                if RULE != 1:
+                    _encode_4bit_blocks(
+                        buffers, 1, offset, byte, whole, scale_index, valid, new1_low, new1_high, root_low, root_high,
+                        SLOW,
+                    )  # fmt: skip
+                if SLOW:
+                    _encode_4bit_blocks(
+                        buffers, 2, offset, byte, whole, scale_index, valid, new2_low, new2_high, root_low, root_high,
+                        False,
+                    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["programs"])
@@ -598,7 +707,12 @@ device): ``None`` where it passed, else why it failed."""
 _CHECK_SCALARS = {
     "adamw": adamw_scalars({"lr": 1e-2, "betas": (0.9, 0.999), "weight_decay": 0.1, "eps": 1e-8}, step=3),
     "lion": {"lr": 1e-3, "decay": 0.9999, "direction_weight": 0.1, "avg_weight": 0.01},
-}
+    "ademamix": ademamix_scalars(
+        {"lr": 1e-2, "betas": (0.9, 0.999, 0.9999), "alpha": 5.0, "t_alpha": 10, "t_beta3": 10, "eps": 1e-8,
+         "weight_decay": 0.1},
+        step=3,
+    ),
+}  # fmt: skip
 """The rules' scalars in the self-check: a learning rate that moves every parameter by much less than itself."""
 
 
@@ -926,7 +1040,7 @@ class TritonKernel:
                     statistic_addresses,
                     round_shift,
                     programs,
-                    RULE=0 if self.rule_name == "adamw" else 1,
+                    RULE=_RULE_CODES[self.rule_name],
                     BITS=self.bits,
                     BLOCK=self.block_size,
                     ROWS=rows,

@@ -3,11 +3,10 @@
 :func:`host_kernels` builds the extension once per process with :func:`torch.utils.cpp_extension.load` (ninja and a
 C++ compiler; the build lands in PyTorch's extension cache, ``TORCH_EXTENSIONS_DIR`` or
 ``~/.cache/torch_extensions``, under a name of the capability and the source's version, :func:`build_name`, so later
-processes load it in well under a second) and registers its operators: per segment
-``torch.ops.hf_paged.adamw_blockwise_`` and ``lion_blockwise_`` (8-bit and 4-bit state), ``adamw_fp32_`` and
-``lion_fp32_`` (fp32 state), and per page batch ``adamw_batch_`` and ``lion_batch_`` (every state format; see
-:mod:`hf_paged.kernels.batch`). They return nothing, so PyTorch gives them fake kernels of its own and a step traces
-under ``FakeTensorMode``. Where the extension cannot be built the optimizers keep PyTorch's kernels; the reason is
+processes load it in well under a second) and registers its operators, for each rule (``adamw``, ``lion``,
+``ademamix``) one per segment (``torch.ops.hf_paged.adamw_segment_``) and one per page batch (``adamw_batch_``; see
+:mod:`hf_paged.kernels.batch`), each for 8-bit, 4-bit and fp32 state. They return nothing, so PyTorch gives them
+fake kernels of its own and a step traces under ``FakeTensorMode``. Where the extension cannot be built the optimizers keep PyTorch's kernels; the reason is
 logged once.
 
 ``HF_PAGED_NATIVE`` chooses: ``0`` never uses the host kernels, ``1`` requires them (a failed build raises), unset

@@ -1,4 +1,5 @@
-// One-pass host (CPU) kernels for the blockwise 8-bit and 4-bit AdamW and Lion updates of hf_paged.
+// One-pass host (CPU) kernels for the blockwise 8-bit and 4-bit and the fp32 AdamW, Lion and AdEMAMix updates of
+// hf_paged.
 //
 // Each block of `block_size` elements is read once: its state codes are decoded as the update rule reads them, the
 // rule runs in fp32 with the parameter written once, the new state goes to block-local fp32 buffers (on the stack)
@@ -14,7 +15,10 @@
 // are written once over `Vec`: eight lanes of AVX2 where the build targets it (PyTorch's AVX2 and AVX512
 // capabilities), else one scalar lane (its DEFAULT capability).
 //
-// The batch operators (adamw_batch_, lion_batch_) take every segment of a batch of pages at once (see
+// Each rule is a struct (AdamW, Lion, AdEMAMix): its states, scalars, one vector of elements' step, and a block's
+// decode-step-encode; the operators are templates over the rule. The segment operators (adamw_segment_,
+// lion_segment_, ademamix_segment_) take one segment of whole blocks, or of fp32 state. The batch operators
+// (adamw_batch_, lion_batch_, ademamix_batch_) take every segment of a batch of pages at once (see
 // hf_paged/kernels/batch.py): one parallel pass over all the batch's blocks, or over tiles of fp32 state; a partial
 // last block of a segment is updated through zero-padded copies of its parameter and gradient elements on the
 // stack, as the per-segment path pads it.
@@ -39,7 +43,7 @@
 #include <initializer_list>
 #include <limits>
 #include <optional>
-#include <utility>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__FMA__) && defined(__F16C__)
@@ -586,10 +590,11 @@ struct ParamWriter<c10::BFloat16> {
   float* buffer;
 };
 
-// Block-local fp32 buffers of one thread (on its stack): a block's new first moments, square roots of its new
-// second moments, and its new parameter values before stochastic rounding.
+// Block-local fp32 buffers of one thread (on its stack): a block's new first moments (AdEMAMix: and slow moments),
+// square roots of its new second moments, and its new parameter values before stochastic rounding.
 struct Scratch {
   alignas(64) float moments[kMaxBlockSize];
+  alignas(64) float slow[kMaxBlockSize];
   alignas(64) float roots[kMaxBlockSize];
   alignas(64) float updated[kMaxBlockSize];
 };
@@ -608,7 +613,7 @@ constexpr int64_t kTile = 2048;
 // p = p (1 - lr wd) - m / (sqrt(v) / sqrt(1 - b2^t) + eps) lr / (1 - b1^t).
 struct AdamW {
   static constexpr const char* kBatchName = "adamw_batch_";
-  static constexpr const char* kSegmentName = "adamw_fp32_";
+  static constexpr const char* kSegmentName = "adamw_segment_";
   static constexpr int64_t kStates = 2;
   static constexpr bool kSigned[kStates] = {true, false};
   // decay, avg_weight, beta2, sq_weight, eps, step_size, inv_bias_correction2_sqrt
@@ -726,7 +731,7 @@ struct AdamW {
 // lion_update_: p = p (1 - lr wd) - lr sign(lerp(m, g, 1 - b1)); m = lerp(m, g, 1 - b2), NaN stored as 0.
 struct Lion {
   static constexpr const char* kBatchName = "lion_batch_";
-  static constexpr const char* kSegmentName = "lion_fp32_";
+  static constexpr const char* kSegmentName = "lion_segment_";
   static constexpr int64_t kStates = 1;
   static constexpr bool kSigned[kStates] = {true};
   // lr, decay, direction_weight, avg_weight
@@ -769,6 +774,88 @@ struct Lion {
     step(c, Vec::load(p + i), Vec::load(g + i), Vec::load(values[0] + i), new_param, moment);
     writer.store(i, new_param);
     Vec::store(values[0] + i, moment);
+  }
+};
+
+// ademamix_update_, in bitsandbytes' reference's order: m1 = m1 b1 + g (1 - b1) and m2 = m2 b3 + g (1 - b3), each one
+// fused multiply-add (ATen's add with alpha); v = v b2 + (g (1 - b2)) g, one fused multiply-add (ATen's addcmul);
+// u = (m1 / c1 + m2 alpha) / (sqrt(v) / sqrt(c2) + eps); p = p + (u + p wd) (-lr), u + p wd fused (add with alpha).
+struct AdEMAMix {
+  static constexpr const char* kBatchName = "ademamix_batch_";
+  static constexpr const char* kSegmentName = "ademamix_segment_";
+  static constexpr int64_t kStates = 3;
+  static constexpr bool kSigned[kStates] = {true, true, false};
+  // beta1, avg_weight, beta3, slow_weight, beta2, sq_weight, eps, bias_correction1, bias_correction2_sqrt, alpha,
+  // weight_decay, neg_lr
+  static constexpr int64_t kScalars = 12;
+
+  struct Constants {
+    explicit Constants(const float* s)
+        : beta1(Vec::splat(s[0])),
+          avg_weight(Vec::splat(s[1])),
+          beta3(Vec::splat(s[2])),
+          slow_weight(Vec::splat(s[3])),
+          beta2(Vec::splat(s[4])),
+          sq_weight(Vec::splat(s[5])),
+          eps(Vec::splat(s[6])),
+          bias_correction1(Vec::splat(s[7])),
+          bias_correction2_sqrt(Vec::splat(s[8])),
+          alpha(Vec::splat(s[9])),
+          weight_decay(Vec::splat(s[10])),
+          neg_lr(Vec::splat(s[11])) {}
+    F beta1, avg_weight, beta3, slow_weight, beta2, sq_weight, eps, bias_correction1, bias_correction2_sqrt, alpha,
+        weight_decay, neg_lr;
+  };
+
+  // One vector of elements: the new averages and second moment, the square root of the latter, the new parameter.
+  static void step(const Constants& c, F param, F gradient, F fast, F slow, F second, F& new_param, F& new_fast,
+                   F& new_slow, F& new_second, F& root) {
+    new_fast = Vec::fma(gradient, c.avg_weight, Vec::mul(fast, c.beta1));
+    new_slow = Vec::fma(gradient, c.slow_weight, Vec::mul(slow, c.beta3));
+    new_second = Vec::fma(Vec::mul(gradient, c.sq_weight), gradient, Vec::mul(second, c.beta2));
+    root = Vec::sqrt(new_second);
+    const F denominator = Vec::add(Vec::div(root, c.bias_correction2_sqrt), c.eps);
+    const F numerator = Vec::add(Vec::div(new_fast, c.bias_correction1), Vec::mul(new_slow, c.alpha));
+    const F update = Vec::div(numerator, denominator);
+    new_param = Vec::add(param, Vec::mul(Vec::fma(param, c.weight_decay, update), c.neg_lr));
+  }
+
+  template <class Codes, typename P, typename G>
+  static void block(P* p, const G* g, const State* states, int64_t block, int64_t size, const Constants& c,
+                    const Rounding& rounding, int64_t index, Scratch& scratch) {
+    const typename Codes::SignedDecoder old_fast(states[0], block, size);
+    const typename Codes::SignedDecoder old_slow(states[1], block, size);
+    const typename Codes::UnsignedDecoder old_seconds(states[2], block, size);
+    const ParamWriter<P> writer(p, rounding, index, scratch.updated);
+    AbsMax fast_max, slow_max, second_max;
+    for (int64_t i = 0; i < size; i += kWidth) {
+      F new_param, fast, slow, second, root;
+      step(c, Vec::load(p + i), Vec::load(g + i), old_fast(i), old_slow(i), old_seconds(i), new_param, fast, slow,
+           second, root);
+      writer.store(i, new_param);
+      Vec::store(scratch.moments + i, fast);
+      Vec::store(scratch.slow + i, slow);
+      Vec::store(scratch.roots + i, root);  // the encoding takes sqrt(v)
+      fast_max.add(fast);
+      slow_max.add(slow);
+      second_max.add(second);
+    }
+    writer.finish(size);
+    Codes::encode_signed(states[0], block, size, scratch.moments, fast_max.value());
+    Codes::encode_signed(states[1], block, size, scratch.slow, slow_max.value());
+    Codes::encode_unsigned_roots(states[2], block, size, scratch.roots, second_max.value());
+  }
+
+  template <typename P, typename G>
+  static void elements(const ParamWriter<P>& writer, const P* p, const G* g, float* const* values, int64_t i,
+                       const Constants& c) {
+    F new_param, fast, slow, second, root;
+    step(c, Vec::load(p + i), Vec::load(g + i), Vec::load(values[0] + i), Vec::load(values[1] + i),
+         Vec::load(values[2] + i), new_param, fast, slow, second, root);
+    writer.store(i, new_param);
+    Vec::store(values[0] + i, fast);
+    Vec::store(values[1] + i, slow);
+    Vec::store(values[2] + i, second);
   }
 };
 
@@ -941,41 +1028,6 @@ void check_half_blocks(const char* op, int64_t bits, int64_t block_size) {
               " elements in this build (", kWidth, " vector lanes), got ", block_size);
 }
 
-// Checks the per-segment operators' arguments before anything is written; returns the number of blocks.
-int64_t check_arguments(const char* op, const at::Tensor& param, const at::Tensor& grad,
-                        std::initializer_list<std::pair<const at::Tensor*, const at::Tensor*>> states,
-                        std::initializer_list<bool> signed_states, int64_t bits, int64_t block_size) {
-  TORCH_CHECK(bits == 8 || bits == 4, op, ": bits must be 8 or 4, got ", bits);
-  TORCH_CHECK(block_size >= 16 && block_size <= kMaxBlockSize && (block_size & (block_size - 1)) == 0, op,
-              ": block_size must be a power of two from 16 to ", kMaxBlockSize, ", got ", block_size);
-  check_half_blocks(op, bits, block_size);
-  const int64_t numel = param.numel();
-  TORCH_CHECK(numel % block_size == 0, op, ": the parameter's ", numel, " elements are not whole blocks of ",
-              block_size);
-  const int64_t blocks = numel / block_size;
-  for (const at::Tensor* tensor : {&param, &grad}) {
-    TORCH_CHECK(tensor->device().is_cpu() && tensor->is_contiguous() && is_float_type(tensor->scalar_type()), op,
-                ": param and grad must be contiguous CPU tensors of fp32, bf16 or fp16, got ",
-                tensor->scalar_type(), " on ", tensor->device(), tensor->is_contiguous() ? "" : " (not contiguous)");
-  }
-  TORCH_CHECK(grad.numel() == numel, op, ": grad has ", grad.numel(), " elements, param ", numel);
-  auto is_signed = signed_states.begin();
-  for (const auto& [codes, scales] : states) {
-    const c10::ScalarType code_type = bits == 8 && *is_signed ? at::kChar : at::kByte;
-    const int64_t code_count = bits == 8 ? numel : numel / 2;
-    TORCH_CHECK(codes->device().is_cpu() && codes->is_contiguous() && codes->scalar_type() == code_type &&
-                    codes->numel() == code_count,
-                op, ": a state's codes must be a contiguous CPU tensor of ", code_count, " ", code_type,
-                " elements, got ", codes->numel(), " ", codes->scalar_type(), " on ", codes->device());
-    TORCH_CHECK(scales->device().is_cpu() && scales->is_contiguous() && scales->scalar_type() == at::kFloat &&
-                    scales->numel() == blocks,
-                op, ": a state's scales must be a contiguous CPU fp32 tensor of ", blocks, " elements, got ",
-                scales->numel(), " ", scales->scalar_type(), " on ", scales->device());
-    ++is_signed;
-  }
-  return blocks;
-}
-
 State state_of(const at::Tensor& codes, const at::Tensor& scales) {
   return {static_cast<uint8_t*>(codes.data_ptr()), scales.data_ptr<float>()};
 }
@@ -1021,48 +1073,24 @@ Rounding rounding_of(const char* op, bool on, int64_t key_a, int64_t key_b) {
   return {on, static_cast<uint32_t>(key_a), static_cast<uint32_t>(key_b)};
 }
 
-void adamw_blockwise(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& avg_codes,
-                     const at::Tensor& avg_scales, const at::Tensor& avg_sq_codes, const at::Tensor& avg_sq_scales,
-                     int64_t bits, int64_t block_size, double decay, double avg_weight, double beta2,
-                     double sq_weight, double eps, double step_size, double inv_bias_correction2_sqrt,
-                     bool stochastic_round, int64_t round_key_a, int64_t round_key_b, int64_t round_start) {
-  const int64_t blocks = check_arguments("adamw_blockwise_", param, grad,
-                                         {{&avg_codes, &avg_scales}, {&avg_sq_codes, &avg_sq_scales}},
-                                         {true, false}, bits, block_size);
-  const float scalars[] = {static_cast<float>(decay),     static_cast<float>(avg_weight),
-                           static_cast<float>(beta2),     static_cast<float>(sq_weight),
-                           static_cast<float>(eps),       static_cast<float>(step_size),
-                           static_cast<float>(inv_bias_correction2_sqrt)};
-  const State states[] = {state_of(avg_codes, avg_scales), state_of(avg_sq_codes, avg_sq_scales)};
-  const Rounding rounding = rounding_of("adamw_blockwise_", stochastic_round, round_key_a, round_key_b);
-  TORCH_CHECK(round_start >= 0, "adamw_blockwise_: round_start must be >= 0, got ", round_start);
-  dispatch(param, grad, bits, [&](auto codes, auto* p, const auto* g) {
-    segment_blocks<AdamW, decltype(codes)>(p, g, states, blocks, block_size, scalars, rounding, round_start);
-  });
-}
-
-void lion_blockwise(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& avg_codes,
-                    const at::Tensor& avg_scales, int64_t bits, int64_t block_size, double lr, double decay,
-                    double direction_weight, double avg_weight, bool stochastic_round, int64_t round_key_a,
-                    int64_t round_key_b, int64_t round_start) {
-  const int64_t blocks =
-      check_arguments("lion_blockwise_", param, grad, {{&avg_codes, &avg_scales}}, {true}, bits, block_size);
-  const float scalars[] = {static_cast<float>(lr), static_cast<float>(decay), static_cast<float>(direction_weight),
-                           static_cast<float>(avg_weight)};
-  const State states[] = {state_of(avg_codes, avg_scales)};
-  const Rounding rounding = rounding_of("lion_blockwise_", stochastic_round, round_key_a, round_key_b);
-  TORCH_CHECK(round_start >= 0, "lion_blockwise_: round_start must be >= 0, got ", round_start);
-  dispatch(param, grad, bits, [&](auto codes, auto* p, const auto* g) {
-    segment_blocks<Lion, decltype(codes)>(p, g, states, blocks, block_size, scalars, rounding, round_start);
-  });
-}
-
-// The rule on one segment of fp32 state (the per-segment operators adamw_fp32_ and lion_fp32_): `states` are its
-// states' values, as many elements as the parameter; `round_start` is the index in its parameter of its first element.
+// The rule on one segment (the segment operators adamw_segment_, lion_segment_, ademamix_segment_): `arrays` are its
+// states' buffers in the page format's order, the codes and scales of whole blocks of each blockwise state (bits 8 or
+// 4, block_size elements a block) or the values of each fp32 state (bits 32, block_size 1), as many elements as the
+// parameter; `round_start` is the index in its parameter of its first element. Checks everything before its first
+// write.
 template <class Rule>
-void fp32_segment(const at::Tensor& param, const at::Tensor& grad, at::TensorList states, at::ArrayRef<double> scalars,
-                  bool stochastic_round, int64_t round_key_a, int64_t round_key_b, int64_t round_start) {
+void segment_update(const at::Tensor& param, const at::Tensor& grad, at::TensorList arrays, int64_t bits,
+                    int64_t block_size, at::ArrayRef<double> scalars, bool stochastic_round, int64_t round_key_a,
+                    int64_t round_key_b, int64_t round_start) {
   const char* op = Rule::kSegmentName;
+  TORCH_CHECK(bits == 8 || bits == 4 || bits == 32, op, ": bits must be 8, 4 or 32 (fp32 state), got ", bits);
+  if (bits == 32) {
+    TORCH_CHECK(block_size == 1, op, ": block_size must be 1 for fp32 state, got ", block_size);
+  } else {
+    TORCH_CHECK(block_size >= 16 && block_size <= kMaxBlockSize && (block_size & (block_size - 1)) == 0, op,
+                ": block_size must be a power of two from 16 to ", kMaxBlockSize, ", got ", block_size);
+    check_half_blocks(op, bits, block_size);
+  }
   const int64_t numel = param.numel();
   for (const at::Tensor* tensor : {&param, &grad}) {
     TORCH_CHECK(tensor->device().is_cpu() && tensor->is_contiguous() && is_float_type(tensor->scalar_type()), op,
@@ -1070,15 +1098,37 @@ void fp32_segment(const at::Tensor& param, const at::Tensor& grad, at::TensorLis
                 tensor->scalar_type(), " on ", tensor->device(), tensor->is_contiguous() ? "" : " (not contiguous)");
   }
   TORCH_CHECK(grad.numel() == numel, op, ": grad has ", grad.numel(), " elements, param ", numel);
-  TORCH_CHECK(static_cast<int64_t>(states.size()) == Rule::kStates, op, ": states must hold ", Rule::kStates,
-              " tensors, got ", states.size());
+  TORCH_CHECK(numel % block_size == 0, op, ": the parameter's ", numel, " elements are not whole blocks of ",
+              block_size);
+  const int64_t blocks = numel / block_size;
+  const int64_t per_state = bits == 32 ? 1 : 2;
+  TORCH_CHECK(static_cast<int64_t>(arrays.size()) == per_state * Rule::kStates, op, ": arrays must hold ",
+              per_state * Rule::kStates, " tensors (", per_state, " per state), got ", arrays.size());
+  State states[Rule::kStates];
   float* values[Rule::kStates];
   for (int64_t k = 0; k < Rule::kStates; ++k) {
-    TORCH_CHECK(states[k].device().is_cpu() && states[k].is_contiguous() && states[k].scalar_type() == at::kFloat &&
-                    states[k].numel() == numel,
-                op, ": a state must be a contiguous CPU fp32 tensor of ", numel, " elements, got ", states[k].numel(),
-                " ", states[k].scalar_type(), " on ", states[k].device());
-    values[k] = states[k].data_ptr<float>();
+    if (bits == 32) {
+      const at::Tensor& state = arrays[k];
+      TORCH_CHECK(state.device().is_cpu() && state.is_contiguous() && state.scalar_type() == at::kFloat &&
+                      state.numel() == numel,
+                  op, ": a state must be a contiguous CPU fp32 tensor of ", numel, " elements, got ", state.numel(),
+                  " ", state.scalar_type(), " on ", state.device());
+      values[k] = state.data_ptr<float>();
+      continue;
+    }
+    const at::Tensor& codes = arrays[2 * k];
+    const at::Tensor& scales = arrays[2 * k + 1];
+    const c10::ScalarType code_type = bits == 8 && Rule::kSigned[k] ? at::kChar : at::kByte;
+    const int64_t code_count = bits == 8 ? numel : numel / 2;
+    TORCH_CHECK(codes.device().is_cpu() && codes.is_contiguous() && codes.scalar_type() == code_type &&
+                    codes.numel() == code_count,
+                op, ": a state's codes must be a contiguous CPU tensor of ", code_count, " ", code_type,
+                " elements, got ", codes.numel(), " ", codes.scalar_type(), " on ", codes.device());
+    TORCH_CHECK(scales.device().is_cpu() && scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
+                    scales.numel() == blocks,
+                op, ": a state's scales must be a contiguous CPU fp32 tensor of ", blocks, " elements, got ",
+                scales.numel(), " ", scales.scalar_type(), " on ", scales.device());
+    states[k] = state_of(codes, scales);
   }
   TORCH_CHECK(static_cast<int64_t>(scalars.size()) == Rule::kScalars, op, ": scalars must hold ", Rule::kScalars,
               " values, got ", scalars.size());
@@ -1087,6 +1137,12 @@ void fp32_segment(const at::Tensor& param, const at::Tensor& grad, at::TensorLis
   const Rounding rounding = rounding_of(op, stochastic_round && param.scalar_type() == at::kBFloat16, round_key_a,
                                         round_key_b);
   TORCH_CHECK(round_start >= 0, op, ": round_start must be >= 0, got ", round_start);
+  if (bits != 32) {
+    dispatch(param, grad, bits, [&](auto codes, auto* p, const auto* g) {
+      segment_blocks<Rule, decltype(codes)>(p, g, states, blocks, block_size, constants_row, rounding, round_start);
+    });
+    return;
+  }
   with_type(param.scalar_type(), [&](auto param_value) {
     using P = decltype(param_value);
     with_type(grad.scalar_type(), [&](auto grad_value) {
@@ -1491,31 +1547,19 @@ void adamw_rank1_gather(at::TensorList params, at::TensorList grads, at::TensorL
 TORCH_LIBRARY(hf_paged, m) {
   // The lanes of `Vec` this build computes with: 16 for AVX-512 code, 8 for AVX2 code, 1 for scalar code.
   m.def("vector_lanes() -> int", []() -> int64_t { return hf_paged::Vec::kWidth; });
-  m.def(
-      "adamw_blockwise_(Tensor(a!) param, Tensor grad, Tensor(b!) avg_codes, Tensor(c!) avg_scales, "
-      "Tensor(d!) avg_sq_codes, Tensor(e!) avg_sq_scales, int bits, int block_size, float decay, float avg_weight, "
-      "float beta2, float sq_weight, float eps, float step_size, float inv_bias_correction2_sqrt, "
-      "bool stochastic_round=False, int round_key_a=0, int round_key_b=0, int round_start=0) -> ()");
-  m.def(
-      "lion_blockwise_(Tensor(a!) param, Tensor grad, Tensor(b!) avg_codes, Tensor(c!) avg_scales, int bits, "
-      "int block_size, float lr, float decay, float direction_weight, float avg_weight, bool stochastic_round=False, "
-      "int round_key_a=0, int round_key_b=0, int round_start=0) -> ()");
-  // One segment of fp32 state: states are its values (exp_avg, exp_avg_sq for AdamW; exp_avg for Lion), scalars
-  // the rule's in the order of the blockwise operators.
-  m.def(
-      "adamw_fp32_(Tensor(a!) param, Tensor grad, Tensor(b!)[] states, float[] scalars, bool stochastic_round=False, "
-      "int round_key_a=0, int round_key_b=0, int round_start=0) -> ()");
-  m.def(
-      "lion_fp32_(Tensor(a!) param, Tensor grad, Tensor(b!)[] states, float[] scalars, bool stochastic_round=False, "
-      "int round_key_a=0, int round_key_b=0, int round_start=0) -> ()");
-  // A page batch (hf_paged/kernels/batch.py): buffers are the pages' buffers, page after page; bits 8 or 4 for
-  // blockwise state, 32 (block_size 1) for fp32 state.
-  m.def(
-      "adamw_batch_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] buffers, Tensor table, Tensor scalars, "
-      "Tensor? rounding, int bits, int block_size) -> ()");
-  m.def(
-      "lion_batch_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] buffers, Tensor table, Tensor scalars, "
-      "Tensor? rounding, int bits, int block_size) -> ()");
+  // Each rule's segment operator (see segment_update: arrays are its states' buffers, scalars the rule's in the order
+  // of its struct's Constants) and batch operator (hf_paged/kernels/batch.py: buffers are the pages' buffers, page
+  // after page); bits 8 or 4 for blockwise state, 32 (block_size 1) for fp32 state.
+  for (const char* name : {"adamw", "lion", "ademamix"}) {
+    m.def((std::string(name) +
+           "_segment_(Tensor(a!) param, Tensor grad, Tensor(b!)[] arrays, int bits, int block_size, float[] scalars, "
+           "bool stochastic_round=False, int round_key_a=0, int round_key_b=0, int round_start=0) -> ()")
+              .c_str());
+    m.def((std::string(name) +
+           "_batch_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] buffers, Tensor table, Tensor scalars, "
+           "Tensor? rounding, int bits, int block_size) -> ()")
+              .c_str());
+  }
   // A page batch of rank-1 normalized 4-bit AdamW state: buffers are each page's packed codes of both states,
   // statistics each param's 8 maxima (PageBatch.statistics, flattened). The update decodes with the current maxima
   // and encodes with the next ones; the gathering raises the next ones to the new state's magnitudes.
@@ -1528,12 +1572,12 @@ TORCH_LIBRARY(hf_paged, m) {
 }
 
 TORCH_LIBRARY_IMPL(hf_paged, CPU, m) {
-  m.impl("adamw_blockwise_", &hf_paged::adamw_blockwise);
-  m.impl("lion_blockwise_", &hf_paged::lion_blockwise);
-  m.impl("adamw_fp32_", &hf_paged::fp32_segment<hf_paged::AdamW>);
-  m.impl("lion_fp32_", &hf_paged::fp32_segment<hf_paged::Lion>);
+  m.impl("adamw_segment_", &hf_paged::segment_update<hf_paged::AdamW>);
+  m.impl("lion_segment_", &hf_paged::segment_update<hf_paged::Lion>);
+  m.impl("ademamix_segment_", &hf_paged::segment_update<hf_paged::AdEMAMix>);
   m.impl("adamw_batch_", &hf_paged::update_batch<hf_paged::AdamW>);
   m.impl("lion_batch_", &hf_paged::update_batch<hf_paged::Lion>);
+  m.impl("ademamix_batch_", &hf_paged::update_batch<hf_paged::AdEMAMix>);
   m.impl("adamw_rank1_batch_", &hf_paged::adamw_rank1_batch);
   m.impl("adamw_rank1_gather_", &hf_paged::adamw_rank1_gather);
 }
