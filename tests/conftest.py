@@ -27,7 +27,25 @@ OPTIMIZERS = {
     "PagedAdamW8bit": hf_paged.PagedAdamW8bit,
     "PagedLion": hf_paged.PagedLion,
     "PagedLion8bit": hf_paged.PagedLion8bit,
+    "PagedAdEMAMix": hf_paged.PagedAdEMAMix,
+    "PagedAdEMAMix8bit": hf_paged.PagedAdEMAMix8bit,
+    "PagedAdEMAMix4bit": hf_paged.PagedAdEMAMix4bit,
 }
+
+
+LONG_TESTS_SLOW_RUN_ONLY = ("PagedAdEMAMix", "PagedAdEMAMix4bit")
+"""Optimizers that the longest per-optimizer tests (a training run or a large page each) take in the slow run only:
+PagedAdEMAMix8bit runs them by default for AdEMAMix's rule, whose fp32 and 4-bit kernels the kernel tests hold
+bitwise to the eager ones."""
+
+
+def long_test_optimizers() -> list:
+    """The names of :data:`OPTIMIZERS` for a long per-optimizer test, those of :data:`LONG_TESTS_SLOW_RUN_ONLY` marked
+    slow."""
+    return [
+        pytest.param(name, marks=pytest.mark.slow) if name in LONG_TESTS_SLOW_RUN_ONLY else name
+        for name in sorted(OPTIMIZERS)
+    ]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

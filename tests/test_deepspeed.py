@@ -54,6 +54,7 @@ CLIENTS = {
     "adamw_4bit": "PagedAdamW4bit",
     "lion_32bit": "PagedLion",
     "lion_8bit": "PagedLion8bit",
+    "ademamix_8bit": "PagedAdEMAMix8bit",
 }
 """The client optimizer class each configuration's ``optim`` selects."""
 
@@ -226,8 +227,8 @@ def test_quantized_adamw_learns_like_32bit(run, name):
     )
 
 
-@pytest.mark.parametrize("name", ["lion_32bit", "lion_8bit"])
-def test_lion_learns(run, name):
+@pytest.mark.parametrize("name", ["lion_32bit", "lion_8bit", "ademamix_8bit"])
+def test_lion_and_ademamix_learn(run, name):
     summary, setup = run
     result = completed(summary, setup, name)
     assert_finite(result)

@@ -37,7 +37,7 @@ def test_bad_hyperparameters_name_the_argument(optimizer_name, overrides, messag
         make(optimizer_name, **overrides)
 
 
-@pytest.mark.parametrize("name", ["PagedAdamW", "PagedAdamW8bit", "PagedAdamW4bit"])
+@pytest.mark.parametrize("name", ["PagedAdamW", "PagedAdamW8bit", "PagedAdamW4bit", "PagedAdEMAMix"])
 @pytest.mark.parametrize("eps", [-1e-8, float("-inf"), float("nan"), "1e-8"])
 def test_bad_eps(name, eps):
     """What torch.optim.AdamW refuses (0 and infinity it takes: tests/test_eps.py)."""
@@ -45,7 +45,7 @@ def test_bad_eps(name, eps):
         make(name, eps=eps)
 
 
-@pytest.mark.parametrize("name", ["PagedAdamW8bit", "PagedLion8bit"])
+@pytest.mark.parametrize("name", ["PagedAdamW8bit", "PagedLion8bit", "PagedAdEMAMix8bit"])
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -75,9 +75,10 @@ def test_bad_8bit_layout(name, overrides, message):
         ({"min_4bit_size": True}, "min_4bit_size must be an integer"),
     ],
 )
-def test_bad_4bit_layout(overrides, message):
+@pytest.mark.parametrize("name", ["PagedAdamW4bit", "PagedAdEMAMix4bit"])
+def test_bad_4bit_layout(name, overrides, message):
     with pytest.raises(ValueError, match=message):
-        make("PagedAdamW4bit", **overrides)
+        make(name, **overrides)
 
 
 def test_32bit_page_must_hold_state(optimizer_name):

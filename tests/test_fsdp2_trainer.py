@@ -35,6 +35,7 @@ PAGED = [
     "hf_paged_adamw_4bit",
     "hf_paged_lion_32bit",
     "hf_paged_lion_8bit",
+    "hf_paged_ademamix_8bit",
 ]
 OPTIMS = [REFERENCE, *PAGED]
 RUNS = ("uninterrupted", "resumed")

@@ -67,6 +67,9 @@ TABLE_CLASSES = {
     'PagedAdamW4bit(normalization="rank1")': (hf_paged.PagedAdamW4bit, {"normalization": "rank1"}),
     "PagedLion": (hf_paged.PagedLion, {}),
     "PagedLion8bit": (hf_paged.PagedLion8bit, {}),
+    "PagedAdEMAMix": (hf_paged.PagedAdEMAMix, {}),
+    "PagedAdEMAMix8bit": (hf_paged.PagedAdEMAMix8bit, {}),
+    "PagedAdEMAMix4bit": (hf_paged.PagedAdEMAMix4bit, {}),
 }
 
 

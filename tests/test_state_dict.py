@@ -55,7 +55,7 @@ def test_state_dict_layout(optimizer_name):
         assert entry["step"].shape == () and entry["step"].item() == 3
         for value in entry.values():
             assert value.device.type == "cpu"
-        names = ("exp_avg", "exp_avg_sq") if "AdamW" in optimizer_name else ("exp_avg",)
+        names = OPTIMIZERS[optimizer_name].state_names
         for name in names:
             if name in entry:
                 assert entry[name].shape == params[index].shape and entry[name].dtype == torch.float32

@@ -99,6 +99,27 @@ def test_trainer_creates_adamw_4bit_with_its_layout_arguments(tmp_path):
         "min_4bit_size": 1024, "block_size": 128}
 
 
+def test_ademamix_takes_the_hyperparameters_transformers_gives_bitsandbytes_ademamix(tmp_path, monkeypatch):
+    """beta1, beta2 and eps from optim_args or the Trainer's adam_* settings, beta3, alpha, t_alpha and t_beta3 from
+    optim_args (defaults 0.9999, 5.0, none), as transformers builds bitsandbytes' AdEMAMix; with
+    HF_PAGED_REPLACE_BITSANDBYTES=1, bitsandbytes' paged AdEMAMix names select ours (and are checked as ours)."""
+    settings = {"adam_beta1": 0.8, "adam_beta2": 0.95, "adam_epsilon": 1e-7, "use_cpu": True}
+    for optim_args in ("", "beta1=0.7,beta3=0.999,alpha=8,t_alpha=100,t_beta3=200,eps=1e-6"):
+        theirs = TrainingArguments(str(tmp_path), optim="paged_ademamix_8bit", optim_args=optim_args, **settings)
+        _, expected = Trainer.get_optimizer_cls_and_kwargs(theirs)
+        ours = TrainingArguments(str(tmp_path), optim="hf_paged_ademamix_8bit", optim_args=optim_args, **settings)
+        optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(ours)
+        assert optimizer_cls is hf_paged.PagedAdEMAMix8bit
+        defaults = optimizer_cls([torch.zeros(1, requires_grad=True)], **kwargs).defaults
+        for key in ("lr", "betas", "alpha", "eps", "t_alpha", "t_beta3"):
+            assert defaults[key] == expected.get(key), key
+    monkeypatch.setenv(trainer_integration.REPLACE_BITSANDBYTES_ENV, "1")
+    assert trainer_integration.optimizer_class_for("paged_ademamix_32bit") is hf_paged.PagedAdEMAMix
+    assert trainer_integration.optimizer_class_for("paged_ademamix_8bit") is hf_paged.PagedAdEMAMix8bit
+    with pytest.raises(ValueError, match="alpha must be a finite number >= 0"):
+        TrainingArguments(str(tmp_path), optim="paged_ademamix_8bit", optim_args="alpha=-3", **settings)
+
+
 def test_optim_args_are_typed_and_checked():
     parsed = parse_optim_args(
         {"device_budget": "2GiB", "page_size": "8MiB", "prefetch": "2", "min_8bit_size": "4096", "block_size": "256"},
@@ -126,6 +147,10 @@ def test_optim_args_are_typed_and_checked():
         ("hf_paged_adamw_8bit", {"optim_args": "page_size=8MiB,device_budget=1MiB"}, r"device_budget=1048576 is smaller"),
         ("hf_paged_lion_32bit", {"optim_args": "prefetch"}, r"optim_args entry 'prefetch' is not of the form key=value"),
         ("hf_paged_adamw_32bit", {"adam_beta1": 1.5}, r"betas\[0\] must be in \[0, 1\)"),
+        ("hf_paged_ademamix_8bit", {"optim_args": "alpha=-1"}, r"alpha must be a finite number >= 0, got -1.0"),
+        ("hf_paged_ademamix", {"optim_args": "t_beta3=0"}, r"t_beta3 must be None \(no scheduler\) or an integer"),
+        ("hf_paged_ademamix_4bit", {"optim_args": "beta3=1"}, r"betas\[2\] must be in \[0, 1\)"),
+        ("hf_paged_ademamix", {"optim_args": "block_size=64"}, r"optim_args key 'block_size' is not accepted"),
     ],
 )
 def test_bad_optimizer_settings_fail_when_the_arguments_are_built(tmp_path, optim, settings, message):
@@ -204,13 +229,15 @@ def test_every_lr_scheduler(tmp_path, scheduler):
         ("hf_paged_adamw_4bit", ""),
         pytest.param("hf_paged_adamw_4bit", ",normalization=rank1,block_size=16", id="hf_paged_adamw_4bit-rank1"),
         ("hf_paged_lion_8bit", ""),
+        ("hf_paged_ademamix", ",t_alpha=4,t_beta3=4"),
+        ("hf_paged_ademamix_8bit", ",t_alpha=4,t_beta3=4"),
     ],
 )
 def test_resume_from_checkpoint_is_bitwise_identical(tmp_path, optim, extra_args):
     options = {"max_steps": 6, "save_strategy": "steps", "save_steps": 3,
                "optim_args": "device_budget=48KiB,page_size=16KiB" + extra_args}
     uninterrupted = fit(tmp_path / "full", optim, **options)
-    if extra_args:  # the rank-1 case: every matrix of the tiny Llama takes rank-1 state
+    if "rank1" in extra_args:  # every matrix of the tiny Llama takes rank-1 state
         layout = uninterrupted.optimizer.optimizer._layout
         kinds = {layout[param].kind for param in uninterrupted.model.parameters() if param.ndim == 2}
         assert kinds == {"4bit-rank1"}

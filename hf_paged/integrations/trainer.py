@@ -9,7 +9,17 @@ from typing import Any
 import torch
 
 from ..memory import probe_for
-from ..optim import PagedAdamW, PagedAdamW4bit, PagedAdamW8bit, PagedLion, PagedLion8bit, PagedOptimizer
+from ..optim import (
+    PagedAdamW,
+    PagedAdamW4bit,
+    PagedAdamW8bit,
+    PagedAdEMAMix,
+    PagedAdEMAMix4bit,
+    PagedAdEMAMix8bit,
+    PagedLion,
+    PagedLion8bit,
+    PagedOptimizer,
+)
 from ..recovery import paged_optimizer_of
 from ..sizes import parse_size
 from . import _transformers_internals as internals
@@ -22,6 +32,9 @@ OPTIMIZER_NAMES: dict[str, type] = {
     "hf_paged_adamw_4bit": PagedAdamW4bit,
     "hf_paged_lion_32bit": PagedLion,
     "hf_paged_lion_8bit": PagedLion8bit,
+    "hf_paged_ademamix": PagedAdEMAMix,
+    "hf_paged_ademamix_8bit": PagedAdEMAMix8bit,
+    "hf_paged_ademamix_4bit": PagedAdEMAMix4bit,
 }
 """Our names and the optimizer each selects."""
 
@@ -30,6 +43,8 @@ BITSANDBYTES_NAMES: dict[str, str] = {
     "paged_adamw_8bit": "hf_paged_adamw_8bit",
     "paged_lion_32bit": "hf_paged_lion_32bit",
     "paged_lion_8bit": "hf_paged_lion_8bit",
+    "paged_ademamix_32bit": "hf_paged_ademamix",
+    "paged_ademamix_8bit": "hf_paged_ademamix_8bit",
 }
 """bitsandbytes' paged names that ``replace_bitsandbytes`` routes to ours."""
 
@@ -73,7 +88,21 @@ _COMMON_ARGS = {
     "compiled": _boolean,
 }
 _EIGHT_BIT_ARGS = {"block_size": int, "min_8bit_size": int}
-_FOUR_BIT_ARGS = {"block_size": int, "min_4bit_size": int, "normalization": str}
+_FOUR_BIT_ARGS = {"block_size": int, "min_4bit_size": int}
+_NORMALIZATION_ARGS = {"normalization": str}
+_ADEMAMIX_ARGS = {
+    "beta1": float,
+    "beta2": float,
+    "beta3": float,
+    "alpha": float,
+    "t_alpha": int,
+    "t_beta3": int,
+    "eps": float,
+}
+"""AdEMAMix's ``optim_args``, those transformers' Trainer reads for bitsandbytes' AdEMAMix."""
+_EIGHT_BIT = (PagedAdamW8bit, PagedLion8bit, PagedAdEMAMix8bit)
+_FOUR_BIT = (PagedAdamW4bit, PagedAdEMAMix4bit)
+_ADEMAMIX = (PagedAdEMAMix, PagedAdEMAMix8bit, PagedAdEMAMix4bit)
 
 
 def split_optim_args(optim_args: str | None) -> dict[str, str]:
@@ -93,8 +122,10 @@ def parse_optim_args(optim_args: dict[str, str], optimizer_cls: type) -> dict[st
     """Convert the Trainer's ``optim_args`` strings to typed keyword arguments of ``optimizer_cls``."""
     allowed = {
         **_COMMON_ARGS,
-        **(_EIGHT_BIT_ARGS if optimizer_cls in (PagedAdamW8bit, PagedLion8bit) else {}),
-        **(_FOUR_BIT_ARGS if optimizer_cls is PagedAdamW4bit else {}),
+        **(_EIGHT_BIT_ARGS if optimizer_cls in _EIGHT_BIT else {}),
+        **(_FOUR_BIT_ARGS if optimizer_cls in _FOUR_BIT else {}),
+        **(_NORMALIZATION_ARGS if optimizer_cls is PagedAdamW4bit else {}),
+        **(_ADEMAMIX_ARGS if optimizer_cls in _ADEMAMIX else {}),
     }
     parsed = {}
     for key, value in optim_args.items():
@@ -122,12 +153,19 @@ def keep_trainer_memory_metrics(args) -> None:
 def _optimizer_kwargs(
     optimizer_cls: type, optimizer_kwargs: dict[str, Any], adam_kwargs: dict[str, Any], optim_args: dict[str, str]
 ) -> dict[str, Any]:
-    """The keyword arguments the Trainer's optimizer settings and ``optim_args`` give ``optimizer_cls``."""
+    """The keyword arguments the Trainer's optimizer settings and ``optim_args`` give ``optimizer_cls``. AdEMAMix takes
+    them as transformers gives them to bitsandbytes' AdEMAMix: ``beta1``, ``beta2`` and ``eps`` from ``optim_args``
+    or the Trainer's ``adam_*`` settings, ``beta3`` (default 0.9999), ``alpha`` (5.0), ``t_alpha`` and ``t_beta3``
+    (no scheduler) from ``optim_args``."""
     kwargs = dict(optimizer_kwargs)
     kwargs["betas"] = adam_kwargs["betas"]
-    if optimizer_cls in (PagedAdamW, PagedAdamW8bit, PagedAdamW4bit):
+    if optimizer_cls in (PagedAdamW, PagedAdamW8bit, PagedAdamW4bit, *_ADEMAMIX):
         kwargs["eps"] = adam_kwargs["eps"]
-    kwargs.update(parse_optim_args(optim_args, optimizer_cls))
+    parsed = parse_optim_args(optim_args, optimizer_cls)
+    if optimizer_cls in _ADEMAMIX:
+        beta1, beta2 = adam_kwargs["betas"]
+        kwargs["betas"] = (parsed.pop("beta1", beta1), parsed.pop("beta2", beta2), parsed.pop("beta3", 0.9999))
+    kwargs.update(parsed)
     return kwargs
 
 
@@ -229,8 +267,9 @@ def register(replace_bitsandbytes: bool | None = None) -> None:
 
     Args:
         replace_bitsandbytes: also route bitsandbytes' ``paged_adamw_8bit``, ``paged_adamw_32bit``,
-            ``paged_lion_8bit`` and ``paged_lion_32bit`` to the hf-paged optimizers. ``None`` reads the
-            ``HF_PAGED_REPLACE_BITSANDBYTES`` environment variable (``1`` turns it on); off by default.
+            ``paged_lion_8bit``, ``paged_lion_32bit``, ``paged_ademamix_8bit`` and ``paged_ademamix_32bit`` to the
+            hf-paged optimizers. ``None`` reads the ``HF_PAGED_REPLACE_BITSANDBYTES`` environment variable (``1``
+            turns it on); off by default.
     """
     register_names()
     register_handlers(replace_bitsandbytes)

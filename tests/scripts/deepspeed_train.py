@@ -62,6 +62,7 @@ CONFIGS: dict[str, tuple[str, str | None, float]] = {
     "adamw_4bit": ("hf_paged_adamw_4bit", f"{PAGES},{FOUR_BIT}", 1e-2),
     "lion_32bit": ("hf_paged_lion_32bit", PAGES, 1e-3),
     "lion_8bit": ("hf_paged_lion_8bit", f"{PAGES},{EIGHT_BIT}", 1e-3),
+    "ademamix_8bit": ("hf_paged_ademamix_8bit", f"{PAGES},{EIGHT_BIT}", 1e-2),
 }
 """Configuration name: (the Trainer's ``optim``, its ``optim_args``, the learning rate)."""
 

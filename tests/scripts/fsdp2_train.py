@@ -33,6 +33,7 @@ OPTIMIZERS = {
     "PagedAdamW8bit": (hf_paged.PagedAdamW8bit, EIGHT_BIT),
     "PagedLion8bit": (hf_paged.PagedLion8bit, EIGHT_BIT),
     "PagedAdamW4bit": (hf_paged.PagedAdamW4bit, FOUR_BIT),
+    "PagedAdEMAMix8bit": (hf_paged.PagedAdEMAMix8bit, EIGHT_BIT),
 }
 
 

@@ -72,6 +72,7 @@ OPTIM_ARGS = {
     "hf_paged_adamw_8bit": "page_size=1KiB,device_budget=8KiB,block_size=64,min_8bit_size=512",
     "hf_paged_lion_8bit": "page_size=1KiB,device_budget=8KiB,block_size=64,min_8bit_size=512",
     "hf_paged_adamw_4bit": "page_size=1KiB,device_budget=8KiB,block_size=64,min_4bit_size=512",
+    "hf_paged_ademamix_8bit": "page_size=1KiB,device_budget=8KiB,block_size=64,min_8bit_size=512",
 }
 """Small pages under a budget smaller than the state, so that every step pages; the 512-element matrices
 (256 elements per rank) and everything larger have 8-bit or 4-bit state."""
