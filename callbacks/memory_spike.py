@@ -110,9 +110,9 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
         plot: draw ``memory_timeline.png`` (needs matplotlib) besides writing ``memory_timeline.jsonl``.
         oom_retries: times a training step may recover from an out-of-memory error in forward or backward
             (all optimizer state moves to the host and the step's micro-batches are replayed exactly, see
-            :func:`hf_paged.integrations.oom.enable_oom_recovery`; a single process only), and, as many times,
-            from one in the optimizer's step (the pages left are updated under a smaller budget, in any number
-            of processes); 0 turns recovery off. Only with an hf-paged optimizer: with another, recovery, the
+            :func:`hf_paged.integrations.oom.enable_oom_recovery`; in one process, or under DDP on every rank),
+            and, as many times, from one in the optimizer's step (the pages left are updated under a smaller budget,
+            in any number of processes); 0 turns recovery off. Only with an hf-paged optimizer: with another, recovery, the
             budget and the paging metrics are off, which a warning says once.
         plan: the planned peaks of this training: a :class:`~hf_paged.planner.MemoryPlan` (for the device that
             trains), or bytes per phase (``{"forward_backward": ..., "optimizer_step": ...}``, the highest of the
@@ -353,8 +353,9 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
 
     def summary(self) -> dict[str, Any]:
         """Steps measured, the highest peak of each phase and the last optimizer device bytes (bytes),
-        the spike and out-of-memory recovery counts, and the paths of the timeline and the plot (``None``
-        where not written).
+        the spike and out-of-memory recovery counts, the steps recovered (``oom_recovery_steps``; on every rank for a
+        step replayed on every rank) and, for those, the ranks that ran out of memory (``oom_ranks``, step to ranks),
+        and the paths of the timeline and the plot (``None`` where not written).
 
         After training in several processes, the peaks are the highest of the job's processes, and ``node_peaks``
         gives each node's (one entry per node, in the order of their lowest global rank; one entry in one process);
@@ -373,6 +374,7 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
             "spikes": len(self.detector.spikes),
             "oom_recoveries": self.oom_recoveries,
             "oom_recovery_steps": [row["step"] for row in self.rows if row.get("oom_recoveries")],
+            "oom_ranks": {row["step"]: row["oom_ranks"] for row in self.rows if row.get("oom_ranks")},
             "timeline_path": self.timeline_path,
             "plot_path": self.plot_path,
         }
@@ -432,9 +434,14 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
         self.oom_recoveries = sum(row.get("oom_recoveries", 0) for row in self.rows)
 
     def _record_recovery(self, recovery: Recovery) -> None:
+        """Count a recovery and mark the step's row, with the ranks that ran out of memory where the step was replayed
+        on every rank (so the timeline of rank 0 shows another rank's)."""
         self.oom_recoveries += 1
         if self._row:
             self._row["oom_recoveries"] += 1
+            if recovery.failed_ranks:
+                ranks = set(self._row.get("oom_ranks", ())) | set(recovery.failed_ranks)
+                self._row["oom_ranks"] = sorted(ranks)
 
     def _run_before_integrations(self) -> None:
         """Move this callback to the front of the Trainer's callbacks (in place, safe during ``call_event``).

@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
 
-from .recovery import ADVICE, is_out_of_memory
+from .job_store import default_store, launch_scope
+from .recovery import ADVICE, is_out_of_memory, not_recovered_reason
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,8 @@ EXIT_CODE = 1
 @dataclass
 class RankFailure:
     """What failed on one rank: its global ``rank``, the optimizer ``step`` it was in (from 1, ``None`` if not known),
-    where (``phase``), the error (``"OutOfMemoryError: ..."``), what to change and the last checkpoint written."""
+    where (``phase``), the error (``"OutOfMemoryError: ..."``), what to change, the last checkpoint written and, for an
+    out-of-memory error hf-paged tried to recover from, why it could not (``not_recovered``)."""
 
     rank: int
     step: int | None
@@ -44,6 +46,7 @@ class RankFailure:
     error: str
     advice: str
     checkpoint: str | None = None
+    not_recovered: str | None = None
 
     @classmethod
     def of(
@@ -52,34 +55,26 @@ class RankFailure:
         """The failure ``error`` raised on ``rank``; an out-of-memory error gets hf-paged's advice."""
         advice = ADVICE if is_out_of_memory(error) else f"See rank {rank}'s traceback for the cause."
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        return cls(rank, step, phase, f"{type(error).__name__}: {first_line}"[:500], advice, checkpoint)
+        error_line = f"{type(error).__name__}: {first_line}"[:500]
+        return cls(rank, step, phase, error_line, advice, checkpoint, not_recovered_reason(error))
 
     def describe(self) -> str:
-        """One paragraph: which rank failed, at which step, with what, what to change and where to resume."""
+        """One paragraph: which rank failed, at which step, with what, why it was not recovered, what to change and
+        where to resume."""
         step = f"step {self.step}" if self.step is not None else "an unknown step"
         resume = (
             f" Resume from the last checkpoint, {self.checkpoint}."
             if self.checkpoint
             else " No checkpoint was written before it."
         )
-        return f"rank {self.rank} failed in the {self.phase} of {step} with {self.error}. {self.advice}{resume}"
+        why = f" hf-paged did not recover: {self.not_recovered}" if self.not_recovered else ""
+        return f"rank {self.rank} failed in the {self.phase} of {step} with {self.error}.{why} {self.advice}{resume}"
 
 
 def failure_key() -> str:
     """The store key of this job's failure record: one per launch and per restart of ``torchrun``, so that a
-    restarted job (``--max-restarts``) does not see the failure that restarted it."""
-    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return f"hf_paged/rank_failure/{run}/{restart}"
-
-
-def default_store() -> dist.Store:
-    """The key-value store of the default process group (the one every rank of every node reaches)."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "a rank failure watcher needs torch.distributed's default process group: initialize it first"
-        )
-    return dist.distributed_c10d._get_default_store()
+    restarted job does not see the failure that restarted it."""
+    return f"hf_paged/rank_failure/{launch_scope()}"
 
 
 class RankFailureWatcher:

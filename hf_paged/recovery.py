@@ -8,6 +8,11 @@ a step and, on such an error, moves all optimizer state to host memory, frees th
 drops the gradients and replays the step's micro-batches from their recorded random number generator
 states, so the gradients come out bitwise as without the error. Per micro-batch it keeps a reference to its
 arguments and a copy of the generator states (a few KiB); it never copies gradients.
+
+With a ``DistributedDataParallel`` model, an error in a micro-batch whose gradients the ranks all-reduce is replayed on
+every rank: the rank that failed publishes a :class:`~hf_paged.replay_requests.ReplayRequest` in the job's store and
+completes the all-reduces it owes (:class:`~hf_paged.ddp_replay.DDPReplay`); each rank reads the requests once its own
+all-reduces of the micro-batch completed, and all drop the step's gradients and replay its micro-batches.
 """
 
 from __future__ import annotations
@@ -21,11 +26,15 @@ import sys
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
+from .ddp_replay import DDPReplay
 from .memory import MemoryProbe, probe_for
+from .replay_requests import ReplayRequest, ReplayRequests, next_window
 from .sizes import format_size
 
 logger = logging.getLogger(__name__)
@@ -65,6 +74,11 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(wording in message for wording in _ALLOCATION_FAILURES)
 
 
+def not_recovered_reason(error: BaseException) -> str | None:
+    """Why hf-paged raised an out-of-memory ``error`` again instead of recovering from it (a sentence), or ``None``."""
+    return getattr(error, "_hf_paged_not_recovered", None)
+
+
 def device_out_of_memory(error: BaseException, devices: Iterable[str]) -> str | None:
     """The one of ``devices`` (``"cuda:1"``) whose index the out-of-memory ``error``'s message names, else ``None``."""
     named = {int(index) for index in _DEVICE_NAMED.findall(str(error))}
@@ -86,9 +100,13 @@ class Recovery:
     """Bytes allocated on the device that ran out of memory (the one its error names, else the first), besides the
     optimizer state there."""
     error: RuntimeError
+    """The error recovered from; for a replay another rank asked for, one with that rank's error."""
     phase: str = "forward/backward"
     """``"forward/backward"`` (the step's micro-batches were replayed) or ``"optimizer step"`` (the pages left
     were updated under a smaller budget, see :attr:`~hf_paged.optim.base.PagedOptimizer.oom_retries`)."""
+    failed_ranks: tuple[int, ...] = ()
+    """The global ranks that ran out of memory where the step was replayed on every rank (``()``: on this process
+    alone)."""
 
 
 class _BufferSnapshot:
@@ -120,6 +138,18 @@ class _MicroBatch:
     args: tuple
     kwargs: dict[str, Any]
     rng_state: dict[str, Any]
+    index: int
+    """Its place in the step (from 0)."""
+    synchronizes: bool
+    """Whether it all-reduces gradients with the other ranks (a DDP micro-batch outside ``no_sync``)."""
+
+
+class _ReplayRequested(Exception):
+    """Raised out of a synchronized micro-batch after which the job's store holds requests to replay the step."""
+
+    def __init__(self, requests: list[ReplayRequest]) -> None:
+        super().__init__("replay requested")
+        self.requests = requests
 
 
 def paged_optimizer_of(optimizer: Any) -> Any:
@@ -182,20 +212,28 @@ class OOMRecovery:
     resets the gradients to ``None`` and replays the step's micro-batches so far, each from its recorded
     generator state; an automatic budget is told that the step needed at least the whole device. After
     ``retries`` failures within one step the error is raised again with a note on what was tried, what the
-    memory held and what to change. Under several processes a replay must run no collective (``can_replay``).
+    memory held and what to change.
+
+    Under several processes, a micro-batch of a ``DistributedDataParallel`` ``model`` inside ``no_sync`` is replayed on
+    its rank alone; an error in one that all-reduces gradients makes every rank replay the step (every rank must then
+    open the same windows, in the same order, and pass the same ``retries``). Other engines run collectives a replay
+    cannot complete: ``replay_obstacle`` says so.
 
     It also covers the optimizer's step: it sets the optimizer's ``oom_retries`` to ``retries`` and reports the
     step's recoveries (``phase="optimizer step"``) to ``on_recovery`` and in :attr:`recoveries` too.
 
     Args:
         optimizer: an hf-paged optimizer, or a wrapper of one at ``.optimizer``.
-        retries: recoveries allowed per step; 0 runs the micro-batches unprotected.
-        on_recovery: called with a :class:`Recovery` after each recovery, before the replay.
-        model: the model the micro-batches run; its buffers (which forward may change, as BatchNorm's
-            running statistics) are copied when each window opens and put back before a replay, so the
-            replayed micro-batches count once. ``None``: buffers are not restored.
-        can_replay: asked at each failure whether a replay is exact here (under several processes: whether it
-            would run no collective); where it answers no, the error is raised with a note. ``None``: always.
+        retries: out-of-memory errors this process recovers from per step; 0 runs the micro-batches unprotected.
+        on_recovery: called with a :class:`Recovery` after each recovery, before the replay (on every rank for a
+            replay on every rank).
+        model: the model the micro-batches run (the ``DistributedDataParallel`` one where it is); its buffers (which
+            forward may change, as BatchNorm's running statistics) are copied when each window opens (under DDP
+            after its broadcast of rank 0's) and put back before a replay, so the replayed micro-batches count once.
+            ``None``: buffers are not restored.
+        replay_obstacle: asked at each failure why a replay would not be exact here (a sentence, such as "the other
+            ranks wait in the model's collectives"), or ``None`` where it would; with a sentence the error is raised
+            with it as a note. ``None``: nothing keeps a replay from being exact.
     """
 
     def __init__(
@@ -204,7 +242,7 @@ class OOMRecovery:
         retries: int = 2,
         on_recovery: Callable[[Recovery], None] | None = None,
         model: torch.nn.Module | None = None,
-        can_replay: Callable[[], bool] | None = None,
+        replay_obstacle: Callable[[], str | None] | None = None,
     ) -> None:
         if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
             raise ValueError(f"retries must be an integer >= 0, got {retries!r}")
@@ -214,19 +252,30 @@ class OOMRecovery:
         self.optimizer.oom_retries = retries
         self.optimizer.on_oom_recovery = self._recovered_in_step
         self.model = model
-        self.can_replay = can_replay
+        self.replay_obstacle = replay_obstacle
         self._buffers: _BufferSnapshot | None = None
         self.recoveries = 0
         self.step: int | None = None
         params = self._params()
         self._device = params[0].device if params else torch.device("cpu")
         self._micro_batches: list[_MicroBatch] = []
+        self._running: _MicroBatch | None = None
         self._failures = 0
+        """This process's out-of-memory errors in the step (what ``retries`` limits)."""
+        self._replays = 0
+        """Replays of the step so far, this process's own and those other ranks asked for."""
         self._grads_at_start = False
         self._accelerators: set[str] = set()
         self._marked: set[MemoryProbe] = set()
         """The probes whose window mark is set (those of the automatic budgets when the window opened)."""
         self._open = False
+        self._ddp = DDPReplay(model) if isinstance(model, DistributedDataParallel) and retries > 0 else None
+        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self._requests = ReplayRequests() if self._ddp is not None and several else None
+        self._rank = dist.get_rank() if several else 0
+        self._window: int | None = None
+        self._attempt = 0
+        """Replays of the step on every rank so far: the requests of the next are under this number."""
 
     def _params(self) -> list[torch.Tensor]:
         """The tensors that the optimizer's param groups hold now (engines swap them after construction)."""
@@ -243,13 +292,16 @@ class OOMRecovery:
         self.step = step
         self._open = True
         self._micro_batches.clear()
-        self._failures = 0
+        self._failures = self._replays = self._attempt = 0
         self._grads_at_start = any(param.grad is not None for param in self._params())
         self._accelerators = self._accelerator_kinds()
         self._buffers = _BufferSnapshot(self.model) if self.model is not None and self.retries > 0 else None
         self._marked = {auto.probe for auto in self.optimizer.auto_budgets.values()} if self.retries > 0 else set()
         for probe in self._marked:
             probe.mark(_WINDOW_MARK)
+        if self._ddp is not None:
+            self._ddp.start_window(self.snapshot_buffers)
+        self._window = next_window() if self._requests is not None else None
 
     def snapshot_buffers(self) -> None:
         """Take the model's buffers again as a replay is to restore them (an engine that changes them before the
@@ -274,20 +326,33 @@ class OOMRecovery:
             return fn(*args, **kwargs)
         if not self._open:
             raise RuntimeError("OOMRecovery.run needs a step: call start_window() or enter window() before it")
-        self._micro_batches.append(_MicroBatch(fn, args, kwargs, _rng_state(self._accelerators)))
+        synchronizes = self._ddp is not None and self._ddp.synchronizes
+        current = _MicroBatch(fn, args, kwargs, _rng_state(self._accelerators), len(self._micro_batches), synchronizes)
+        self._micro_batches.append(current)
         replay = False
         while True:
+            requests: list[ReplayRequest] | None = None
             try:
                 if replay:
                     self._replay_earlier()
-                return fn(*args, **kwargs)
+                return self._execute(current)
+            except _ReplayRequested as requested:
+                requests = requested.requests
             except RuntimeError as caught:  # torch.OutOfMemoryError is one
                 if not is_out_of_memory(caught):
                     raise
                 error = caught
             replay = True
-            self._recover(error)
-            del error
+            if requests is not None:
+                self._replay_on_every_rank(requests)
+            else:
+                self._recover(error)
+                del error
+
+    def close(self) -> None:
+        """Remove what the recovery installed in a DDP model (idempotent)."""
+        if self._ddp is not None:
+            self._ddp.close()
 
     # Internals ------------------------------------------------------------------------------------------
 
@@ -298,51 +363,72 @@ class OOMRecovery:
         if self.on_recovery is not None:
             self.on_recovery(recovery)
 
+    def _execute(self, micro_batch: _MicroBatch) -> Any:
+        """Run ``micro_batch``; after one that all-reduced gradients with other ranks, raise :class:`_ReplayRequested`
+        where a rank asked to replay the step."""
+        if self._ddp is None:
+            return micro_batch.fn(*micro_batch.args, **micro_batch.kwargs)
+        self._running = micro_batch
+        self._ddp.begin_micro_batch()
+        result = micro_batch.fn(*micro_batch.args, **micro_batch.kwargs)
+        if micro_batch.synchronizes and self._requests is not None:
+            self._ddp.wait_for_reductions()
+            requests = self._requests.read(self._window, self._attempt)
+            if requests:
+                raise _ReplayRequested(requests)
+        return result
+
     def _replay_earlier(self) -> None:
         for micro_batch in self._micro_batches[:-1]:
             _set_rng_state(micro_batch.rng_state)
-            micro_batch.fn(*micro_batch.args, **micro_batch.kwargs)
+            if self._ddp is None:
+                self._execute(micro_batch)
+                continue
+            with self._ddp.replaying(micro_batch.synchronizes):
+                self._execute(micro_batch)
         _set_rng_state(self._micro_batches[-1].rng_state)
 
     def _recover(self, error: RuntimeError) -> None:
-        """Free the failed attempt's memory and make room, or raise ``error`` with a note."""
+        """Free the failed attempt's memory and make room, then prepare the replay on this rank or on every rank; or
+        raise ``error`` with a note."""
         stats = self.optimizer.paging_stats()
         device = self._device_out_of_memory(error, list(stats["devices"]))
         device_stats = stats["devices"].get(str(device), {"device_bytes": 0, "host_bytes": 0})
         other_bytes = max(0, probe_for(device).allocated() - device_stats["device_bytes"])
+        failed = self._running if self._ddp is not None else self._micro_batches[-1]
+        if failed.synchronizes:
+            self._ddp.note_failure()  # reads the graph the traceback still holds
         traceback.clear_frames(error.__traceback__)  # the failed attempt's activations and graph
         self._failures += 1
+        synchronized = failed.synchronizes
         if self._failures > self.retries:
-            self._micro_batches.clear()
-            error.add_note(self._explain(device, device_stats, other_bytes))
-            raise error
-        if self.can_replay is not None and not self.can_replay():
-            self._micro_batches.clear()
-            error.add_note(
-                "hf-paged could not recover: a replay would not be exact here (the other processes wait in a "
-                "collective of this step; a replay is exact only where none is pending, as inside DDP's no_sync)"
+            reason = (
+                f"it ran out of memory in forward/backward {self._failures} times in this step, more than the "
+                f"{self.retries} recoveries allowed (oom_retries)."
             )
-            raise error
-        if self._grads_at_start:
-            self._micro_batches.clear()
-            error.add_note(
-                "hf-paged could not recover: gradients were present before the step's first micro-batch, so a "
-                "replay cannot restore them without a copy; clear them with zero_grad(set_to_none=True)"
-            )
-            raise error
+            self._give_up(error, reason, self._explain(device, device_stats, other_bytes))
+        obstacle = self._obstacle(synchronized)
+        if obstacle is not None:
+            self._give_up(error, obstacle, f"hf-paged could not recover: {obstacle}")
         self._learn(str(device))
+        evicted = self.optimizer.evict()
+        empty_device_cache(self._device)
+        if synchronized:
+            self._ask_every_rank_to_replay(error, failed, evicted)
+            return
         for param in self._params():
             param.grad = None
         if self._buffers is not None:
             self._buffers.restore()
-        evicted = self.optimizer.evict()
-        empty_device_cache(self._device)
+        if self._ddp is not None:
+            self._ddp.prepare_local_replay()
         self.recoveries += 1
+        self._replays += 1
         recovery = Recovery(
             step=self.step,
-            micro_batch=len(self._micro_batches) - 1,
+            micro_batch=failed.index,
             micro_batches_replayed=len(self._micro_batches),
-            attempt=self._failures,
+            attempt=self._replays,
             state_bytes_evicted=evicted,
             other_bytes=other_bytes,
             error=error,
@@ -357,6 +443,82 @@ class OOMRecovery:
             recovery.micro_batches_replayed,
             self._failures,
             self.retries,
+        )
+        if self.on_recovery is not None:
+            self.on_recovery(recovery)
+
+    def _obstacle(self, synchronized: bool) -> str | None:
+        """Why the micro-batch that failed cannot be replayed exactly (``synchronized``: on every rank), or ``None``."""
+        if self._grads_at_start:
+            return (
+                "gradients were present before the step's first micro-batch, so a replay cannot restore them without "
+                "a copy; clear them with zero_grad(set_to_none=True)."
+            )
+        if self.replay_obstacle is not None:
+            obstacle = self.replay_obstacle()
+            if obstacle is not None:
+                return obstacle
+        return self._ddp.obstacle_to_replay(synchronized) if self._ddp is not None else None
+
+    def _give_up(self, error: RuntimeError, reason: str, note: str) -> NoReturn:
+        """Raise ``error`` with ``note``, keeping ``reason`` (a sentence) for :func:`not_recovered_reason`."""
+        self._micro_batches.clear()
+        error._hf_paged_not_recovered = reason
+        error.add_note(note)
+        raise error
+
+    def _ask_every_rank_to_replay(self, error: RuntimeError, failed: _MicroBatch, evicted: int) -> None:
+        """After an error in a micro-batch whose gradients the ranks all-reduce: publish a request to replay the step,
+        complete the all-reduces this rank owes (the other ranks wait in them), read every rank's requests and replay."""
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        request = ReplayRequest(
+            rank=self._rank,
+            step=self.step,
+            phase=self._ddp.phase,
+            micro_batch=failed.index,
+            micro_batches=len(self._micro_batches),
+            error=f"{type(error).__name__}: {first_line}"[:300],
+            state_bytes_moved=evicted,
+            gradients_reduced=self._ddp.gradients_handed_over,
+            gradients=len(self._ddp.parameters),
+            retry=self._failures,
+            retries=self.retries,
+        )
+        if self._requests is not None:
+            self._requests.publish(self._window, self._attempt, request)  # before the peers can leave the all-reduces
+        self._ddp.complete_collectives()
+        self._ddp.wait_for_reductions()
+        requests = self._requests.read(self._window, self._attempt) if self._requests is not None else [request]
+        self._replay_on_every_rank(requests, evicted, error)
+
+    def _replay_on_every_rank(
+        self, requests: list[ReplayRequest], evicted: int = 0, error: RuntimeError | None = None
+    ) -> None:
+        """Once this rank's all-reduces of the failed attempt completed: drop the step's gradients, put back the
+        buffers and DDP's state as the step began, and report the replay that follows."""
+        self._ddp.prepare_replay()
+        for param in {*self._params(), *self._ddp.parameters}:
+            param.grad = None
+        if self._buffers is not None:
+            self._buffers.restore()
+        self._attempt += 1
+        self._replays += 1
+        self.recoveries += 1
+        first = requests[0]
+        recovery = Recovery(
+            step=self.step,
+            micro_batch=first.micro_batch,
+            micro_batches_replayed=len(self._micro_batches),
+            attempt=self._replays,
+            state_bytes_evicted=evicted,
+            other_bytes=0,
+            error=error if error is not None else torch.OutOfMemoryError(f"rank {first.rank}: {first.error}"),
+            failed_ranks=tuple(sorted({request.rank for request in requests})),
+        )
+        logger.warning(
+            "hf-paged: %s. Every rank drops the step's gradients and replays its %d micro-batch(es).",
+            "; ".join(request.describe() for request in requests),
+            recovery.micro_batches_replayed,
         )
         if self.on_recovery is not None:
             self.on_recovery(recovery)
@@ -409,5 +571,8 @@ def recover_oom(
     the results. Clear the gradients first. The optimizer's step that follows recovers ``retries`` times too.
     """
     recovery = OOMRecovery(optimizer, retries=retries, model=model)
-    with recovery.window():
-        return [recovery.run(fn, micro_batch) for micro_batch in micro_batches]
+    try:
+        with recovery.window():
+            return [recovery.run(fn, micro_batch) for micro_batch in micro_batches]
+    finally:
+        recovery.close()

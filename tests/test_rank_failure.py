@@ -1,12 +1,17 @@
 """A failure on one rank of a distributed Trainer run (gloo on the CPU): tests/scripts/rank_failure.py under torchrun.
 
-An out-of-memory error injected in backward on one rank ends every rank within seconds with hf-paged's note, also
-when the failed rank's process holds on to its connections (as the peers of a failed rank wait in an NCCL collective
-until its timeout); the last checkpoint resumes bitwise. A micro-batch inside DDP's ``no_sync`` and the optimizer's
-step recover on their rank, bitwise. A failure or a kill while a checkpoint is written leaves no checkpoint that
-``get_last_checkpoint`` or ``resume_from_checkpoint=True`` would take incomplete, whatever the save strategy; an error
-in a save or an evaluation ends every rank as one in backward does. The default run covers DDP on one node;
-``HF_PAGED_SLOW=1`` adds two nodes, FSDP2, DeepSpeed ZeRO-3, torchrun's restarts and more save strategies.
+Under DDP an out-of-memory error in the forward or in the middle of the backward (after some gradient buckets were
+all-reduced) of one rank's synchronized micro-batch is replayed on every rank, and every rank's weights and optimizer
+state end bitwise as in a run without the error; one that comes back more often than ``oom_retries`` allows, an error
+that is not out-of-memory, and any such error under FSDP2 or DeepSpeed ZeRO-3 end every rank within seconds with
+hf-paged's note (saying why it was not replayed), also when the failed rank's process holds on to its connections (as
+the peers of a failed rank wait in an NCCL collective until its timeout); the last checkpoint resumes bitwise. A
+micro-batch inside DDP's ``no_sync`` and the optimizer's step recover on their rank, bitwise. A failure or a kill while
+a checkpoint is written leaves no checkpoint that ``get_last_checkpoint`` or ``resume_from_checkpoint=True`` would take
+incomplete, whatever the save strategy; an error in a save or an evaluation ends every rank as one in backward does.
+The default run covers DDP on one node of two processes (a replay mid-backward among them); ``HF_PAGED_SLOW=1`` adds
+four processes, two nodes, ``accelerate launch``, two ranks failing in one step, FSDP2, DeepSpeed ZeRO-3, torchrun's
+restarts and more save strategies.
 """
 
 from __future__ import annotations
@@ -96,32 +101,57 @@ def launch(
     folder,
     *options: str,
     nodes: int = 1,
+    processes: int = 2,
     timeout: float = 240,
     launcher: tuple[str, ...] = (),
     script: str = SCRIPT,
     repo: str = REPO,
+    accelerate: bool = False,
 ) -> Launch:
-    """Run ``script`` with ``options`` under torchrun (with ``launcher``'s options): one node of two processes, or two
-    nodes of one each (two launchers on this machine, ``--master-addr 127.0.0.1``)."""
+    """Run ``script`` with ``options`` under torchrun (with ``launcher``'s options), or ``accelerate launch`` with
+    ``configs/accelerate/ddp.yaml``: ``processes`` on one node, or on two nodes of half as many each (two launchers on
+    this machine, ``--master-addr 127.0.0.1``)."""
     os.makedirs(folder, exist_ok=True)
     port = free_port()
-    if nodes == 1:
-        commands = [["--standalone", "--nproc-per-node", "2"]]
+    per_node = processes // nodes
+    if accelerate:
+        config = os.path.join(repo, "configs", "accelerate", "ddp.yaml")
+        commands = [
+            [
+                "accelerate.commands.launch",
+                "--config_file",
+                config,
+                "--num_machines",
+                str(nodes),
+                "--machine_rank",
+                str(node),
+                "--num_processes",
+                str(processes),
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                str(port),
+            ]
+            for node in range(nodes)
+        ]
+    elif nodes == 1:
+        commands = [["torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]]
     else:
         commands = [
             [
+                "torch.distributed.run",
                 "--nnodes",
-                "2",
+                str(nodes),
                 "--node-rank",
                 str(node),
                 "--nproc-per-node",
-                "1",
+                str(per_node),
                 "--master-addr",
                 "127.0.0.1",
                 "--master-port",
                 str(port),
             ]
-            for node in range(2)
+            for node in range(nodes)
         ]
     environment = {
         **os.environ,
@@ -129,12 +159,11 @@ def launch(
         "OMP_NUM_THREADS": "1",
         "HF_PAGED_COMPILE": "0",
     }
-    processes = [
+    started = [
         subprocess.Popen(
             [
                 sys.executable,
                 "-m",
-                "torch.distributed.run",
                 *command,
                 *launcher,
                 script,
@@ -151,19 +180,19 @@ def launch(
     ]
     outputs, ended = [], []
     try:
-        for process in processes:
+        for process in started:
             outputs.append(process.communicate(timeout=timeout)[0])
             ended.append(time.time())
     finally:
-        for process in processes:
+        for process in started:
             for pid in [process.pid, *descendants(process.pid)]:  # torchrun starts its workers in sessions of their own
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             process.communicate()
     failure = read_json(os.path.join(folder, "failure.json"))
-    results = {rank: read_json(os.path.join(folder, f"rank{rank}.json")) for rank in range(2)}
+    results = {rank: read_json(os.path.join(folder, f"rank{rank}.json")) for rank in range(processes)}
     return Launch(
-        returncodes=[process.returncode for process in processes],
+        returncodes=[process.returncode for process in started],
         seconds_after_failure=None if failure is None else max(ended) - failure["time"],
         output="\n".join(outputs),
         results={rank: result for rank, result in results.items() if result is not None},
@@ -243,12 +272,15 @@ def test_watcher_refuses_bad_durations(store, name):
 
 # Through the Trainer, under torchrun ------------------------------------------------------------------------
 
-ACCUMULATE = ("--steps", "4", "--save-steps", "2", "--grad-accum", "2")
-"""Four optimizer steps of two micro-batches each, a checkpoint after step 2."""
+ACCUMULATE = ("--steps", "4", "--save-steps", "2", "--grad-accum", "2", "--layers", "2")
+"""Four optimizer steps of two micro-batches each, a checkpoint after step 2; a Llama of two decoder layers, whose
+gradients DDP all-reduces in 12 buckets (and its map of unused parameters: the Trainer's find_unused_parameters=True)."""
 HOLD_ON = ("--fail-step", "3", "--fail-micro-batch", "1", "--linger", "600", "--pg-timeout", "1200")
-"""Rank 1 runs out of memory in the backward of step 3's last micro-batch, the one whose gradients DDP all-reduces
-(rank 0 waits in that collective, a replay cannot be exact), every time. The failing rank keeps its process for 10 minutes after its error, and a collective may wait 20: its peers end
-within seconds only because hf-paged's watcher ends them."""
+"""Rank 1 runs out of memory in the backward of step 3's last micro-batch, the one whose gradients DDP all-reduces, in
+the step and in each of its replays (rank 0 waits in the collectives of each), until the retries are spent. The failing
+rank keeps its process for 10 minutes after its error, and a collective may wait 20: its peers end within seconds only
+because hf-paged's watcher ends them."""
+REPLAY_NOTE = "Every rank drops the step's gradients and replays its 2 micro-batch(es)."
 
 
 @pytest.fixture(scope="module")
@@ -266,9 +298,15 @@ def failed_run(tmp_path_factory):
 
 @needs_torchrun
 def test_a_failure_on_one_rank_ends_every_rank_with_a_note(failed_run):
+    """Rank 1's step 3 runs out of memory three times: the step is replayed on both ranks twice (oom_retries=2), and
+    the third error ends every rank, the note saying so."""
     _, run = failed_run
     assert run.returncodes != [0]
     assert run.seconds_after_failure < ENDS_WITHIN, run.output[-4000:]
+    assert run.output.count(REPLAY_NOTE) == 4, run.output[-4000:]  # two replays, logged on both ranks
+    assert "(retry 2 of 2)" in run.output
+    spent = "hf-paged did not recover: it ran out of memory in forward/backward 3 times in this step, more than the 2"
+    assert spent in run.output
     assert NOTE in run.output
     assert "Resume from the last checkpoint" in run.output and "checkpoint-2" in run.output
     assert "lower the batch size per device" in run.output
@@ -315,6 +353,144 @@ def test_no_sync_micro_batch_and_optimizer_step_recover_on_their_rank(clean_run,
     for rank in (0, 1):
         assert run.results[rank]["checksum"] == clean_run.results[rank]["checksum"]
         assert run.results[rank]["losses"] == clean_run.results[rank]["losses"]
+
+
+def assert_replayed_bitwise(run: Launch, clean: Launch, failed_ranks: list[int], step: int = 3) -> None:
+    """Every rank of ``run`` finished with the weights, optimizer state and losses of ``clean``, and counted one replay
+    of ``step`` that ``failed_ranks`` asked for (the memory callback's summary, and rank 0's timeline)."""
+    assert run.returncodes == [0] * len(run.returncodes), run.output[-4000:]
+    assert sorted(run.results) == sorted(clean.results)
+    for rank, result in run.results.items():
+        assert result["digest"] == clean.results[rank]["digest"], rank
+        assert result["losses"] == clean.results[rank]["losses"], rank
+        assert (result["oom_recoveries"], result["oom_recovery_steps"]) == (1, [step]), rank
+        assert result["oom_ranks"] == {str(step): failed_ranks}, rank
+    for rank in failed_ranks:
+        assert f"hf-paged: rank {rank} ran out of memory in the " in run.output
+    assert run.output.count(REPLAY_NOTE) == len(run.results), run.output[-4000:]
+
+
+@needs_torchrun
+def test_an_oom_mid_backward_on_one_rank_is_replayed_on_every_rank_bitwise(clean_run, tmp_path):
+    """Rank 1 runs out of memory in the backward of step 3's last micro-batch, after DDP all-reduced some of the
+    gradient buckets (rank 0 waits in the next one): rank 1 joins the rest with zero gradients, both ranks replay
+    the step, and both end with the weights and optimizer state of the clean run, bitwise."""
+    run = launch(tmp_path, *ACCUMULATE, "--fail-in", "backward", "--fail-micro-batch", "1", "--fail-times", "1")
+    assert_replayed_bitwise(run, clean_run, failed_ranks=[1])
+    (reduced_before_error,) = run.results[1]["collectives_before_error"]
+    assert 0 < reduced_before_error < clean_run.results[1]["collectives_per_backward"][2]
+    assert "hf-paged: rank 1 ran out of memory in the backward of step 3 (micro-batch 2 of 2, after " in run.output
+    timeline = [json.loads(line) for line in (tmp_path / "memory_timeline.jsonl").read_text().splitlines()]
+    assert [(row["step"], row.get("oom_ranks")) for row in timeline if row["oom_recoveries"]] == [(3, [1])]
+
+
+@pytest.fixture(scope="module")
+def clean_runs(tmp_path_factory):
+    """Clean runs by (processes, find_unused), made once each."""
+    made: dict[tuple[int, str], Launch] = {}
+
+    def clean(processes: int, find_unused: str) -> Launch:
+        if (processes, find_unused) not in made:
+            folder = tmp_path_factory.mktemp(f"clean-{processes}-{find_unused}")
+            run = launch(
+                folder, *ACCUMULATE, "--fail-in", "none", "--find-unused", find_unused, processes=processes, timeout=400
+            )
+            assert run.returncodes == [0], run.output[-4000:]
+            made[processes, find_unused] = run
+        return made[processes, find_unused]
+
+    return clean
+
+
+@needs_torchrun
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("processes", "nodes", "where", "find_unused", "failed_rank", "step", "accelerate"),
+    [
+        (2, 1, "forward", "default", 1, 3, False),
+        (2, 1, "backward", "false", 1, 3, False),
+        (2, 1, "forward", "false", 0, 3, False),
+        (4, 1, "backward", "default", 2, 3, False),
+        (4, 1, "forward", "false", 3, 3, False),
+        (4, 1, "backward", "false", 0, 1, False),  # the step whose gradient order DDP rebuilds its buckets from
+        (2, 2, "backward", "default", 1, 3, False),
+        (4, 2, "forward", "default", 1, 3, False),
+        (2, 1, "backward", "default", 1, 3, True),
+    ],
+)
+def test_an_oom_on_one_rank_is_replayed_on_every_rank_bitwise(
+    clean_runs, tmp_path, processes, nodes, where, find_unused, failed_rank, step, accelerate
+):
+    """Two or four ranks, on one node or two (torchrun, or accelerate launch), DDP finding unused parameters or not:
+    one rank runs out of memory in the forward or the backward of a step's synchronized micro-batch, and every rank ends
+    with the weights and optimizer state of the clean run, bitwise."""
+    failure = ["--fail-rank", str(failed_rank), "--fail-step", str(step), "--fail-in", where]
+    run = launch(
+        tmp_path,
+        *ACCUMULATE,
+        *failure,
+        "--fail-micro-batch",
+        "1",
+        "--fail-times",
+        "1",
+        "--find-unused",
+        find_unused,
+        processes=processes,
+        nodes=nodes,
+        accelerate=accelerate,
+        timeout=400,
+    )
+    assert_replayed_bitwise(run, clean_runs(processes, find_unused), failed_ranks=[failed_rank], step=step)
+    assert f"hf-paged: rank {failed_rank} ran out of memory in the {where} of step {step}" in run.output
+
+
+@needs_torchrun
+@pytest.mark.slow
+def test_two_ranks_running_out_of_memory_in_one_step_are_replayed_together(clean_runs, tmp_path):
+    """Rank 1 runs out of memory mid-backward and rank 0 in the forward of step 3's synchronized micro-batch: both ask
+    for the replay, and both ranks end bitwise as the clean run."""
+    run = launch(
+        tmp_path,
+        *ACCUMULATE,
+        "--fail-in",
+        "backward",
+        "--also-fail",
+        "0",
+        "forward",
+        "--fail-micro-batch",
+        "1",
+        "--fail-times",
+        "1",
+    )
+    assert_replayed_bitwise(run, clean_runs(2, "default"), failed_ranks=[0, 1])
+
+
+@needs_torchrun
+@pytest.mark.slow
+def test_an_error_in_the_replay_beyond_the_retries_ends_every_rank(tmp_path):
+    """With oom_retries=1, rank 1 runs out of memory in step 3 and again in its replay: the replay ran on both ranks,
+    and the second error ends every rank within seconds, the note saying the retries were spent."""
+    run = launch(tmp_path, *ACCUMULATE, *HOLD_ON, "--fail-times", "2", "--oom-retries", "1", timeout=150)
+    assert run.returncodes != [0]
+    assert run.seconds_after_failure < ENDS_WITHIN, run.output[-4000:]
+    assert run.output.count(REPLAY_NOTE) == 2 and "(retry 1 of 1)" in run.output
+    spent = "hf-paged did not recover: it ran out of memory in forward/backward 2 times in this step, more than the 1"
+    assert spent in run.output
+    assert NOTE in run.output
+
+
+@needs_torchrun
+@pytest.mark.slow
+def test_an_error_that_is_not_out_of_memory_ends_every_rank_unreplayed(tmp_path):
+    """A RuntimeError in rank 1's synchronized backward is not replayed: every rank ends within seconds as before."""
+    run = launch(tmp_path, *ACCUMULATE, *HOLD_ON, "--fail-error", "runtime", timeout=150)
+    assert run.returncodes != [0]
+    assert run.seconds_after_failure < ENDS_WITHIN, run.output[-4000:]
+    assert REPLAY_NOTE not in run.output and "did not recover" not in run.output
+    assert "hf-paged: ending rank 0 because rank 1 failed in the forward/backward of step 3 with RuntimeError: " in (
+        run.output
+    )
+    assert "See rank 1's traceback for the cause." in run.output
 
 
 INTERRUPTED_SAVE = ("--run-ahead", "--interrupt-save", "2", "6")
@@ -422,11 +598,18 @@ def test_a_failure_in_a_save_or_an_evaluation_ends_every_rank(tmp_path, where, r
 )
 def test_every_engine_ends_every_rank_and_resumes(tmp_path, engine, nodes):
     """DDP, FSDP2 through the Trainer and DeepSpeed ZeRO-3, on one node of two processes or two nodes of one; on two
-    nodes the failed rank's node holds the job's store, so its lingering process ends when the store goes away."""
+    nodes the failed rank's node holds the job's store, so its lingering process ends when the store goes away. DDP
+    replays the step until the retries are spent; FSDP2 and DeepSpeed replay none, and the note says why."""
     run = launch(tmp_path / "failed", "--engine", engine, *ACCUMULATE, *HOLD_ON, nodes=nodes, timeout=300)
     assert run.returncodes[0] != 0 and all(code != 0 for code in run.returncodes), run.output[-4000:]
     assert run.seconds_after_failure < ENDS_WITHIN, run.output[-4000:]
     assert NOTE in run.output
+    why = {
+        "ddp": "hf-paged did not recover: it ran out of memory in forward/backward 3 times in this step",
+        "fsdp2": "hf-paged did not recover: FSDP gathers each module's parameters in forward and backward",
+        "deepspeed": "hf-paged did not recover: DeepSpeed's engine gathers parameters (ZeRO-3)",
+    }[engine]
+    assert why in run.output, run.output[-4000:]
     checkpoint = str(tmp_path / "failed" / "checkpoint-2")
     resumed = launch(
         tmp_path / "resumed",

@@ -6,12 +6,13 @@ window of micro-batches starts whenever the trainer's ``global_step`` has moved 
 optimizer step, skipped ones included. Metrics that a trainer accumulates per micro-batch during its loss
 (TRL's token counts, entropy and accuracy) are rewound before a replay, so logs match a run without the error.
 
-Under several processes a replay is exact only where it runs no collective: a micro-batch of DDP's gradient
-accumulation inside ``no_sync``. An error anywhere else in forward, backward or the optimizer's step, and one in an
-evaluation or a checkpoint's save, is published to every rank of the job (:mod:`hf_paged.rank_failure`), whose watchers
-end their processes within seconds with a note on which rank failed, at which step, what to change and the last
-checkpoint written whole (a checkpoint gets its name only then: see
-:func:`~hf_paged.integrations._transformers_internals.write_checkpoints_whole`).
+Under several processes with DDP, a micro-batch inside ``no_sync`` is replayed on its rank alone, and an error in the
+micro-batch whose gradients the ranks all-reduce makes every rank replay the step (see :mod:`hf_paged.ddp_replay`).
+FSDP and DeepSpeed run collectives in every micro-batch that a rank cannot complete after an error. An error that is not
+recovered, in forward, backward or the optimizer's step, and one in an evaluation or a checkpoint's save, is published
+to every rank of the job (:mod:`hf_paged.rank_failure`), whose watchers end their processes within seconds with a note
+on which rank failed, at which step, why it was not recovered, what to change and the last checkpoint written whole (a
+checkpoint gets its name only then: see :func:`~hf_paged.integrations._transformers_internals.write_checkpoints_whole`).
 """
 
 from __future__ import annotations
@@ -54,10 +55,10 @@ def enable_oom_recovery(
         on_recovery: called with each :class:`~hf_paged.recovery.Recovery`, before the replay or the rest of the
             optimizer's step.
 
-    Under several processes, a micro-batch is replayed only inside DDP's ``no_sync`` (gradient accumulation before
-    the last micro-batch of a step), where a replay runs no collective; any other error in forward, backward or the
-    optimizer's step is published to every rank, and a :class:`~hf_paged.rank_failure.RankFailureWatcher` on each
-    rank ends the job (see :mod:`hf_paged.rank_failure`) until training ends.
+    Under several processes with DDP, every rank replays a step that one rank's out-of-memory error interrupted;
+    under FSDP and DeepSpeed none does. An error that is not recovered in forward, backward or the optimizer's step is
+    published to every rank, and a :class:`~hf_paged.rank_failure.RankFailureWatcher` on each rank ends the job (see
+    :mod:`hf_paged.rank_failure`) until training ends.
 
     Returns:
         The recovery (its ``recoveries`` counts them), or ``None`` where none was installed: ``retries`` is 0 or
@@ -71,14 +72,17 @@ def enable_oom_recovery(
     optimizer.oom_retries = retries  # the optimizer's own step recovers in any number of processes
     optimizer.on_oom_recovery = on_recovery
     failures = _RankFailures(trainer, optimizer) if trainer.args.world_size > 1 else None
+    model = trainer.model_wrapped
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    obstacle = None if failures is None or ddp else _engine_obstacle(trainer)
     if failures is not None:
         setattr(trainer, _FAILURES_ATTRIBUTE, failures)
-        if trainer.is_world_process_zero():  # once for the launch, not once per process
+        if trainer.is_world_process_zero() and obstacle is not None:  # once for the launch, not once per process
             logger.warning(
-                "hf-paged: with %d processes, out-of-memory recovery in forward and backward replays only micro-batches "
-                "inside no_sync (DDP's gradient accumulation), where no collective is pending; a failure elsewhere on "
-                "one rank ends every rank with a note (the optimizer step still recovers)",
+                "hf-paged: with %d processes, an out-of-memory error in forward or backward is not replayed (%s) and "
+                "ends every rank with a note; the optimizer step still recovers",
                 trainer.args.world_size,
+                obstacle,
             )
     internals.trainer_metric_marks(trainer)  # fails now, not at a recovery, if a trainer's metrics moved
     marks: dict[str, Any] = {}
@@ -89,13 +93,12 @@ def enable_oom_recovery(
         if on_recovery is not None:
             on_recovery(recovery)
 
-    running: list[Any] = [None]
     recovery = OOMRecovery(
         optimizer,
         retries=retries,
         on_recovery=rewind_and_report,
-        model=trainer.model,
-        can_replay=None if failures is None else lambda: _replay_is_local(running[0]),
+        model=model if ddp else trainer.model,
+        replay_obstacle=None if obstacle is None else lambda: obstacle,
     )
     if retries == 0 and failures is None:
         return None
@@ -109,9 +112,6 @@ def enable_oom_recovery(
             recovery.start_window(step + 1)
             marks.clear()
             marks.update(internals.trainer_metric_marks(trainer))
-            if failures is not None:
-                failures.snapshot_buffers_after_broadcast(model, recovery)
-        running[0] = model
         if failures is None:
             return recovery.run(original, model, inputs, *args, **kwargs)
         with failures.publishing("forward/backward"):
@@ -129,19 +129,32 @@ def disable_oom_recovery(trainer: Any) -> None:
     if failures is not None:
         failures.close()
         delattr(trainer, _FAILURES_ATTRIBUTE)
-    if getattr(trainer, _ATTRIBUTE, None) is None:
+    recovery = getattr(trainer, _ATTRIBUTE, None)
+    if recovery is None:
         return
+    recovery.close()
     del trainer.training_step
     delattr(trainer, _ATTRIBUTE)
 
 
-def _replay_is_local(model: Any) -> bool:
-    """Whether replaying the step's micro-batches so far runs no collective: ``model`` is DDP's, inside ``no_sync``,
-    and its next forward broadcasts no buffers."""
+def _engine_obstacle(trainer: Any) -> str:
+    """Why the engine that runs ``trainer``'s model across processes, not DDP, keeps a step from being replayed."""
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        return (
+            "DeepSpeed's engine gathers parameters (ZeRO-3) and reduces gradients into its partitions in hooks of its "
+            "own, counting micro-steps, and a rank that failed part way can neither complete those collectives nor "
+            "rewind that state; on gloo and NCCL a collective a rank never joins cannot be left either, so only DDP "
+            "replays such a step."
+        )
+    if getattr(trainer, "is_fsdp_enabled", False):
+        return (
+            "FSDP gathers each module's parameters in forward and backward and reduce-scatters its gradients, so a "
+            "rank that failed part way owes collectives it can run only by running the modules, and on gloo and NCCL "
+            "a collective a rank never joins cannot be left; only DDP replays such a step."
+        )
     return (
-        isinstance(model, torch.nn.parallel.DistributedDataParallel)
-        and not model.require_backward_grad_sync
-        and not model.require_forward_param_sync
+        "the model runs across processes without DDP, so hf-paged cannot tell which collectives a rank that failed "
+        "owes; only DDP replays such a step."
     )
 
 
@@ -163,7 +176,6 @@ class _RankFailures(TrainerCallback):
                 trainer.args.world_size,
             )
         self._closed = False
-        self._snapshot_hook: torch.utils.hooks.RemovableHandle | None = None
         self._own_step = optimizer.__dict__.get("step")
         self._own_evaluate = vars(trainer).get("evaluate")
         optimizer.step = self._published(optimizer.step, "optimizer step")
@@ -181,23 +193,6 @@ class _RankFailures(TrainerCallback):
                 return call(*args, **kwargs)
 
         return published
-
-    def snapshot_buffers_after_broadcast(self, model: Any, recovery: OOMRecovery) -> None:
-        """Under DDP, take the buffers a replay restores once the window's first forward has broadcast rank 0's (a
-        forward pre-hook of the wrapped module runs after DDP's broadcast), so that a replay on another rank starts
-        from the buffers its first attempt had."""
-        if self._snapshot_hook is not None:  # a window whose first forward never ran
-            self._snapshot_hook.remove()
-            self._snapshot_hook = None
-        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            return
-
-        def snapshot(module: torch.nn.Module, args: Any) -> None:
-            self._snapshot_hook.remove()
-            self._snapshot_hook = None
-            recovery.snapshot_buffers()
-
-        self._snapshot_hook = model.module.register_forward_pre_hook(snapshot)
 
     @contextlib.contextmanager
     def publishing(self, phase: str, after_step: bool = False):
@@ -232,8 +227,6 @@ class _RankFailures(TrainerCallback):
         self._closed = True
         if self.watcher is not None:
             self.watcher.stop()
-        if self._snapshot_hook is not None:
-            self._snapshot_hook.remove()
         for owner, name, own in (
             (self.optimizer, "step", self._own_step),
             (self.trainer, "evaluate", self._own_evaluate),

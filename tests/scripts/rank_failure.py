@@ -6,14 +6,20 @@ Launched with ``torchrun`` (one node, or two ``--nnodes 2 --node-rank 0|1`` laun
         --fail-rank 1 --fail-step 3 --fail-in backward
 
 ``--engine`` picks DDP, FSDP2 (accelerate's, through the Trainer) or DeepSpeed ZeRO-3. The model is the tests' tiny
-Llama, the optimizer ``hf_paged_adamw_8bit`` under a budget (its pages stream at every step) and
-``MemorySpikeCallback`` (which turns on hf-paged's handling of errors). ``--save-strategy`` is the Trainer's (``epoch``:
-an epoch of ``--save-steps`` steps; ``best``: the lowest evaluation loss), ``--eval-steps`` evaluates every so many
-steps. On rank ``--fail-rank`` at optimizer step ``--fail-step`` (from 1), ``--fail-in`` picks where an error is
-raised, ``--fail-times`` times each, in the first attempt of a job only (``TORCHELASTIC_RESTART_COUNT`` 0):
+Llama of ``--layers`` decoder layers (DDP all-reduces its gradients in buckets of ``--bucket-cap-mb``, several, and finds unused parameters as the
+Trainer decides, or not with ``--find-unused false``), the optimizer ``hf_paged_adamw_8bit``
+under a budget (its pages stream at every step) and ``MemorySpikeCallback`` (which turns on hf-paged's handling of
+errors, ``--oom-retries`` recoveries per step). ``--save-strategy`` is the Trainer's (``epoch``: an epoch of
+``--save-steps`` steps; ``best``: the lowest evaluation loss), ``--eval-steps`` evaluates every so many steps. On rank
+``--fail-rank`` (and on the ranks of ``--also-fail RANK WHERE``) at optimizer step ``--fail-step`` (from 1),
+``--fail-in`` picks where an error is raised, ``--fail-times`` times each, in the first attempt of a job only
+(``TORCHELASTIC_RESTART_COUNT`` 0):
 
-- ``backward``: ``torch.OutOfMemoryError`` in a gradient hook on the first decoder layer's MLP output, at the
-  ``--fail-micro-batch``-th backward of the step (from 0, replays counted);
+- ``forward``: ``torch.OutOfMemoryError`` (``RuntimeError`` with ``--fail-error runtime``) in a forward pre-hook of the
+  first decoder layer's MLP, in micro-batch ``--fail-micro-batch`` of the step (from 0; a replay of the whole step
+  counts from 0 again);
+- ``backward``: the same error in a gradient hook on that MLP's output, in the backward of that micro-batch (the
+  gradients of the layers above it are all-reduced by then);
 - ``optimizer``: ``torch.OutOfMemoryError`` in the optimizer's first page allocations of the step;
 - ``evaluation``: ``torch.OutOfMemoryError`` in the forward of the evaluation after the step;
 - ``save``: ``OSError`` (no space left on device) in the checkpoint written after the step, once the model's weights
@@ -37,13 +43,16 @@ seconds before raising it again: its peers then wait in the collective it never 
 after it ended.
 
 Each rank that finishes writes ``rank<R>.json`` in ``--output-dir`` (its logged losses, the sum and norm of its
-parameters, the recoveries counted, the checkpoint it resumed from); the failing rank writes ``failure.json`` (the time it raised, the note on its
-error) before it raises.
+parameters, a SHA-256 of its parameters' and its optimizer state's bytes, the recoveries counted, the steps and ranks
+the memory callback's summary marks, the checkpoint it resumed from, and under DDP how many collectives each injected
+backward error came after and each clean backward ran); the failing rank writes ``failure.json`` (the time it raised,
+the note on its error) before it raises.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -72,18 +81,34 @@ OPTIM_ARGS = "page_size=4KiB,device_budget=16KiB,block_size=64,min_8bit_size=256
 
 
 class Injector(TrainerCallback):
-    """Raises an error on one rank at one optimizer step (in backward, the optimizer step, the evaluation or the
-    checkpoint after it), and makes rank 0's checkpoint of one step wait or kill its process."""
+    """Raises an error on chosen ranks at one optimizer step (in forward, backward, the optimizer step, the evaluation
+    or the checkpoint after it), and makes rank 0's checkpoint of one step wait or kill its process."""
 
     def __init__(self, model: torch.nn.Module, options: argparse.Namespace, rank: int) -> None:
         self.options = options
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        self.armed = rank == options.fail_rank and first_attempt
+        places = {options.fail_rank: options.fail_in, **{int(r): [where] for r, where in options.also_fail or []}}
+        self.armed = rank in places and first_attempt
         self.interrupts = rank == 0 and first_attempt and options.interrupt_save is not None
-        self.left = {where: options.fail_times for where in options.fail_in}
-        self.backwards = 0
+        self.left = {where: options.fail_times for where in places.get(rank, [])}
+        self.error = torch.OutOfMemoryError if options.fail_error == "oom" else RuntimeError
+        self.forwards = self.backwards = 0
         self.step = 0
-        model.model.layers[0].mlp.register_forward_hook(self._forward)
+        self.collectives_before_error: list[int] = []
+        self.collectives_per_backward: list[int] = []
+        self._collectives_at_forward_end = 0
+        layer = model.model.layers[0]
+        layer.mlp.register_forward_pre_hook(self._forward_begins)
+        layer.mlp.register_forward_hook(self._forward)
+        model.register_forward_hook(self._model_forward_ends)
+
+    def _forward_begins(self, module, args):
+        if not torch.is_grad_enabled():
+            return
+        calls, self.forwards = self.forwards, self.forwards + 1
+        if self._now("forward") and calls % self.options.grad_accum == self.options.fail_micro_batch:
+            self.left["forward"] -= 1
+            raise self.error("injected in forward")
 
     def _forward(self, module, args, output):
         if torch.is_grad_enabled() and output.requires_grad:
@@ -91,6 +116,9 @@ class Injector(TrainerCallback):
         elif not torch.is_grad_enabled() and self._now("evaluation"):
             self.left["evaluation"] -= 1
             raise torch.OutOfMemoryError("injected in evaluation")
+
+    def _model_forward_ends(self, module, args, output):
+        self._collectives_at_forward_end = collectives_so_far()
 
     def _saving(self, optimizer):
         """An optimizer ``state_dict`` pre-hook: the checkpoint's model weights are written, the rest is not."""
@@ -105,9 +133,10 @@ class Injector(TrainerCallback):
 
     def _backward(self, grad):
         calls, self.backwards = self.backwards, self.backwards + 1
-        if self._now("backward") and calls == self.options.fail_micro_batch:
+        if self._now("backward") and calls % self.options.grad_accum == self.options.fail_micro_batch:
             self.left["backward"] -= 1
-            raise torch.OutOfMemoryError("injected in backward")
+            self.collectives_before_error.append(collectives_so_far() - self._collectives_at_forward_end)
+            raise self.error("injected in backward")
 
     def _now(self, where: str) -> bool:
         return self.armed and self.step == self.options.fail_step and self.left.get(where, 0) > 0
@@ -116,9 +145,10 @@ class Injector(TrainerCallback):
         paged_optimizer_of(optimizer).register_state_dict_pre_hook(self._saving)
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.step, self.backwards = state.global_step + 1, 0
+        self.step, self.forwards, self.backwards = state.global_step + 1, 0, 0
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        self.collectives_per_backward.append(collectives_so_far() - self._collectives_at_forward_end)
         if not self._now("optimizer"):
             return
         (store,) = paged_optimizer_of(optimizer)._store.stores.values()
@@ -131,6 +161,32 @@ class Injector(TrainerCallback):
             raise torch.OutOfMemoryError("injected in the optimizer step")
 
         store.backend.empty_device = failing
+
+
+def collectives_so_far() -> int:
+    """Collectives this process has launched in the default group (gloo counts them; 0 without a group)."""
+    if not dist.is_initialized():
+        return 0
+    return dist.group.WORLD._get_backend(torch.device("cpu"))._get_sequence_number_for_group()
+
+
+def state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """SHA-256 of the bytes of this rank's parameters and of its optimizer's state (DDP: both whole on every rank)."""
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        local = param.detach().cpu().reshape(-1).contiguous()
+        digest.update(name.encode())
+        digest.update(local.view(torch.uint8).numpy().tobytes())
+    state = paged_optimizer_of(optimizer).state_dict()["state"]
+    for index in sorted(state):
+        for key in sorted(state[index]):
+            value = state[index][key]
+            digest.update(f"{index}/{key}".encode())
+            if isinstance(value, torch.Tensor):
+                digest.update(value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+            else:
+                digest.update(repr(value).encode())
+    return digest.hexdigest()
 
 
 def training_args(options: argparse.Namespace) -> TrainingArguments:
@@ -165,6 +221,8 @@ def training_args(options: argparse.Namespace) -> TrainingArguments:
         seed=0,
         dataloader_num_workers=0,
         ddp_timeout=options.pg_timeout,
+        ddp_bucket_cap_mb=options.bucket_cap_mb,
+        ddp_find_unused_parameters=False if options.find_unused == "false" else None,
         ddp_broadcast_buffers=not options.run_ahead,
         average_tokens_across_devices=not options.run_ahead,
         deepspeed=deepspeed,
@@ -226,9 +284,20 @@ def main() -> None:
     parser.add_argument("--run-ahead", action="store_true", help="no collective at the start of a step")
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--fail-rank", type=int, default=1)
+    parser.add_argument("--also-fail", nargs=2, action="append", metavar=("RANK", "WHERE"), help="another rank's place")
     parser.add_argument("--fail-step", type=int, default=3)
     parser.add_argument(
-        "--fail-in", nargs="+", choices=["backward", "optimizer", "evaluation", "save", "none"], default=["backward"]
+        "--fail-in",
+        nargs="+",
+        choices=["forward", "backward", "optimizer", "evaluation", "save", "none"],
+        default=["backward"],
+    )
+    parser.add_argument("--fail-error", choices=["oom", "runtime"], default="oom", help="in forward and backward")
+    parser.add_argument("--oom-retries", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=1, help="decoder layers of the tiny Llama")
+    parser.add_argument("--bucket-cap-mb", type=float, default=0.02, help="DDP's gradient buckets (MiB)")
+    parser.add_argument(
+        "--find-unused", choices=["default", "false"], default="default", help="DDP's find_unused_parameters"
     )
     parser.add_argument("--fail-micro-batch", type=int, default=0)
     parser.add_argument("--fail-times", type=int, default=1000)
@@ -249,9 +318,9 @@ def main() -> None:
         init_process_group_per_attempt(options.pg_timeout)
     resumed_from = get_last_checkpoint(options.output_dir) if resume_from == "last" else resume_from
     args = training_args(options)
-    model = tiny_llama()
+    model = tiny_llama(num_hidden_layers=options.layers)
     injector = Injector(model, options, rank)
-    spikes = MemorySpikeCallback(plot=False)
+    spikes = MemorySpikeCallback(plot=False, oom_retries=options.oom_retries)
     epoch_steps = options.save_steps if options.save_strategy == "epoch" else options.steps
     data = token_dataset(samples=BATCH * options.grad_accum * args.world_size * epoch_steps)
     evaluation = token_dataset(samples=BATCH * args.world_size, seed=1) if options.eval_steps else None
@@ -265,13 +334,19 @@ def main() -> None:
             time.sleep(options.linger)
         raise
     checksum, norm = parameters_checksum(trainer.model)
+    summary = spikes.summary()
     result = {
         "rank": rank,
         "losses": {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry},
         "checksum": checksum,
         "norm": norm,
+        "digest": state_digest(trainer.model, trainer.optimizer) if options.engine == "ddp" else None,
         "oom_recoveries": spikes.oom_recoveries,
+        "oom_recovery_steps": summary["oom_recovery_steps"],
+        "oom_ranks": summary["oom_ranks"],
         "resumed_from": resumed_from,
+        "collectives_before_error": injector.collectives_before_error,
+        "collectives_per_backward": injector.collectives_per_backward,
     }
     with open(os.path.join(options.output_dir, f"rank{rank}.json"), "w") as file:
         json.dump(result, file)
