@@ -917,12 +917,12 @@ def kernels_skipped() -> Iterator[None]:
 
     replaced = [
         (torch, "_fused_adamw_"),
-        (torch.ops.hf_paged, "adamw_blockwise_"),
-        (torch.ops.hf_paged, "lion_blockwise_"),
-        (torch.ops.hf_paged, "adamw_fp32_"),
-        (torch.ops.hf_paged, "lion_fp32_"),
+        (torch.ops.hf_paged, "adamw_segment_"),
+        (torch.ops.hf_paged, "lion_segment_"),
+        (torch.ops.hf_paged, "ademamix_segment_"),
         (torch.ops.hf_paged, "adamw_batch_"),
         (torch.ops.hf_paged, "lion_batch_"),
+        (torch.ops.hf_paged, "ademamix_batch_"),
         (hf_paged.kernels.SegmentKernel, "__call__"),
     ]
     importlib.import_module("torch._inductor.compile_fx")  # its first import reads the operators: not while replaced
