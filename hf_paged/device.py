@@ -15,47 +15,152 @@ interface: :class:`AcceleratorMemory` from the device's PyTorch module, :class:`
 
 from __future__ import annotations
 
+import functools
 import os
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, overload
 
 import torch
 
 BufferSpec = tuple[int, torch.dtype]
 """A buffer to allocate: its number of elements and dtype."""
 
-Buffers = tuple[torch.Tensor, ...]
+Buffers = Sequence[torch.Tensor]
+"""A page's buffers: :class:`PageBuffers` from a backend, or any sequence of tensors."""
 
 Event = Any
 """A backend's copy-completion handle: a stream event, or ``None`` for a copy that already completed."""
 
+BUFFER_ALIGNMENT = 16
+"""Bytes to which each buffer of a page's block is aligned (every view a kernel takes starts at such a boundary)."""
+
+
+@functools.lru_cache(maxsize=256)
+def packing(specs: tuple[BufferSpec, ...]) -> tuple[tuple[int, ...], int]:
+    """The byte offset of each buffer of ``specs`` in one block, each at a :data:`BUFFER_ALIGNMENT` boundary, and
+    the block's bytes."""
+    offsets, end = [], 0
+    for numel, dtype in specs:
+        offset = -(-end // BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT
+        offsets.append(offset)
+        end = offset + numel * dtype.itemsize
+    return tuple(offsets), end
+
+
+class PageBuffers(Sequence[torch.Tensor]):
+    """A page's buffers packed in one uint8 ``block`` (see :func:`packing`): one allocation and one copy move a page,
+    whatever its format's buffers. The view of each buffer is made when it is first asked for (a kernel that takes
+    addresses needs none).
+
+    Args:
+        block: the block (exactly the packed bytes, on the host or the device).
+        specs: the buffers.
+    """
+
+    __slots__ = ("__weakref__", "_views", "block", "offsets", "specs")
+
+    def __init__(self, block: torch.Tensor, specs: tuple[BufferSpec, ...]) -> None:
+        self.block = block
+        self.specs = specs
+        self.offsets = packing(specs)[0]
+        self._views: list[torch.Tensor | None] = [None] * len(specs)
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    @overload
+    def __getitem__(self, index: int) -> torch.Tensor: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[torch.Tensor, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if isinstance(index, slice):
+            return tuple(self[position] for position in range(*index.indices(len(self.specs))))
+        view = self._views[index]
+        if view is None:
+            numel, dtype = self.specs[index]
+            offset = self.offsets[index]
+            view = self._views[index] = self.block[offset : offset + numel * dtype.itemsize].view(dtype)
+        return view
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (self[index] for index in range(len(self.specs)))
+
+    def __repr__(self) -> str:
+        return f"PageBuffers({list(self.specs)}, {self.block.device})"
+
+    def same_layout(self, other: Buffers) -> bool:
+        """Whether ``other`` is a :class:`PageBuffers` of the same buffers: one block copy moves it."""
+        return isinstance(other, PageBuffers) and other.specs == self.specs
+
+
+def copy_buffers(dst: Buffers, src: Buffers, non_blocking: bool = False) -> None:
+    """Copy ``src`` into ``dst``: one copy of their blocks where both are :class:`PageBuffers` of one layout, else
+    buffer by buffer."""
+    if isinstance(dst, PageBuffers) and dst.same_layout(src):
+        dst.block.copy_(src.block, non_blocking=non_blocking)
+        return
+    for target, source in zip(dst, src, strict=True):
+        target.copy_(source, non_blocking=non_blocking)
+
+
+def zero_buffers(buffers: Buffers) -> None:
+    """Fill ``buffers`` with zeros (a :class:`PageBuffers`' block in one call)."""
+    if isinstance(buffers, PageBuffers):
+        buffers.block.zero_()
+        return
+    for buffer in buffers:
+        buffer.zero_()
+
 
 class SyncBackend:
-    """Backend whose copies complete before they return (CPU, and devices without streams)."""
+    """Backend whose copies complete before they return (CPU, and devices without streams).
+
+    A page's buffers on either side are one block (:class:`PageBuffers`), so that moving a page is one copy.
+    """
 
     pins_host_memory = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def empty_host(self, specs: Sequence[BufferSpec]) -> Buffers:
-        """Uninitialised host buffers."""
-        return tuple(torch.empty(numel, dtype=dtype) for numel, dtype in specs)
+    def empty_host(self, specs: Sequence[BufferSpec]) -> PageBuffers:
+        """Uninitialised host buffers, one block."""
+        specs = tuple(specs)
+        return PageBuffers(torch.empty(packing(specs)[1], dtype=torch.uint8), specs)
 
     def host_nbytes(self, specs: Sequence[BufferSpec]) -> int:
-        """Bytes of host memory that :meth:`empty_host` of ``specs`` really holds."""
+        """Bytes of host memory that :meth:`empty_host` of ``specs`` holds: its buffers' (the block adds less than
+        :data:`BUFFER_ALIGNMENT` bytes a buffer of alignment)."""
         return sum(numel * dtype.itemsize for numel, dtype in specs)
 
-    def empty_device(self, specs: Sequence[BufferSpec]) -> Buffers:
-        """Uninitialised device buffers."""
-        return tuple(torch.empty(numel, dtype=dtype, device=self.device) for numel, dtype in specs)
+    def empty_device(self, specs: Sequence[BufferSpec]) -> PageBuffers:
+        """Uninitialised device buffers, one block."""
+        specs = tuple(specs)
+        return PageBuffers(torch.empty(packing(specs)[1], dtype=torch.uint8, device=self.device), specs)
 
     def release(self, buffers: Buffers) -> None:
         """Give device ``buffers`` back; the caller has ordered the compute stream after every copy of them.
 
         The allocator may hand their memory to the next allocation at once, as PyTorch's caching allocator does.
         """
+
+    def pinned_tensor(self, values: Sequence[int] | Sequence[float], dtype: torch.dtype) -> torch.Tensor:
+        """A new 1-D host tensor of ``values`` that :meth:`to_device` copies without the host waiting: in pinned
+        memory where this backend pins host memory."""
+        return torch.tensor(values, dtype=dtype, pin_memory=self.pins_host_memory)
+
+    def pinned_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A new uninitialised host tensor that :meth:`to_device` copies without the host waiting."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.pins_host_memory)
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A copy on the device of ``host``, a tensor of :meth:`pinned_tensor` or :meth:`pinned_empty`, queued on the
+        compute stream: later kernels read it, and the host does not wait. ``host`` may be dropped at once (the
+        caching host allocator keeps pinned memory until the copies that read it have run)."""
+        return host.to(self.device, copy=True)
 
     def copy_to_device(self, dst: Buffers, src: Buffers) -> Event:
         """Copy host ``src`` into device ``dst`` after the compute work queued so far; return its event."""
@@ -66,8 +171,7 @@ class SyncBackend:
         return self._copy(dst, src)
 
     def _copy(self, dst: Buffers, src: Buffers) -> Event:
-        for target, source in zip(dst, src):
-            target.copy_(source)
+        copy_buffers(dst, src)
         return None
 
     def is_done(self, event: Event) -> bool:
@@ -82,29 +186,22 @@ class SyncBackend:
         """Make later compute work on the device wait for ``event`` (the host does not wait)."""
 
 
-_HOST_ALIGNMENT = 64
-"""Bytes to which each buffer of a packed pinned block is aligned."""
-
-
 def pinned_block_bytes(specs: Sequence[BufferSpec]) -> int:
-    """Bytes of the one pinned block that holds buffers of ``specs``, each aligned to 64 bytes.
+    """Bytes of the one pinned block that holds buffers of ``specs`` (:func:`packing`).
 
     PyTorch's caching host allocator rounds a pinned allocation up to the next power of two
     (``CachingHostAllocator.h``, ``PowerOf2Ceil``), so the block is requested at that size: what is
     requested is what is held, whatever ``pinned_max_round_threshold`` says.
     """
-    packed = sum(-(-numel * dtype.itemsize // _HOST_ALIGNMENT) * _HOST_ALIGNMENT for numel, dtype in specs)
+    packed = packing(tuple(specs))[1]
     return 1 << max(packed - 1, 0).bit_length()
 
 
-def carve(block: torch.Tensor, specs: Sequence[BufferSpec]) -> Buffers:
-    """Views of the uint8 ``block`` as consecutive buffers of ``specs``, each aligned to 64 bytes."""
-    buffers, offset = [], 0
-    for numel, dtype in specs:
-        nbytes = numel * dtype.itemsize
-        buffers.append(block[offset : offset + nbytes].view(dtype))
-        offset += -(-nbytes // _HOST_ALIGNMENT) * _HOST_ALIGNMENT
-    return tuple(buffers)
+def pinned_page_buffers(specs: Sequence[BufferSpec], pin_memory: bool) -> PageBuffers:
+    """Host buffers of ``specs`` in one block of :func:`pinned_block_bytes` (pinned with ``pin_memory``)."""
+    specs = tuple(specs)
+    block = torch.empty(pinned_block_bytes(specs), dtype=torch.uint8, pin_memory=pin_memory)
+    return PageBuffers(block[: packing(specs)[1]], specs)
 
 
 class StreamBackend(SyncBackend):
@@ -131,11 +228,14 @@ class StreamBackend(SyncBackend):
             self._to_device_stream = self._module.Stream()
             self._to_host_stream = self._module.Stream()
 
-    def empty_host(self, specs: Sequence[BufferSpec]) -> Buffers:
-        return carve(torch.empty(pinned_block_bytes(specs), dtype=torch.uint8, pin_memory=True), specs)
+    def empty_host(self, specs: Sequence[BufferSpec]) -> PageBuffers:
+        return pinned_page_buffers(specs, pin_memory=True)
 
     def host_nbytes(self, specs: Sequence[BufferSpec]) -> int:
         return pinned_block_bytes(specs)
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return host.to(self.device, non_blocking=True)
 
     def copy_to_device(self, dst: Buffers, src: Buffers) -> Event:
         return self._copy_on(self._to_device_stream, dst, src)
@@ -146,8 +246,7 @@ class StreamBackend(SyncBackend):
     def _copy_on(self, stream: Any, dst: Buffers, src: Buffers) -> Event:
         stream.wait_stream(self._module.current_stream(self.device))
         with self._module.stream(stream):
-            for target, source in zip(dst, src):
-                target.copy_(source, non_blocking=True)
+            copy_buffers(dst, src, non_blocking=True)
             event = self._module.Event()
             event.record(stream)
         return event
@@ -167,6 +266,24 @@ class StreamBackend(SyncBackend):
             self._module.current_stream(self.device).wait_event(event)
 
 
+def has_streams(device: torch.device) -> bool:
+    """Whether ``device``'s PyTorch module has streams and events (CUDA, XPU): copies to it run from pinned host memory
+    without the host waiting."""
+    if device.type in ("cpu", "meta"):
+        return False
+    module = torch.get_device_module(device.type)
+    return all(hasattr(module, name) for name in ("Stream", "Event", "current_stream", "stream"))
+
+
+def values_to_device(values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 1-D tensor of ``values`` on ``device``, copied from pinned host memory without the host waiting where
+    ``device`` has streams (a copy from pageable memory would wait for the device); on the CPU, made there."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    pinned = has_streams(device)
+    return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(device, non_blocking=pinned)
+
+
 BackendFactory = Callable[[torch.device], SyncBackend]
 
 _backend_factory: BackendFactory | None = None
@@ -179,10 +296,7 @@ def backend_for(device: torch.device) -> SyncBackend:
         return _backend_factory(device)
     if device.type == "cpu":
         return SyncBackend(device)
-    module = torch.get_device_module(device.type)
-    if all(hasattr(module, name) for name in ("Stream", "Event", "current_stream", "stream")):
-        return StreamBackend(device)
-    return SyncBackend(device)
+    return StreamBackend(device) if has_streams(device) else SyncBackend(device)
 
 
 class HostMemory:

@@ -29,24 +29,28 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .device import Buffers, Event, SyncBackend
+from .device import Buffers, Event, SyncBackend, zero_buffers
 
 
 class PageState(enum.Enum):
-    EMPTY = "empty"
-    HOST = "host"
-    PAGING_IN = "paging_in"
-    RESIDENT = "resident"
-    PAGING_OUT = "paging_out"
+    """Where a page's buffers are; each state's ``on_device`` and ``on_host`` are 1 where it holds buffers there (plain
+    attributes: the store reads them at every transition)."""
 
+    EMPTY = ("empty", 0, 0)
+    HOST = ("host", 0, 1)
+    PAGING_IN = ("paging_in", 1, 1)
+    RESIDENT = ("resident", 1, 0)
+    PAGING_OUT = ("paging_out", 1, 1)
 
-_ON_DEVICE = (PageState.PAGING_IN, PageState.RESIDENT, PageState.PAGING_OUT)
-_ON_HOST = (PageState.HOST, PageState.PAGING_IN, PageState.PAGING_OUT)
+    def __init__(self, label: str, on_device: int, on_host: int) -> None:
+        self.label = label
+        self.on_device = on_device
+        self.on_host = on_host
 
 
 @dataclass(eq=False)
@@ -62,26 +66,61 @@ class Segment:
     offset: int
 
 
-@dataclass(eq=False)
 class Page:
-    """One page: ``capacity`` elements of state in the buffers its format lays out."""
+    """One page: ``capacity`` elements of state in the buffers its format lays out (``specs``, ``nbytes`` bytes).
 
-    index: int
-    format: Any
-    capacity: int
-    segments: list[Segment] = field(default_factory=list)
-    state: PageState = PageState.EMPTY
-    host: Buffers | None = None
-    device: Buffers | None = None
-    event: Event = None
+    A plain class with slots: the store reads and writes a streamed page's fields several times per step.
+    """
+
+    __slots__ = (
+        "_capacity",
+        "device",
+        "event",
+        "format",
+        "host",
+        "host_nbytes",
+        "index",
+        "nbytes",
+        "segments",
+        "specs",
+        "state",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        index: int,
+        format: Any,
+        capacity: int,
+        segments: list[Segment] | None = None,
+        state: PageState = PageState.EMPTY,
+        host: Buffers | None = None,
+        device: Buffers | None = None,
+        event: Event = None,
+    ) -> None:
+        self.index = index
+        self.format = format
+        self.capacity = capacity
+        self.segments = [] if segments is None else segments
+        self.state = state
+        self.host = host
+        self.device = device
+        self.event = event
 
     @property
-    def specs(self) -> list[tuple[int, torch.dtype]]:
-        return self.format.buffer_specs(self.capacity)
+    def capacity(self) -> int:
+        return self._capacity
 
-    @property
-    def nbytes(self) -> int:
-        return self.format.nbytes(self.capacity)
+    @capacity.setter
+    def capacity(self, capacity: int) -> None:
+        self._capacity = capacity
+        self.specs: tuple[tuple[int, torch.dtype], ...] = tuple(self.format.buffer_specs(capacity))
+        """The buffers of the page's format at this capacity."""
+        self.nbytes: int = sum(numel * dtype.itemsize for numel, dtype in self.specs)
+        self.host_nbytes: int | None = None
+        """Bytes the store's backend holds for the page's host buffers (set by the store at first use)."""
+
+    def __repr__(self) -> str:
+        return f"Page(index={self.index}, capacity={self.capacity}, state={self.state.name}, segments={self.segments})"
 
 
 @dataclass
@@ -93,6 +132,12 @@ class PagingStats:
     page_ins: int = 0
     page_outs: int = 0
     stall_seconds: float = 0.0
+
+
+OPERATIONS = ("page_in", "resident", "page_out", "released", "written")
+"""The page operations a store reports to its observers: a copy to the device started (or a page made there), a page
+made resident, a write-back started, a written-back page's device buffers released, a page's host buffers
+replaced."""
 
 
 class PageStore:
@@ -112,9 +157,13 @@ class PageStore:
         self.stats = PagingStats()
         self.device_bytes = 0
         self.host_bytes = 0
+        self.generation = 0
+        """Advances whenever a page changes state or index: while it stays, every page keeps its device buffers."""
         self._lru: OrderedDict[int, Page] = OrderedDict()
         self._outgoing: deque[Page] = deque()
-        self._observers: list[Callable[[str, Page], None]] = []
+        self._pinned: set[int] = set()
+        """Indices of the pages a step still has to update: never evicted."""
+        self._observers: dict[str, list[Callable[[str, Page], None]]] = {operation: [] for operation in OPERATIONS}
 
     def add_page(self, format: Any, capacity: int) -> Page:
         """Append an empty page of ``capacity`` elements laid out by ``format`` and return it."""
@@ -122,9 +171,11 @@ class PageStore:
         self.pages.append(page)
         return page
 
-    def add_observer(self, observer: Callable[[str, Page], None]) -> None:
-        """Call ``observer(operation, page)`` after every page operation (for monitoring and tests)."""
-        self._observers.append(observer)
+    def add_observer(self, observer: Callable[[str, Page], None], operations: Iterable[str] = OPERATIONS) -> None:
+        """Call ``observer(operation, page)`` after every page operation among ``operations`` (for monitoring and
+        tests; by default all of :data:`OPERATIONS`)."""
+        for operation in operations:
+            self._observers[operation].append(observer)
 
     @property
     def max_page_bytes(self) -> int:
@@ -138,7 +189,7 @@ class PageStore:
     def set_budget(self, device_budget: int | None) -> None:
         """Set the budget and write back pages until the device holds no more than it."""
         self.device_budget = device_budget
-        self._make_room(0, pinned=(), blocking=True)
+        self._make_room(0, blocking=True)
 
     def evict(self, nbytes: int | None = None) -> int:
         """Write back least recently used pages until at least ``nbytes`` (``None``: all) are freed.
@@ -147,34 +198,49 @@ class PageStore:
         """
         before = self.device_bytes
         target = 0 if nbytes is None else before - nbytes
-        for page in list(self._lru.values()):
-            if self.device_bytes - self._outgoing_bytes() <= target:
+        victims = []
+        projected = self.device_bytes - self._outgoing_bytes()
+        for page in self._lru.values():
+            if projected <= target:
                 break
+            victims.append(page)
+            projected -= page.nbytes
+        for page in victims:
             self._page_out(page)
         self._drain_outgoing()
         return before - self.device_bytes
 
     def _outgoing_bytes(self) -> int:
+        """Bytes of the pages being written back (a few: each is released once its copy completes)."""
         return sum(page.nbytes for page in self._outgoing)
 
     def _fits(self, nbytes: int) -> bool:
         return self.device_budget is None or self.device_bytes + nbytes <= self.device_budget
 
-    def _make_room(self, nbytes: int, pinned: Iterable[Page], blocking: bool) -> bool:
-        """Free device bytes until ``nbytes`` more fit in the budget, never evicting a ``pinned`` page.
+    def _make_room(self, nbytes: int, blocking: bool) -> bool:
+        """Free device bytes until ``nbytes`` more fit in the budget, never evicting a page a step still has to
+        update.
 
-        Write-backs are started for as many least recently used pages as needed; when ``blocking``,
-        the host then waits for them. Returns whether the bytes fit.
+        Write-backs are started for as many least recently used pages as needed; when ``blocking``, the host then
+        waits for them. Returns whether the bytes fit. Constant time per page written back: the pages are taken from
+        the front of the least recently used order, where a step's pages are not (each is moved to the end when it
+        is handed out for its update).
         """
         self._release_completed()
         if self._fits(nbytes):
             return True
-        keep = {page.index for page in pinned}
-        for page in list(self._lru.values()):
-            if self.device_bytes - self._outgoing_bytes() + nbytes <= self.device_budget:
+        projected = self.device_bytes - self._outgoing_bytes() + nbytes
+        victims = []
+        for page in self._lru.values():
+            if projected <= self.device_budget:
                 break
-            if page.index not in keep:
-                self._page_out(page)
+            if page.index not in self._pinned:
+                victims.append(page)
+                projected -= page.nbytes
+        for page in victims:
+            self._page_out(page)
+        if victims:
+            self._release_completed()
         while blocking and not self._fits(nbytes) and self._outgoing:
             self._finish_page_out(self._outgoing[0], wait=True)
         return self._fits(nbytes)
@@ -202,6 +268,7 @@ class PageStore:
         for page, index in zip(self.pages, indices, strict=True):
             page.index = index
         self._lru = OrderedDict((page.index, page) for page in self._lru.values())
+        self.generation += 1
 
     def _free(self, page: Page) -> None:
         """Release the buffers of ``page`` (a write-back in flight finished first); it is empty afterwards."""
@@ -216,15 +283,20 @@ class PageStore:
     # Transitions -----------------------------------------------------------------------------------
 
     def _notify(self, operation: str, page: Page) -> None:
-        for observer in self._observers:
+        for observer in self._observers[operation]:
             observer(operation, page)
 
     def _set_state(self, page: Page, state: PageState) -> None:
-        self.device_bytes += page.nbytes * ((state in _ON_DEVICE) - (page.state in _ON_DEVICE))
-        on_host = (state in _ON_HOST) - (page.state in _ON_HOST)
+        on_device = state.on_device - page.state.on_device
+        if on_device:
+            self.device_bytes += page.nbytes * on_device
+        on_host = state.on_host - page.state.on_host
         if on_host:
-            self.host_bytes += self.backend.host_nbytes(page.specs) * on_host
+            if page.host_nbytes is None:
+                page.host_nbytes = self.backend.host_nbytes(page.specs)
+            self.host_bytes += page.host_nbytes * on_host
         page.state = state
+        self.generation += 1
         if state is PageState.RESIDENT:
             self._lru[page.index] = page
             self._lru.move_to_end(page.index)
@@ -235,8 +307,7 @@ class PageStore:
         """Start bringing ``page`` to the device; room for it must already have been made."""
         if page.state is PageState.EMPTY:
             page.device = self.backend.empty_device(page.specs)
-            for buffer in page.device:
-                buffer.zero_()
+            zero_buffers(page.device)
             self._set_state(page, PageState.RESIDENT)
         elif page.state is PageState.HOST:
             page.device = self.backend.empty_device(page.specs)
@@ -278,8 +349,10 @@ class PageStore:
         self._notify("released", page)
 
     def _release_completed(self) -> None:
-        for page in [page for page in self._outgoing if self.backend.is_done(page.event)]:
-            self._finish_page_out(page, wait=False)
+        """Release the pages whose write-backs have completed: those at the front of the queue (a copy stream
+        completes its copies in order)."""
+        while self._outgoing and self.backend.is_done(self._outgoing[0].event):
+            self._finish_page_out(self._outgoing[0], wait=False)
 
     def _drain_outgoing(self) -> None:
         while self._outgoing:
@@ -290,49 +363,61 @@ class PageStore:
     def stream(self, pages: list[Page]) -> Iterator[list[Page]]:
         """Yield ``pages`` in batches, each page once, resident on the device, for their update.
 
-        When every page is resident they come in one batch, which a multi-tensor kernel updates in one call.
-        Otherwise each batch is one page: the resident pages first, then the others in their order,
-        ``prefetch`` of them copied ahead while the page before is updated (an updated page makes room
-        for the next copy). A page whose room is needed later is written back once it has been updated.
-        The caller updates a batch's device buffers before taking the next batch.
+        The pages resident now come first, in one batch. The others follow in their order, in batches of the pages
+        whose copies were started together: at most ``max(1, prefetch)`` copies, started while the batch before is
+        updated (``prefetch`` 0: each page is copied when its turn comes), and the empty pages among them, which take
+        no copy. Room for a copy is made by writing back
+        least recently used pages, never one this step still has to update; a copy that finds no room without the
+        host waiting waits for the next batch. The caller updates a batch's device buffers before taking the next
+        batch. The store's work is constant time per page.
         """
-        self._make_room(0, pinned=(), blocking=True)
+        self._make_room(0, blocking=True)
         resident = [page for page in pages if page.state is PageState.RESIDENT]
         streamed = [page for page in pages if page.state is not PageState.RESIDENT]
-        if resident and not streamed:
-            for page in resident:
-                self._finish_page_in(page)
-            yield resident
-            self._make_room(0, pinned=(), blocking=True)
-            return
-        pending: dict[int, Page] = {page.index: page for page in pages}
-        schedule = [([page], -1) for page in resident] + [([page], position) for position, page in enumerate(streamed)]
-        fetched = 0
+        window = max(1, self.prefetch)
+        ahead = window if self.prefetch else 0
+        self._pinned = {page.index for page in pages}
+        position = 0
         try:
-            for batch, position in schedule:
-                if position == fetched:
-                    self._fetch(batch[0], pending.values(), blocking=True)
-                    fetched += 1
-                while fetched < len(streamed) and fetched - position - 1 < self.prefetch:
-                    if not self._fetch(streamed[fetched], pending.values(), blocking=False):
-                        break
-                    fetched += 1
+            batch = resident
+            while batch or position < len(streamed):
+                if not batch:
+                    batch = self._start_copies(streamed, position, window, wait_for_room=True)
+                    position += len(batch)
+                following = self._start_copies(streamed, position, ahead, wait_for_room=False)
+                position += len(following)
                 for page in batch:
                     self._finish_page_in(page)
                 yield batch
-                for page in batch:
-                    del pending[page.index]
+                self._pinned.difference_update(page.index for page in batch)
+                batch = following
         finally:
             # A step that stops early (an error, or the caller leaving) leaves no page in flight: pages fetched
             # ahead become resident, where eviction and the budget reach them.
-            for page in pending.values():
+            for page in streamed:
                 if page.state is PageState.PAGING_IN:
                     self._finish_page_in(page)
-        self._make_room(0, pinned=(), blocking=True)
+            self._pinned = set()
+        self._make_room(0, blocking=True)
 
-    def _fetch(self, page: Page, pinned: Iterable[Page], blocking: bool) -> bool:
+    def _start_copies(self, pages: list[Page], first: int, count: int, wait_for_room: bool) -> list[Page]:
+        """Start bringing ``pages`` from ``first`` on to the device, up to ``count`` copies, as long as room can be made
+        without the host waiting (for the first of them, with ``wait_for_room``, waiting for write-backs if need be);
+        return those started. An empty page takes no copy (its device buffers are zeroed on the compute stream), so
+        it does not count: a step's first pages come in one batch where they fit."""
+        started: list[Page] = []
+        copies = 0
+        for position in range(first, len(pages)):
+            page = pages[position]
+            copies += page.state is not PageState.EMPTY
+            if copies > count or not self._fetch(page, blocking=wait_for_room and not started):
+                break
+            started.append(page)
+        return started
+
+    def _fetch(self, page: Page, blocking: bool) -> bool:
         """Start bringing ``page`` to the device if room can be made; return whether it was started."""
-        if page.state is not PageState.PAGING_OUT and not self._make_room(page.nbytes, pinned, blocking):
+        if page.state is not PageState.PAGING_OUT and not self._make_room(page.nbytes, blocking):
             if blocking:
                 raise RuntimeError(
                     f"a page of {page.nbytes} bytes does not fit in the device budget of {self.device_budget} bytes"

@@ -13,7 +13,7 @@ so tests can give parameters on the CPU a pseudo device such as ``"cpu:1"`` with
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ import torch
 from .budget import AutoBudget
 from .device import Buffers
 from .sizes import parse_size
-from .store import Page, PageStore, PagingStats
+from .store import OPERATIONS, Page, PageStore, PagingStats
 
 Budget = int | None | str | AutoBudget
 """One device's parsed budget: bytes, ``None`` (no limit), ``"auto"`` (a new AutoBudget) or an AutoBudget."""
@@ -119,15 +119,15 @@ class DeviceStores:
         self.stores: dict[str, PageStore] = {}
         self.pages: list[Page] = []
         self._page_devices: list[str] = []
-        self._observers: list[Callable[[str, Page], None]] = []
+        self._observers: list[tuple[Callable[[str, Page], None], tuple[str, ...]]] = []
 
     def store_for(self, device: str) -> PageStore:
         """The store of ``device``, made (under its budget) if it has none yet."""
         store = self.stores.get(device)
         if store is None:
             store = self._new_store(device)
-            for observer in self._observers:
-                store.add_observer(observer)
+            for observer, operations in self._observers:
+                store.add_observer(observer, operations)
             self.stores[device] = store
         return store
 
@@ -147,11 +147,12 @@ class DeviceStores:
         """The store that holds ``page``."""
         return self.stores[self.device_of(page)]
 
-    def add_observer(self, observer: Callable[[str, Page], None]) -> None:
-        """Call ``observer(operation, page)`` after every page operation on any device."""
-        self._observers.append(observer)
+    def add_observer(self, observer: Callable[[str, Page], None], operations: Iterable[str] = OPERATIONS) -> None:
+        """Call ``observer(operation, page)`` after every page operation among ``operations`` on any device."""
+        operations = tuple(operations)
+        self._observers.append((observer, operations))
         for store in self.stores.values():
-            store.add_observer(observer)
+            store.add_observer(observer, operations)
 
     # Totals -----------------------------------------------------------------------------------------
 

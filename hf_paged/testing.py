@@ -17,7 +17,11 @@ host thread as the compute stream:
 * where a copy and the compute stream are not ordered as CUDA needs, the result is undefined there, and
   here it is made wrong: a copy whose event the store never waited for, saw complete, or ordered the
   compute stream after, and whose device buffer is released, collected, or used by a copy on the other
-  stream, writes garbage into its destination. Each such hazard is also listed in ``hazards``.
+  stream, writes garbage into its destination. Each such hazard is also listed in ``hazards``;
+* it knows which host memory is pinned (its host buffers, :meth:`~SimulatedStreamBackend.pinned_tensor`,
+  :meth:`~SimulatedStreamBackend.pinned_empty`) and which memory is the device's (its device buffers and what
+  :meth:`~SimulatedStreamBackend.to_device` copies there, :meth:`~SimulatedStreamBackend.holds`): a copy to the
+  device from pageable memory, which on CUDA makes the host wait, is listed in ``pageable_copies``.
 
 Select it with :func:`simulated_streams`; every page store built inside the block uses it.
 
@@ -40,19 +44,25 @@ from dataclasses import dataclass, field
 import torch
 
 from . import device as device_module
-from .device import Buffers, BufferSpec, SyncBackend, carve, pinned_block_bytes
+from .device import Buffers, BufferSpec, PageBuffers, SyncBackend, pinned_block_bytes, pinned_page_buffers
+
+
+def _tensors(buffers: Buffers) -> tuple[torch.Tensor, ...]:
+    """The tensors that hold ``buffers``: a :class:`~hf_paged.device.PageBuffers`' block, or the buffers."""
+    return (buffers.block,) if isinstance(buffers, PageBuffers) else tuple(buffers)
 
 
 def _storages(buffers: Buffers) -> set[int]:
-    return {buffer.untyped_storage().data_ptr() for buffer in buffers}
+    return {tensor.untyped_storage().data_ptr() for tensor in _tensors(buffers)}
 
 
-def _poison(buffers: Buffers) -> None:
-    for buffer in buffers:
-        if buffer.is_floating_point():
-            buffer.fill_(float("nan"))
+def _poison(tensors: Sequence[torch.Tensor]) -> None:
+    """Overwrite ``tensors`` as the next owner's data would: NaN, or 0xFF bytes (NaN in a block's fp32 buffers)."""
+    for tensor in tensors:
+        if tensor.is_floating_point():
+            tensor.fill_(float("nan"))
         else:
-            buffer.view(torch.uint8).fill_(0xA5)
+            tensor.view(torch.uint8).fill_(0xFF)
 
 
 @dataclass(eq=False)
@@ -60,8 +70,10 @@ class SimulatedEvent:
     """Completion of one simulated copy between ``host`` buffers (held) and ``device`` buffers (held weakly)."""
 
     stream: str
-    host: Buffers
-    device: tuple[weakref.ref, ...]
+    host: tuple[torch.Tensor, ...]
+    device: tuple[tuple[weakref.ref, int, torch.Size, tuple[int, ...], torch.dtype], ...]
+    """The tensors copied, a page's blocks (one copy) or its buffers one by one: the host's, and where each device
+    tensor lies (its storage held weakly: a view elsewhere keeps a storage alive, as on CUDA)."""
     storages: frozenset[int]
     """Storages of every buffer the copy touches (the device's as they were when it was queued)."""
     done: threading.Event = field(default_factory=threading.Event)
@@ -73,16 +85,30 @@ class SimulatedEvent:
     def touches(self, storages: set[int]) -> bool:
         return not self.storages.isdisjoint(storages)
 
-    def live_device(self) -> Buffers | None:
-        """The device buffers, or ``None`` where one of them has been collected."""
-        buffers = tuple(ref() for ref in self.device)
-        return None if any(buffer is None for buffer in buffers) else buffers
+    def live_device(self) -> tuple[torch.Tensor, ...] | None:
+        """The device tensors, or ``None`` where the storage of one of them has been freed."""
+        tensors = self._device_tensors()
+        return None if any(tensor is None for tensor in tensors) else tuple(tensors)
 
-    def destination(self) -> Buffers:
-        """The buffers the copy writes that are still alive."""
+    def destination(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the copy writes that are still alive."""
         if self.stream == "to_host":
             return self.host
-        return tuple(buffer for buffer in (ref() for ref in self.device) if buffer is not None)
+        return tuple(tensor for tensor in self._device_tensors() if tensor is not None)
+
+    def _device_tensors(self) -> list[torch.Tensor | None]:
+        tensors = []
+        for storage_ref, offset, shape, stride, dtype in self.device:
+            storage = storage_ref()
+            tensors.append(
+                None if storage is None else torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
+            )
+        return tensors
+
+
+def _located(tensor: torch.Tensor) -> tuple[weakref.ref, int, torch.Size, tuple[int, ...], torch.dtype]:
+    """Where ``tensor`` lies, its storage held weakly."""
+    return weakref.ref(tensor.untyped_storage()), tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype
 
 
 def _collected(backend_ref: weakref.ref, storage: int, nbytes: int) -> None:
@@ -110,10 +136,16 @@ class SimulatedStreamBackend(SyncBackend):
         self.hazards: list[str] = []
         self.host_waits: defaultdict[str, int] = defaultdict(int)
         """Calls of :meth:`wait` per stream."""
+        self.pageable_copies: list[str] = []
+        """Copies to the device whose source is not pinned host memory (each a host wait on CUDA)."""
+        self._pinned: set[int] = set()
+        """Storages (by address) of the live host memory this backend pinned."""
+        self._device_storages: set[int] = set()
+        """Storages (by address) of the live device memory this backend handed out."""
         self.device_bytes = 0
         """Bytes of device blocks handed out and not released."""
         self.peak_device_bytes = 0
-        self._free: defaultdict[tuple[int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        self._free: defaultdict[tuple[BufferSpec, ...], list[PageBuffers]] = defaultdict(list)
         self._unobserved: list[SimulatedEvent] = []
         self._lock = threading.RLock()  # a device buffer may be collected, and reported, while it is held
         self._closed = False
@@ -127,32 +159,61 @@ class SimulatedStreamBackend(SyncBackend):
 
     # Allocation ------------------------------------------------------------------------------------
 
-    def empty_host(self, specs: Sequence[BufferSpec]) -> Buffers:
-        if self.round_host:
-            buffers = carve(torch.empty(pinned_block_bytes(specs), dtype=torch.uint8), specs)
-        else:
-            buffers = super().empty_host(specs)
-        _poison(buffers)
+    def empty_host(self, specs: Sequence[BufferSpec]) -> PageBuffers:
+        buffers = pinned_page_buffers(specs, pin_memory=False) if self.round_host else super().empty_host(specs)
+        _poison(_tensors(buffers))
+        self._follow(buffers.block, self._pinned)
         return buffers
+
+    def pinned_tensor(self, values: Sequence[int] | Sequence[float], dtype: torch.dtype) -> torch.Tensor:
+        return self._follow(super().pinned_tensor(values, dtype), self._pinned)
+
+    def pinned_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        return self._follow(super().pinned_empty(shape, dtype), self._pinned)
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A copy of ``host`` in device memory; one from pageable memory is listed in :attr:`pageable_copies`."""
+        if not self.is_pinned(host):
+            self.pageable_copies.append(f"to_device from pageable memory: {host.dtype} of shape {tuple(host.shape)}")
+        return self._follow(host.clone(), self._device_storages)
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is in host memory this backend pinned."""
+        return tensor.untyped_storage().data_ptr() in self._pinned
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is in this backend's device memory (a page's buffers, or a copy :meth:`to_device`
+        made)."""
+        return tensor.untyped_storage().data_ptr() in self._device_storages
+
+    @staticmethod
+    def _follow(tensor: torch.Tensor, storages: set[int]) -> torch.Tensor:
+        """Add ``tensor``'s storage to ``storages`` while it lives."""
+        storage = tensor.untyped_storage()
+        address = storage.data_ptr()
+        if address not in storages:
+            storages.add(address)
+            weakref.finalize(storage, storages.discard, address)
+        return tensor
 
     def host_nbytes(self, specs: Sequence[BufferSpec]) -> int:
         return pinned_block_bytes(specs) if self.round_host else super().host_nbytes(specs)
 
-    def empty_device(self, specs: Sequence[BufferSpec]) -> Buffers:
-        buffers = []
-        for numel, dtype in specs:
-            free = self._free[(numel, dtype)]
-            if free:
-                buffer = free.pop()
-            else:
-                buffer = torch.empty(numel, dtype=dtype)
-                _poison((buffer,))
-                storage = buffer.untyped_storage()
-                weakref.finalize(storage, _collected, weakref.ref(self), storage.data_ptr(), storage.nbytes())
-            buffers.append(buffer)
-            self.device_bytes += numel * dtype.itemsize
+    def empty_device(self, specs: Sequence[BufferSpec]) -> PageBuffers:
+        specs = tuple(specs)
+        nbytes = sum(numel * dtype.itemsize for numel, dtype in specs)
+        free = self._free[specs]
+        if free:
+            buffers = free.pop()
+        else:
+            buffers = super().empty_device(specs)
+            _poison(_tensors(buffers))
+            storage = buffers.block.untyped_storage()
+            weakref.finalize(storage, _collected, weakref.ref(self), storage.data_ptr(), nbytes)
+            self._follow(buffers.block, self._device_storages)
+        self.device_bytes += nbytes
         self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
-        return tuple(buffers)
+        return buffers
 
     def release(self, buffers: Buffers) -> None:
         storages = _storages(buffers)
@@ -160,14 +221,16 @@ class SimulatedStreamBackend(SyncBackend):
             for event in self._unobserved:
                 if event.touches(storages):
                     self._hazard(event, "a buffer of it was released")
-            _poison(buffers)
-        for buffer in buffers:
-            self._free[(buffer.numel(), buffer.dtype)].append(buffer)
-            self.device_bytes -= buffer.numel() * buffer.dtype.itemsize
+            _poison(_tensors(buffers))
+        self._free[buffers.specs].append(buffers)
+        self.device_bytes -= sum(numel * dtype.itemsize for numel, dtype in buffers.specs)
 
     # Copies and events -----------------------------------------------------------------------------
 
     def copy_to_device(self, dst: Buffers, src: Buffers) -> SimulatedEvent:
+        for tensor in _tensors(src):
+            if not self.is_pinned(tensor):
+                self.pageable_copies.append(f"copy_to_device from pageable memory: {tensor.dtype} {tensor.numel()}")
         return self._enqueue("to_device", host=src, device=dst)
 
     def copy_to_host(self, dst: Buffers, src: Buffers) -> SimulatedEvent:
@@ -177,7 +240,13 @@ class SimulatedStreamBackend(SyncBackend):
         if self._closed:
             raise RuntimeError("this SimulatedStreamBackend is closed: its streams run no more copies")
         storages = _storages(host) | _storages(device)
-        event = SimulatedEvent(stream, host, tuple(weakref.ref(buffer) for buffer in device), frozenset(storages))
+        # a page's blocks are copied in one piece, as the backends copy them; other buffers one by one
+        host_tensors, device_tensors = (
+            (_tensors(host), _tensors(device))
+            if isinstance(device, PageBuffers) and device.same_layout(host)
+            else (tuple(host), tuple(device))
+        )
+        event = SimulatedEvent(stream, host_tensors, tuple(map(_located, device_tensors)), frozenset(storages))
         with self._lock:
             for other in self._unobserved:
                 if other.stream != stream and other.touches(storages):
