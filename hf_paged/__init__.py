@@ -15,6 +15,7 @@ from .optim import (
     PagedLion,
     PagedLion8bit,
     PagedOptimizer,
+    keep_fp32_state,
 )
 from .recovery import OOMRecovery, recover_oom
 from .sizes import parse_size
@@ -34,6 +35,7 @@ __all__ = [
     "PagedLion",
     "PagedLion8bit",
     "PagedOptimizer",
+    "keep_fp32_state",
     "parse_size",
     "plan",
     "recover_oom",

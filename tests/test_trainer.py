@@ -65,8 +65,9 @@ def test_trainer_creates_our_optimizer_with_its_hyperparameters(tmp_path):
     trainer.create_optimizer()
     optimizer = trainer.optimizer
     assert isinstance(optimizer, hf_paged.PagedAdamW8bit)
-    decay, no_decay = optimizer.param_groups
-    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    decay, embedding, no_decay = optimizer.param_groups  # the embedding's fp32 state split off the decay group
+    assert decay["weight_decay"] == embedding["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert embedding["state_format"] == "fp32" and embedding["params"] == [trainer.model.model.embed_tokens.weight]
     assert decay["lr"] == 1e-3 and decay["betas"] == (0.8, 0.95) and decay["eps"] == 1e-7 and decay["block_size"] == 128
     assert optimizer.device_budget == 64 * 1024 and optimizer.page_size == 16 * 1024 and optimizer.prefetch == 1
     trainer.train()
@@ -89,9 +90,13 @@ def test_trainer_creates_adamw_4bit_with_its_layout_arguments(tmp_path):
     assert decay["block_size"] == 64 and decay["min_4bit_size"] == 8192
     trainer.train()
     state = trainer.optimizer.optimizer.state_dict()["state"]
-    sizes = {index: param.numel() for index, param in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    embedding = trainer.model.model.embed_tokens.weight  # 8192 elements, its state kept in fp32
     assert any("exp_avg_packed_codes" in entry for entry in state.values())
-    assert all(("exp_avg_packed_codes" in entry) == (sizes[index] >= 8192) for index, entry in state.items())
+    assert all(
+        ("exp_avg_packed_codes" in entry) == (params[index].numel() >= 8192 and params[index] is not embedding)
+        for index, entry in state.items()
+    )
     assert trainer.optimizer.optimizer.paging_stats()["page_outs"] > 0
     with pytest.raises(ValueError, match="min_8bit_size"):
         parse_optim_args({"min_8bit_size": "1024"}, hf_paged.PagedAdamW4bit)
@@ -217,7 +222,7 @@ def test_every_lr_scheduler(tmp_path, scheduler):
         trainer = Trainer(model=tiny_llama(), args=training_args(tmp_path / optim, optim=optim, **kwargs),
                           train_dataset=dataset, eval_dataset=dataset[:4] if "eval_strategy" in kwargs else None)
         trainer.train()
-        runs[optim] = [group["lr"] for group in trainer.optimizer.param_groups]
+        runs[optim] = {group["lr"] for group in trainer.optimizer.param_groups}  # ours: the embedding's group too
     assert runs["hf_paged_lion_8bit"] == runs["adamw_torch"]
 
 
@@ -237,10 +242,11 @@ def test_resume_from_checkpoint_is_bitwise_identical(tmp_path, optim, extra_args
     options = {"max_steps": 6, "save_strategy": "steps", "save_steps": 3,
                "optim_args": "device_budget=48KiB,page_size=16KiB" + extra_args}
     uninterrupted = fit(tmp_path / "full", optim, **options)
-    if "rank1" in extra_args:  # every matrix of the tiny Llama takes rank-1 state
+    if "rank1" in extra_args:  # every matrix of the tiny Llama but its embedding (fp32) takes rank-1 state
         layout = uninterrupted.optimizer.optimizer._layout
+        embedding = uninterrupted.model.model.embed_tokens.weight
         kinds = {layout[param].kind for param in uninterrupted.model.parameters() if param.ndim == 2}
-        assert kinds == {"4bit-rank1"}
+        assert kinds == {"4bit-rank1", "32bit"} and layout[embedding].kind == "32bit"
     checkpoint = tmp_path / "full" / optim / "checkpoint-3"
     assert (checkpoint / "optimizer.pt").exists()
     resumed = Trainer(model=tiny_llama(seed=99), args=training_args(tmp_path / "resumed" / optim, optim=optim, **options),
@@ -257,7 +263,8 @@ def test_resume_from_checkpoint_is_bitwise_identical(tmp_path, optim, extra_args
 def test_save_only_model_and_8bit_checkpoint_size(tmp_path):
     sizes = {}
     for optim in ("hf_paged_adamw_32bit", "hf_paged_adamw_8bit", "hf_paged_adamw_4bit"):
-        fit(tmp_path, optim, max_steps=2, save_strategy="steps", save_steps=2)
+        quantized_embeddings = None if optim.endswith("32bit") else "fp32_embeddings=false"
+        fit(tmp_path, optim, max_steps=2, save_strategy="steps", save_steps=2, optim_args=quantized_embeddings)
         sizes[optim] = os.path.getsize(tmp_path / optim / "checkpoint-2" / "optimizer.pt")
     assert 0.2 < sizes["hf_paged_adamw_8bit"] / sizes["hf_paged_adamw_32bit"] < 0.35
     assert sizes["hf_paged_adamw_4bit"] / sizes["hf_paged_adamw_8bit"] < 0.6

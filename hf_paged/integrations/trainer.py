@@ -102,6 +102,9 @@ _ADEMAMIX_ARGS = {
 """AdEMAMix's ``optim_args``, those transformers' Trainer reads for bitsandbytes' AdEMAMix."""
 _EIGHT_BIT = (PagedAdamW8bit, PagedLion8bit, PagedAdEMAMix8bit)
 _FOUR_BIT = (PagedAdamW4bit, PagedAdEMAMix4bit)
+_QUANTIZED_ARGS = {"fp32_embeddings": _boolean}
+"""Whether the model's ``nn.Embedding`` modules keep fp32 state (default ``true``, as transformers keeps them for
+bitsandbytes' 8-bit optimizers)."""
 _ADEMAMIX = (PagedAdEMAMix, PagedAdEMAMix8bit, PagedAdEMAMix4bit)
 
 
@@ -124,6 +127,7 @@ def parse_optim_args(optim_args: dict[str, str], optimizer_cls: type) -> dict[st
         **_COMMON_ARGS,
         **(_EIGHT_BIT_ARGS if optimizer_cls in _EIGHT_BIT else {}),
         **(_FOUR_BIT_ARGS if optimizer_cls in _FOUR_BIT else {}),
+        **(_QUANTIZED_ARGS if optimizer_cls in (*_EIGHT_BIT, *_FOUR_BIT) else {}),
         **(_NORMALIZATION_ARGS if optimizer_cls is PagedAdamW4bit else {}),
         **(_ADEMAMIX_ARGS if optimizer_cls in _ADEMAMIX else {}),
     }
@@ -151,12 +155,18 @@ def keep_trainer_memory_metrics(args) -> None:
 
 
 def _optimizer_kwargs(
-    optimizer_cls: type, optimizer_kwargs: dict[str, Any], adam_kwargs: dict[str, Any], optim_args: dict[str, str]
+    optimizer_cls: type,
+    optimizer_kwargs: dict[str, Any],
+    adam_kwargs: dict[str, Any],
+    optim_args: dict[str, str],
+    model: torch.nn.Module | None = None,
 ) -> dict[str, Any]:
-    """The keyword arguments the Trainer's optimizer settings and ``optim_args`` give ``optimizer_cls``. AdEMAMix takes
-    them as transformers gives them to bitsandbytes' AdEMAMix: ``beta1``, ``beta2`` and ``eps`` from ``optim_args``
-    or the Trainer's ``adam_*`` settings, ``beta3`` (default 0.9999), ``alpha`` (5.0), ``t_alpha`` and ``t_beta3``
-    (no scheduler) from ``optim_args``."""
+    """The keyword arguments the Trainer's optimizer settings and ``optim_args`` give ``optimizer_cls`` for ``model``.
+    AdEMAMix takes them as transformers gives them to bitsandbytes' AdEMAMix: ``beta1``, ``beta2`` and ``eps`` from
+    ``optim_args`` or the Trainer's ``adam_*`` settings, ``beta3`` (default 0.9999), ``alpha`` (5.0), ``t_alpha`` and
+    ``t_beta3`` (no scheduler) from ``optim_args``. An 8-bit or 4-bit optimizer keeps the state of ``model``'s
+    ``nn.Embedding`` modules in fp32 unless ``fp32_embeddings=false``, as transformers' Trainer keeps them for
+    bitsandbytes' 8-bit optimizers (``register_module_override(module, "weight", {"optim_bits": 32})``)."""
     kwargs = dict(optimizer_kwargs)
     kwargs["betas"] = adam_kwargs["betas"]
     if optimizer_cls in (PagedAdamW, PagedAdamW8bit, PagedAdamW4bit, *_ADEMAMIX):
@@ -165,6 +175,8 @@ def _optimizer_kwargs(
     if optimizer_cls in _ADEMAMIX:
         beta1, beta2 = adam_kwargs["betas"]
         kwargs["betas"] = (parsed.pop("beta1", beta1), parsed.pop("beta2", beta2), parsed.pop("beta3", 0.9999))
+    if parsed.pop("fp32_embeddings", True) and optimizer_cls in (*_EIGHT_BIT, *_FOUR_BIT) and model is not None:
+        kwargs["fp32_state_modules"] = [module for module in model.modules() if isinstance(module, torch.nn.Embedding)]
     kwargs.update(parsed)
     return kwargs
 
@@ -196,7 +208,9 @@ def check_training_arguments(args) -> None:
 
 def _handler(optimizer_cls: type):
     def build(context) -> tuple[type, dict[str, Any]]:
-        kwargs = _optimizer_kwargs(optimizer_cls, context.optimizer_kwargs, context.adam_kwargs, context.optim_args)
+        kwargs = _optimizer_kwargs(
+            optimizer_cls, context.optimizer_kwargs, context.adam_kwargs, context.optim_args, context.model
+        )
         if kwargs.get("device_budget") == "auto":
             keep_trainer_memory_metrics(context.args)
         return optimizer_cls, kwargs

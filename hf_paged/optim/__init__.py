@@ -4,6 +4,7 @@ from .adamw import PagedAdamW, PagedAdamW4bit, PagedAdamW8bit
 from .ademamix import PagedAdEMAMix, PagedAdEMAMix4bit, PagedAdEMAMix8bit
 from .base import PagedOptimizer
 from .lion import PagedLion, PagedLion8bit
+from .state_format import keep_fp32_state
 
 __all__ = [
     "PagedAdEMAMix",
@@ -15,4 +16,5 @@ __all__ = [
     "PagedLion",
     "PagedLion8bit",
     "PagedOptimizer",
+    "keep_fp32_state",
 ]

@@ -158,6 +158,8 @@ class PagedAdamW8bit(_PagedAdamWBase):
         bf16_stochastic_round: round bf16 parameters' updated values to bf16 stochastically instead of to nearest,
             so that updates below half a bf16 spacing are kept in expectation (no effect on other dtypes).
         stochastic_round_seed: seed of the rounding bits, an integer in [0, 2**64); saved in the param groups.
+        fp32_state_modules: modules whose parameters keep fp32 state whatever their size (see
+            :func:`~hf_paged.optim.state_format.keep_fp32_state`).
     """
 
     def __init__(
@@ -176,6 +178,7 @@ class PagedAdamW8bit(_PagedAdamWBase):
         compiled: bool | None = None,
         bf16_stochastic_round: bool = False,
         stochastic_round_seed: int = 0,
+        fp32_state_modules: Iterable[torch.nn.Module] = (),
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         defaults.update(rounding_defaults(bf16_stochastic_round, stochastic_round_seed))
@@ -189,6 +192,7 @@ class PagedAdamW8bit(_PagedAdamWBase):
             block_size=block_size,
             min_8bit_size=min_8bit_size,
             compiled=compiled,
+            fp32_state_modules=fp32_state_modules,
         )
 
 
@@ -211,6 +215,8 @@ class PagedAdamW4bit(_PagedAdamWBase):
         bf16_stochastic_round: round bf16 parameters' updated values to bf16 stochastically instead of to nearest,
             so that updates below half a bf16 spacing are kept in expectation (no effect on other dtypes).
         stochastic_round_seed: seed of the rounding bits, an integer in [0, 2**64); saved in the param groups.
+        fp32_state_modules: modules whose parameters keep fp32 state whatever their size (see
+            :func:`~hf_paged.optim.state_format.keep_fp32_state`).
     """
 
     def __init__(
@@ -230,6 +236,7 @@ class PagedAdamW4bit(_PagedAdamWBase):
         compiled: bool | None = None,
         bf16_stochastic_round: bool = False,
         stochastic_round_seed: int = 0,
+        fp32_state_modules: Iterable[torch.nn.Module] = (),
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         defaults.update(rounding_defaults(bf16_stochastic_round, stochastic_round_seed))
@@ -244,4 +251,5 @@ class PagedAdamW4bit(_PagedAdamWBase):
             min_4bit_size=min_4bit_size,
             normalization=normalization,
             compiled=compiled,
+            fp32_state_modules=fp32_state_modules,
         )

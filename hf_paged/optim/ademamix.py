@@ -41,12 +41,11 @@ from .base import DEFAULT_PAGE_SIZE, PagedOptimizer, check_eps, check_lr, check_
 def check_ademamix_betas(betas: Any, scheduled: bool) -> None:
     """``betas`` must be a triple ``(beta1, beta2, beta3)`` of numbers in [0, 1); with the beta3 scheduler
     (``scheduled``), ``beta1`` and ``beta3`` must be above 0 (it takes their logarithms)."""
-    if not isinstance(betas, (tuple, list)):
-        raise ValueError(f"betas must be a triple (beta1, beta2, beta3), got {betas!r}")
-    for i, beta in enumerate(betas):
+    sequence = isinstance(betas, (tuple, list))
+    for i, beta in enumerate(betas if sequence else ()):
         if not isinstance(beta, (int, float)) or isinstance(beta, bool) or not 0.0 <= beta < 1.0:
             raise ValueError(f"betas[{i}] must be in [0, 1), got {beta!r}")
-    if len(betas) != 3:
+    if not sequence or len(betas) != 3:
         raise ValueError(f"betas must be a triple (beta1, beta2, beta3), got {betas!r}")
     if scheduled and (betas[0] == 0 or betas[2] == 0):
         raise ValueError(f"with t_beta3, beta1 and beta3 must be in (0, 1), got betas={tuple(betas)!r}")
@@ -168,6 +167,8 @@ class PagedAdEMAMix8bit(_PagedAdEMAMixBase):
         min_8bit_size: tensors with fewer elements keep fp32 state.
         page_size, device_budget, prefetch, compiled: paging settings, see :class:`PagedOptimizer`.
         bf16_stochastic_round, stochastic_round_seed: as :class:`PagedAdEMAMix`.
+        fp32_state_modules: modules whose parameters keep fp32 state whatever their size (see
+            :func:`~hf_paged.optim.state_format.keep_fp32_state`).
     """
 
     def __init__(
@@ -189,6 +190,7 @@ class PagedAdEMAMix8bit(_PagedAdEMAMixBase):
         compiled: bool | None = None,
         bf16_stochastic_round: bool = False,
         stochastic_round_seed: int = 0,
+        fp32_state_modules: Iterable[torch.nn.Module] = (),
     ) -> None:
         defaults = _defaults(
             lr, betas, alpha, t_alpha, t_beta3, eps, weight_decay, bf16_stochastic_round, stochastic_round_seed
@@ -203,6 +205,7 @@ class PagedAdEMAMix8bit(_PagedAdEMAMixBase):
             block_size=block_size,
             min_8bit_size=min_8bit_size,
             compiled=compiled,
+            fp32_state_modules=fp32_state_modules,
         )
 
 
@@ -219,6 +222,8 @@ class PagedAdEMAMix4bit(_PagedAdEMAMixBase):
         min_4bit_size: tensors with fewer elements keep fp32 state.
         page_size, device_budget, prefetch, compiled: paging settings, see :class:`PagedOptimizer`.
         bf16_stochastic_round, stochastic_round_seed: as :class:`PagedAdEMAMix`.
+        fp32_state_modules: modules whose parameters keep fp32 state whatever their size (see
+            :func:`~hf_paged.optim.state_format.keep_fp32_state`).
     """
 
     def __init__(
@@ -240,6 +245,7 @@ class PagedAdEMAMix4bit(_PagedAdEMAMixBase):
         compiled: bool | None = None,
         bf16_stochastic_round: bool = False,
         stochastic_round_seed: int = 0,
+        fp32_state_modules: Iterable[torch.nn.Module] = (),
     ) -> None:
         defaults = _defaults(
             lr, betas, alpha, t_alpha, t_beta3, eps, weight_decay, bf16_stochastic_round, stochastic_round_seed
@@ -254,4 +260,5 @@ class PagedAdEMAMix4bit(_PagedAdEMAMixBase):
             block_size=block_size,
             min_4bit_size=min_4bit_size,
             compiled=compiled,
+            fp32_state_modules=fp32_state_modules,
         )

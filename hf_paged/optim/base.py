@@ -39,6 +39,7 @@ from .state_dict import (
     sharded_entry,
     write_state_values,
 )
+from .state_format import FP32, STATE_FORMAT, check_state_format, keep_fp32_state
 
 DEFAULT_PAGE_SIZE = 4 * 2**20
 """Default page size in bytes (see ``benchmarks/optimizer_step.py``)."""
@@ -70,7 +71,7 @@ _BETWEEN_STEPS = "hf_paged.optimizer.between_steps"
 """The probe mark automatic budgets set at the end of each step: the forward/backward phase. Every optimizer on a
 device shares it, so the first to step after a forward/backward measures it; their predictions are pooled."""
 
-_LAYOUT_KEYS = ("block_size", "min_8bit_size", "min_4bit_size", "normalization")
+_LAYOUT_KEYS = ("block_size", "min_8bit_size", "min_4bit_size", "normalization", STATE_FORMAT)
 """Group entries that fix the state layout: saved with the state, never taken from a loaded state dict."""
 
 
@@ -144,6 +145,12 @@ class PagedOptimizer(Optimizer):
         compiled: fuse each segment's decode-update-encode with ``torch.compile``; ``None`` chooses by the
             ``HF_PAGED_COMPILE`` environment variable, else compiles parameters of 2**21 elements or more where a
             compiler is available (see :func:`~hf_paged.kernels.resolve_compiled`).
+        fp32_state_modules: modules whose parameters keep fp32 state whatever their size: they are moved into param
+            groups of their own that name it (``"state_format": "fp32"``; see
+            :func:`~hf_paged.optim.state_format.keep_fp32_state`).
+
+    A param group may name its tensors' state format, ``"state_format"``: ``"fp32"``, or the optimizer's quantized
+    format (``"8bit"``, ``"4bit"``) for tensors of any size; unnamed, a tensor's size chooses.
     """
 
     state_names: ClassVar[tuple[str, ...]]
@@ -171,6 +178,7 @@ class PagedOptimizer(Optimizer):
         min_4bit_size: int = 4096,
         normalization: str = "block",
         compiled: bool | None = None,
+        fp32_state_modules: Iterable[torch.nn.Module] = (),
     ) -> None:
         if isinstance(defaults.get("betas"), list):
             defaults = {**defaults, "betas": tuple(defaults["betas"])}
@@ -219,6 +227,9 @@ class PagedOptimizer(Optimizer):
         self._budget = DeviceBudget.parse(device_budget, "device_budget", self.page_size)
         self._auto_budgets: dict[str, AutoBudget] = {}
         self.check_group(defaults)
+        fp32_state_modules = list(fp32_state_modules)
+        if fp32_state_modules:
+            params = keep_fp32_state(params, fp32_state_modules)
         super().__init__(params, defaults)
 
     # Layout -------------------------------------------------------------------------------------------
@@ -248,6 +259,7 @@ class PagedOptimizer(Optimizer):
                 )
         try:
             check_update_rule_options(param_group, type(self).__name__)
+            check_state_format(param_group, self.state_bits, type(self).__name__)
             self.check_group({**self.defaults, **param_group})
         except ValueError as error:
             raise ValueError(f"param group {len(self.param_groups)}: {error}") from None
@@ -277,10 +289,12 @@ class PagedOptimizer(Optimizer):
         return store
 
     def _state_format(self, param: torch.Tensor, group: dict[str, Any]) -> str:
-        """The name of the page format of ``param``'s state: quantized from ``min_8bit_size`` (or
-        ``min_4bit_size``) elements of the whole parameter (a DTensor's numel), so that every rank picks the same."""
+        """The name of the page format of ``param``'s state: the one its group names (``"state_format"``), else
+        quantized from ``min_8bit_size`` (or ``min_4bit_size``) elements of the whole parameter (a DTensor's numel), so
+        that every rank picks the same."""
         bits = self.state_bits
-        if bits == 32 or param.numel() < group[f"min_{bits}bit_size"]:
+        named = group.get(STATE_FORMAT)
+        if bits == 32 or named == FP32 or (named is None and param.numel() < group[f"min_{bits}bit_size"]):
             return "32bit"
         if (
             self.normalization == "rank1"

@@ -94,6 +94,8 @@ class PagedLion8bit(_PagedLionBase):
         bf16_stochastic_round: round bf16 parameters' updated values to bf16 stochastically instead of to nearest,
             so that updates below half a bf16 spacing are kept in expectation (no effect on other dtypes).
         stochastic_round_seed: seed of the rounding bits, an integer in [0, 2**64); saved in the param groups.
+        fp32_state_modules: modules whose parameters keep fp32 state whatever their size (see
+            :func:`~hf_paged.optim.state_format.keep_fp32_state`).
     """
 
     def __init__(
@@ -111,6 +113,7 @@ class PagedLion8bit(_PagedLionBase):
         compiled: bool | None = None,
         bf16_stochastic_round: bool = False,
         stochastic_round_seed: int = 0,
+        fp32_state_modules: Iterable[torch.nn.Module] = (),
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
         defaults.update(rounding_defaults(bf16_stochastic_round, stochastic_round_seed))
@@ -124,4 +127,5 @@ class PagedLion8bit(_PagedLionBase):
             block_size=block_size,
             min_8bit_size=min_8bit_size,
             compiled=compiled,
+            fp32_state_modules=fp32_state_modules,
         )

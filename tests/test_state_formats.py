@@ -1,0 +1,201 @@
+"""Per-parameter state formats: a param group names its tensors' state format (``"state_format"``),
+``keep_fp32_state`` and ``fp32_state_modules`` keep chosen modules' state in fp32, and through the Trainer the 8-bit
+and 4-bit names keep ``nn.Embedding`` state in fp32 as transformers does for bitsandbytes' 8-bit optimizers."""
+
+from __future__ import annotations
+
+import bitsandbytes
+import pytest
+import torch
+from conftest import decay_groups, make_mlp, regression_batches, train
+from test_paging import assert_same_result
+from transformers import Trainer
+
+import hf_paged
+from hf_paged import keep_fp32_state
+
+from trainer_utils import tiny_llama, token_dataset, training_args
+
+QUANTIZED = {"PagedAdamW8bit": hf_paged.PagedAdamW8bit, "PagedAdamW4bit": hf_paged.PagedAdamW4bit}
+SMALL_BLOCKS = {"block_size": 64, "page_size": 4096}
+
+
+def kinds(optimizer: hf_paged.PagedOptimizer, params) -> list[str]:
+    """The page format of each parameter's state."""
+    return [optimizer._layout[param].kind for param in params]
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZED))
+def test_a_group_names_the_format_of_its_state(name):
+    """``"fp32"`` keeps a large matrix's state in fp32, the optimizer's own format quantizes a vector below the size
+    threshold, and a group that names none takes the format its tensors' sizes choose."""
+    model = make_mlp()
+    bits = name[-4:]
+    first, middle, last = model[0], model[2], model[4]
+    groups = [
+        {"params": [middle.weight], "state_format": "fp32"},
+        {"params": [first.bias, last.bias], "state_format": bits},
+        {"params": [first.weight, middle.bias, last.weight]},
+    ]
+    optimizer = QUANTIZED[name](groups, **SMALL_BLOCKS, **{f"min_{bits}_size": 256})
+    train(model, optimizer, regression_batches(2))
+    assert kinds(optimizer, [middle.weight, first.bias, last.bias]) == ["32bit", bits, bits]
+    assert kinds(optimizer, [first.weight, middle.bias, last.weight]) == [bits, "32bit", "32bit"]
+    saved = optimizer.state_dict()
+    assert saved["param_groups"][0]["state_format"] == "fp32" and "state_format" not in saved["param_groups"][2]
+    assert saved["state"][0]["exp_avg"].shape == middle.weight.shape
+
+
+def test_fp32_state_trains_as_torch_adamw():
+    """A matrix whose group keeps fp32 state in PagedAdamW8bit is updated as torch.optim.AdamW updates it (to fp32
+    rounding: 1e-6 after 5 steps), where one of 8-bit state moves 1e-3 away."""
+    generator = torch.Generator().manual_seed(0)
+    start = [torch.randn(64, 64, generator=generator) for _ in range(2)]
+    grads = [[torch.randn(64, 64, generator=generator) for _ in range(2)] for _ in range(5)]
+    kept, quantized = (torch.nn.Parameter(tensor.clone()) for tensor in start)
+    reference = [torch.nn.Parameter(tensor.clone()) for tensor in start]
+    optimizer = hf_paged.PagedAdamW8bit(
+        [{"params": [kept], "state_format": "fp32"}, {"params": [quantized]}], lr=1e-2, **SMALL_BLOCKS
+    )
+    torch_adamw = torch.optim.AdamW(reference, lr=1e-2)
+    for step_grads in grads:
+        for params, step in (([kept, quantized], optimizer), (reference, torch_adamw)):
+            for param, grad in zip(params, step_grads):
+                param.grad = grad.clone()
+            step.step()
+    assert kinds(optimizer, [kept, quantized]) == ["32bit", "8bit"]
+    assert (kept - reference[0]).abs().max() < 1e-6
+    assert (quantized - reference[1]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "optimizer_class, state_format, allowed",
+    [
+        (hf_paged.PagedAdamW8bit, "4bit", "'fp32', '8bit'"),
+        (hf_paged.PagedAdamW4bit, "fp16", "'fp32', '4bit'"),
+        (hf_paged.PagedAdamW, "8bit", "'fp32'"),
+        (hf_paged.PagedAdEMAMix8bit, 32, "'fp32', '8bit'"),
+    ],
+)
+def test_a_format_the_optimizer_lacks_is_refused(optimizer_class, state_format, allowed):
+    message = rf"state_format must be one of {allowed} for {optimizer_class.__name__}, got {state_format!r}"
+    params = list(make_mlp().parameters())
+    with pytest.raises(ValueError, match=rf"param group 0: {message}"):
+        optimizer_class([{"params": params[:2], "state_format": state_format}])
+    optimizer = optimizer_class([{"params": params[:2]}])
+    with pytest.raises(ValueError, match=rf"param group 1: {message}"):
+        optimizer.add_param_group({"params": params[2:], "state_format": state_format})
+    assert len(optimizer.param_groups) == 1
+
+
+def test_keep_fp32_state_splits_each_group_and_keeps_its_settings():
+    """Tensors, named parameters and param groups: each group's parameters of the modules go to a group right after
+    it, with its settings (names included) and ``"state_format": "fp32"``; a part left empty is dropped; a parameter
+    tied to another module's counts as the modules'."""
+    model = make_mlp()
+    for params, expected_sizes in (
+        (model.parameters(), [4, 2]),
+        (model.named_parameters(), [4, 2]),
+        (decay_groups(model), [2, 1, 2, 1]),
+    ):
+        groups = keep_fp32_state(params, [model[2]])
+        assert [len(group["params"]) for group in groups] == expected_sizes
+        kept = [group for group in groups if group.get("state_format") == "fp32"]
+        assert {id(member[1] if isinstance(member, tuple) else member) for g in kept for member in g["params"]} == {
+            id(model[2].weight),
+            id(model[2].bias),
+        }
+    named = keep_fp32_state([{"params": list(model.named_parameters()), "lr": 0.5}], [model[2]])
+    assert [group["lr"] for group in named] == [0.5, 0.5]
+    assert [name for name, _ in named[1]["params"]] == ["2.weight", "2.bias"]
+    assert keep_fp32_state(model.parameters(), [model]) == [
+        {"params": list(model.parameters()), "state_format": "fp32"}
+    ]
+    embedding = torch.nn.Embedding(8, 4)
+    head = torch.nn.Linear(4, 8, bias=False)
+    head.weight = embedding.weight
+    assert keep_fp32_state(head.parameters(), [embedding])[0]["state_format"] == "fp32"
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZED))
+def test_fp32_state_modules_page_and_resume_bitwise(name):
+    """``fp32_state_modules``: the modules' state is fp32, the rest as sizes choose; a budget of one page and a resume
+    from a state dict after 3 of 6 steps give bitwise the unlimited, uninterrupted run."""
+    batches = regression_batches(6)
+
+    def build(budget=None):
+        model = make_mlp()
+        optimizer = QUANTIZED[name](
+            decay_groups(model), fp32_state_modules=[model[2]], device_budget=budget, **SMALL_BLOCKS,
+            **{f"min_{name[-4:]}_size": 256},
+        )  # fmt: skip
+        return model, optimizer
+
+    model, optimizer = build()
+    train(model, optimizer, batches)
+    assert len(optimizer.param_groups) == 4
+    assert kinds(optimizer, [*model[2].parameters(), model[0].weight]) == ["32bit", "32bit", name[-4:]]
+    paged_model, paged = build(budget=4096)
+    train(paged_model, paged, batches)
+    assert paged.paging_stats()["page_outs"] > 0
+    assert_same_result(paged_model, paged, model, optimizer)
+    interrupted_model, interrupted = build()
+    train(interrupted_model, interrupted, batches[:3])
+    resumed_model, resumed = build(budget=8192)
+    resumed_model.load_state_dict(interrupted_model.state_dict())
+    resumed.load_state_dict(interrupted.state_dict())
+    train(resumed_model, resumed, batches[3:])
+    assert_same_result(resumed_model, resumed, model, optimizer)
+
+
+def test_the_trainer_keeps_embedding_state_in_fp32_as_for_bitsandbytes(tmp_path):
+    """hf_paged_adamw_8bit (and the other 8-bit and 4-bit names) keep the state of the model's nn.Embedding modules in
+    fp32, the parameters transformers' Trainer registers with bitsandbytes for 32-bit state when it builds
+    adamw_bnb_8bit; ``optim_args="fp32_embeddings=false"`` quantizes them."""
+    model = tiny_llama(vocab_size=4096)
+    bnb = Trainer(model=model, args=training_args(tmp_path / "bnb", optim="adamw_bnb_8bit"))
+    manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
+    manager.module_weight_config_triple.clear()
+    bnb.create_optimizer()
+    expected = {id(getattr(module, name)) for module, name, config in manager.module_weight_config_triple}
+    manager.module_weight_config_triple.clear()
+    assert expected == {id(model.model.embed_tokens.weight)}
+    for optim, optim_args, fp32 in (
+        ("hf_paged_adamw_8bit", None, expected),
+        ("hf_paged_ademamix_4bit", "min_4bit_size=1024", expected),
+        ("hf_paged_adamw_8bit", "fp32_embeddings=false", set()),
+    ):
+        trainer = Trainer(
+            model=model,
+            args=training_args(tmp_path / optim, optim=optim, optim_args=optim_args, max_steps=1),
+            train_dataset=token_dataset(),
+        )
+        trainer.train()
+        optimizer = trainer.optimizer.optimizer
+        groups = optimizer.param_groups
+        kept = {id(param) for group in groups if group.get("state_format") == "fp32" for param in group["params"]}
+        assert kept == fp32, optim_args
+        assert (optimizer._layout[model.model.embed_tokens.weight].kind == "32bit") == bool(fp32)
+        # the Trainer's decay and no-decay groups, the embedding (with decay) split off the first
+        assert [group["weight_decay"] for group in groups] == ([0.1, 0.1, 0.0] if fp32 else [0.1, 0.0])
+
+
+def test_state_saved_in_one_format_loads_into_another():
+    """8-bit state loads into a group that keeps fp32 state as its decoded values, and back, and the loading
+    optimizer's format stays."""
+    param = torch.nn.Parameter(torch.randn(64, 64))
+    quantized = hf_paged.PagedAdamW8bit([param], **SMALL_BLOCKS)
+    param.grad = torch.randn_like(param)
+    quantized.step()
+    kept = hf_paged.PagedAdamW8bit([{"params": [param], "state_format": "fp32"}], **SMALL_BLOCKS)
+    kept.load_state_dict(quantized.state_dict())
+    assert kept.param_groups[0]["state_format"] == "fp32" and kinds(kept, [param]) == ["32bit"]
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(kept.get_state_tensor(param, name), quantized.get_state_tensor(param, name))
+    back = hf_paged.PagedAdamW8bit([param], **SMALL_BLOCKS)
+    back.load_state_dict(kept.state_dict())
+    assert "state_format" not in back.param_groups[0] and kinds(back, [param]) == ["8bit"]
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(back.state_dict()["state"][0].values(), quantized.state_dict()["state"][0].values())
+    )
