@@ -222,27 +222,27 @@ def assert_same(model_a, optimizer_a, model_b, optimizer_b) -> None:
 
 @pytest.fixture
 def counted(triton_kernels, monkeypatch):
-    """Kernel launches inside update_batch calls (not the self-check's), and the update_batch calls, of the Triton
-    kernels: a dict of counts."""
+    """Kernel launches inside the page batches a step launches (``TritonLaunches.update``; not the self-check's), and
+    those batches, of the Triton kernels: a dict of counts."""
     counts = {"launches": 0, "batches": 0, "inside": 0}
     kernel = triton_kernels._update_batch_kernel
-    update_batch = triton_kernels.TritonKernel.update_batch
+    update = triton_kernels.TritonLaunches.update
 
     class Counted:
         def __getitem__(self, grid):
             counts["launches"] += counts["inside"]
             return kernel[grid]
 
-    def counted_update_batch(self, batch):
+    def counted_update(self, pages, version):
         counts["batches"] += 1
         counts["inside"] = 1
         try:
-            return update_batch(self, batch)
+            return update(self, pages, version)
         finally:
             counts["inside"] = 0
 
     monkeypatch.setattr(triton_kernels, "_update_batch_kernel", Counted())
-    monkeypatch.setattr(triton_kernels.TritonKernel, "update_batch", counted_update_batch)
+    monkeypatch.setattr(triton_kernels.TritonLaunches, "update", counted_update)
     return counts
 
 

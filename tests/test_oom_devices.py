@@ -141,13 +141,13 @@ def test_an_out_of_memory_error_in_the_step_reports_the_other_bytes_of_the_devic
         optimizer.zero_grad(set_to_none=True)
         torch.nn.functional.mse_loss(model(inputs), targets).backward()
         if step == 1:
-            stream_pages = optimizer._stream_pages
+            stream = optimizer._store.stream
 
             def fail_once(*args, **kwargs):
-                optimizer._stream_pages = stream_pages
+                optimizer._store.stream = stream
                 raise torch.OutOfMemoryError(NAMED)
 
-            optimizer._stream_pages = fail_once
+            optimizer._store.stream = fail_once
         optimizer.step()
     (recovery,) = reported
     assert recovery.phase == "optimizer step"

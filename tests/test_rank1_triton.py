@@ -230,8 +230,9 @@ def test_the_self_check_checks_the_gathered_statistics_and_the_update(triton_ker
 
 @pytest.fixture
 def counted(triton_kernels, monkeypatch):
-    """HF_PAGED_KERNELS=triton; the launches of the gather and update kernels, the rank-1 gather_batch and
-    update_batch calls, and the segments gathered by the PyTorch path: a dict of counts."""
+    """HF_PAGED_KERNELS=triton; the launches of the gather and update kernels, the rank-1 page batches gathered and
+    updated (the step's ``TritonLaunches.gather`` and ``update``), and the segments gathered by the PyTorch path: a
+    dict of counts."""
     monkeypatch.setenv("HF_PAGED_KERNELS", "triton")
     counts = dict.fromkeys(["gather_launches", "update_launches", "gathers", "updates", "fallback_gathers"], 0)
     inside: list[str] = []
@@ -246,14 +247,14 @@ def counted(triton_kernels, monkeypatch):
             return self.kernel[grid]
 
     def counting(method, name):
-        def counted_method(self, batch):
-            if self.rank1:
+        def counted_method(self, *args):
+            if self.kernel.rank1:
                 counts[name] += 1
                 inside.append(name)
             try:
-                return method(self, batch)
+                return method(self, *args)
             finally:
-                if self.rank1:
+                if self.kernel.rank1:
                     inside.pop()
 
         return counted_method
@@ -265,9 +266,9 @@ def counted(triton_kernels, monkeypatch):
     gather_segment_statistics = executor.gather_segment_statistics
     for name, kernel in (("gather_launches", "_gather_batch_kernel"), ("update_launches", "_update_batch_kernel")):
         monkeypatch.setattr(triton_kernels, kernel, Counted(getattr(triton_kernels, kernel), name))
-    kernel_class = triton_kernels.TritonKernel
-    monkeypatch.setattr(kernel_class, "gather_batch", counting(kernel_class.gather_batch, "gathers"))
-    monkeypatch.setattr(kernel_class, "update_batch", counting(kernel_class.update_batch, "updates"))
+    launches = triton_kernels.TritonLaunches
+    monkeypatch.setattr(launches, "gather", counting(launches.gather, "gathers"))
+    monkeypatch.setattr(launches, "update", counting(launches.update, "updates"))
     monkeypatch.setattr(executor, "gather_segment_statistics", counted_fallback)
     return counts
 
@@ -298,7 +299,8 @@ def test_the_rank1_optimizer_steps_through_the_triton_kernels_as_the_pytorch_ker
 
 def test_stubbed_triton_kernels_stub_the_gathers_too(counted, monkeypatch):
     """Inside stubbed_triton_kernels (the planner's and benchmarks' host-only steps) a rank-1 optimizer's step gathers
-    and updates its page batches through the stubbed launch: no kernel runs and nothing raises (tables on ``meta``)."""
+    and updates its page batches through its prepared launches, whose kernel launches do nothing: no kernel runs and
+    nothing raises."""
     model, optimizer = build()
     train(model, optimizer, regression_batches(1))  # the self-checks, outside the stub
     counted.update(dict.fromkeys(counted, 0))

@@ -57,14 +57,15 @@ def build(name, budget, retries=8):
 
 
 def mark_streaming(optimizer, mode: FailingAllocations) -> None:
-    stream_pages = optimizer._stream_pages
+    """Set ``mode.in_step`` when the step first streams pages (the page stores' ``stream``)."""
+    stream = optimizer._store.stream
 
     def marked(*args, **kwargs):
         if mode.in_step is None:
             mode.in_step = mode.count
-        return stream_pages(*args, **kwargs)
+        return stream(*args, **kwargs)
 
-    optimizer._stream_pages = marked
+    optimizer._store.stream = marked
 
 
 def failing_step(model, optimizer, batch, mode: FailingAllocations) -> None:
@@ -225,15 +226,15 @@ def test_recoveries_in_the_step_are_reported_through_oom_recovery_and_limited_by
 
     mode = FailingAllocations({counted.in_step + 1})
     streams = []
-    stream_pages = optimizer._stream_pages
+    stream = optimizer._store.stream
 
     def fail_again_when_retried(*args, **kwargs):
         streams.append(mode.count)
         if len(streams) == 2:
             mode.at.add(mode.count + 1)  # the retry's first allocation fails too: more than retries=1 allows
-        return stream_pages(*args, **kwargs)
+        return stream(*args, **kwargs)
 
-    optimizer._stream_pages = fail_again_when_retried
+    optimizer._store.stream = fail_again_when_retried
     with pytest.raises(torch.OutOfMemoryError) as raised:
         failing_step(model, optimizer, batches[2], mode)
     assert len(streams) == 2

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import hf_paged
+from hf_paged.optim.executor import StepRun
 
 
 def twins(name: str = "PagedAdamW", size: int = 16, **options) -> tuple:
@@ -108,13 +109,13 @@ def test_a_step_that_raises_leaves_no_reference_to_the_parameters(name, monkeypa
     """A step that stops with an error (here after its updates, before it returns) drops its views of the
     parameters too, while the error and its traceback are still held."""
     params, optimizer = stepped_model(name, torch.float32)
-    stream = type(optimizer)._stream_pages
+    stream = StepRun.stream
 
-    def stream_then_fail(self, pages, run):
-        stream(self, pages, run)
+    def stream_then_fail(self, pages):
+        stream(self, pages)
         raise RuntimeError("stopped after the updates")
 
-    monkeypatch.setattr(type(optimizer), "_stream_pages", stream_then_fail)
+    monkeypatch.setattr(StepRun, "stream", stream_then_fail)
     for param in params:
         param.grad = torch.ones_like(param)
     with pytest.raises(RuntimeError, match="stopped after the updates") as raised:

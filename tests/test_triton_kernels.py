@@ -448,16 +448,17 @@ def build(name: str, **paging):
 
 @pytest.fixture
 def counted_launches(triton_kernels, monkeypatch):
-    """HF_PAGED_KERNELS=triton, and the number of Triton kernel launches so far (a list of one count)."""
+    """HF_PAGED_KERNELS=triton, and the number of Triton kernel launches so far (a list of one count): calls of
+    ``TritonKernel._run``, which every launch, of a page batch, a step's prepared batch or a segment, goes through."""
     monkeypatch.setenv("HF_PAGED_KERNELS", "triton")
     launches = [0]
-    launch = triton_kernels.TritonKernel._launch
+    launch = triton_kernels.TritonKernel._run
 
     def counted(self, *args, **kwargs):
         launches[0] += 1
         return launch(self, *args, **kwargs)
 
-    monkeypatch.setattr(triton_kernels.TritonKernel, "_launch", counted)
+    monkeypatch.setattr(triton_kernels.TritonKernel, "_run", counted)
     return launches
 
 

@@ -10,6 +10,7 @@ that raises Triton's ``OutOfResources`` at its launch (as a compilation for a GP
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,24 +28,25 @@ LOGGER = "hf_paged.kernels.triton_kernels"
 @pytest.fixture
 def fresh_checks(monkeypatch):
     """HF_PAGED_KERNELS=triton, TRITON_INTERPRET=1, no self-check verdicts yet in this process, and the calls of
-    ``self_check`` and ``update_batch`` counted: ``{"checks": [...combinations], "batches": [count]}``."""
+    ``self_check`` and of the step's page batches (``TritonLaunches.update``) counted: ``{"checks":
+    [...combinations], "batches": [count]}``."""
     module = TRITON_KERNELS
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("HF_PAGED_KERNELS", "triton")
     monkeypatch.setattr(module, "_SELF_CHECKS", {})
     calls = {"checks": [], "batches": [0]}
-    check, update_batch = module.self_check, module.TritonKernel.update_batch
+    check, update = module.self_check, module.TritonLaunches.update
 
     def counted_check(kernel, device, param_dtype, grad_dtype):
         calls["checks"].append((kernel.rule_name, kernel.codecs, param_dtype, grad_dtype, device))
         return check(kernel, device, param_dtype, grad_dtype)
 
-    def counted_update_batch(self, batch):
+    def counted_update(self, pages, version):
         calls["batches"][0] += 1
-        return update_batch(self, batch)
+        return update(self, pages, version)
 
     monkeypatch.setattr(module, "self_check", counted_check)
-    monkeypatch.setattr(module.TritonKernel, "update_batch", counted_update_batch)
+    monkeypatch.setattr(module.TritonLaunches, "update", counted_update)
     return calls
 
 
@@ -184,3 +186,21 @@ def test_the_bound_without_a_fused_lerp(monkeypatch):
     assert not TRITON_KERNELS.lerp_rounds_once()
     monkeypatch.setattr(TRITON_KERNELS.torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     assert TRITON_KERNELS.lerp_rounds_once()
+
+
+def test_the_check_waits_for_the_device_of_its_batch(monkeypatch):
+    """The self-check of a combination on ``cuda:1`` waits for ``cuda:1``, not for the current device (which is
+    ``cuda:0`` unless the caller set it): a launch queued on another device would still be running when its results
+    are compared."""
+    synchronized = []
+
+    class Module:
+        @staticmethod
+        def synchronize(device=None):
+            synchronized.append(device)
+
+    batch = SimpleNamespace(params=[SimpleNamespace(device=torch.device("cuda", 1))])
+    kernel = SimpleNamespace(_launch=lambda batch, round_shift: None)
+    monkeypatch.setattr(TRITON_KERNELS.torch, "get_device_module", lambda device: Module)
+    assert TRITON_KERNELS._launch_failure(kernel, batch, 0) is None
+    assert synchronized == [torch.device("cuda", 1)]

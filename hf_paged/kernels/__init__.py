@@ -16,7 +16,7 @@ import contextlib
 import functools
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 
 import torch
@@ -105,20 +105,35 @@ def triton_module() -> ModuleType | None:
 
 @contextlib.contextmanager
 def stubbed_triton_kernels() -> Iterator[bool]:
-    """Inside, pages of every device take the Triton kernels, whose launches do nothing, and each page batch's
-    tables are copied for its launch to the ``meta`` device, as they are to an accelerator's: the host's work of a
-    step on an accelerator, on fake CPU tensors (what :mod:`hf_paged.planner` traces and
-    ``benchmarks/optimizer_step.py`` times). Yields ``False``, changing nothing, where Triton does not import or
-    ``HF_PAGED_KERNELS=torch`` chooses the PyTorch kernels."""
+    """Inside, pages of every device take the Triton kernels, and every launch of their compiled kernels does
+    nothing: the rest of a step on an accelerator runs as it does there (the launches' preparation, their tables
+    written into pinned host memory and copied to the device, the page stream), so that it can be timed or traced on
+    the CPU (``benchmarks/optimizer_step.py`` times it on real tensors, :mod:`hf_paged.planner` traces it on fake
+    ones). The first-use self-check still runs the real kernels (on the CPU, under Triton's interpreter,
+    ``TRITON_INTERPRET=1``; under ``FakeTensorMode`` it is skipped). Yields ``False``, changing nothing, where
+    Triton does not import or ``HF_PAGED_KERNELS=torch`` chooses the PyTorch kernels."""
     module = triton_module()
     if module is None or os.environ.get("HF_PAGED_KERNELS", "").strip().lower() == "torch":
         yield False
         return
+    kernels = {name: getattr(module, name) for name in ("_update_batch_kernel", "_gather_batch_kernel")}
+    self_check = module.self_check
+
+    def self_check_with_the_kernels(*args: object, **kwargs: object) -> str | None:
+        idle = {name: getattr(module, name) for name in kernels}
+        for name, kernel in kernels.items():
+            setattr(module, name, kernel)
+        try:
+            return self_check(*args, **kwargs)
+        finally:
+            for name, kernel in idle.items():
+                setattr(module, name, kernel)
+
     patches = [
         (sys.modules[__name__], "kernel_family", lambda device: "triton"),
         (module, "runs_on", lambda device: True),
-        (module.TritonKernel, "_launch", lambda kernel, batch, round_shift: None),
-        (module.TritonKernel, "table_device", lambda kernel, device: torch.device("meta")),
+        (module, "self_check", self_check_with_the_kernels),
+        *((module, name, _IdleKernel()) for name in kernels),
     ]
     originals = [getattr(owner, name) for owner, name, _ in patches]
     for owner, name, value in patches:
@@ -128,6 +143,17 @@ def stubbed_triton_kernels() -> Iterator[bool]:
     finally:
         for (owner, name, _), original in zip(patches, originals):
             setattr(owner, name, original)
+
+
+class _IdleKernel:
+    """A compiled kernel whose launches (``kernel[grid](*args)``) do nothing."""
+
+    def __getitem__(self, grid: object) -> Callable[..., None]:
+        return _do_nothing
+
+
+def _do_nothing(*args: object, **kwargs: object) -> None:
+    return None
 
 
 def segment_kernel(

@@ -15,6 +15,12 @@ takes batches has
   allocates nothing after it, so the optimizer needs no undo copy. Its results are bitwise those of the
   per-segment kernel of the same family (paging and batching never change results).
 
+A kernel for an accelerator's pages may also have ``prepare(device, backend, numels, shapes, pages)``: the launches
+over a step plan's pages of one device, with what they need that does not change between steps built and checked
+once (:class:`~hf_paged.kernels.triton_kernels.TritonLaunches`); the optimizer's step then calls their
+``begin_step``, ``update(pages, version)`` and ``gather(pages, version)`` instead of building a :class:`PageBatch`,
+with the same results.
+
 Segments of one batch must not overlap: neither two ranges of one parameter nor two ranges of one page's state
 (counted in whole blocks for blockwise formats).
 
@@ -36,7 +42,9 @@ partial last block have normalizer 0 (they decode to 0, and encode to the code o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -52,6 +60,17 @@ ROUNDING_COLUMNS = 2
 ``key_b`` of :func:`~hf_paged.stochastic_rounding.step_keys`), or ``-1`` in both where the segment does not round."""
 
 NO_ROUNDING = -1
+
+
+class HostToDevice(Protocol):
+    """How a kernel's tables reach the pages' device without the host waiting (a page store's device backend,
+    :class:`~hf_paged.device.SyncBackend`): written into pinned host memory, then copied on the compute stream."""
+
+    def pinned_tensor(self, values: Sequence[int] | Sequence[float], dtype: torch.dtype) -> torch.Tensor: ...
+
+    def pinned_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor: ...
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)

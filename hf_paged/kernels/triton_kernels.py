@@ -44,11 +44,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import platform
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import FakeTensor
 from triton.backends import backends
 
 from ..codecs import (
@@ -62,8 +65,20 @@ from ..codecs import (
     Rank1Statistics,
     random_page_buffers,
 )
+from ..device import values_to_device
 from ..stochastic_rounding import ElementRounding, step_keys
-from .batch import LENGTH, OFFSET, PAGE, ROW, START, TENSOR, PageBatch
+from .batch import (
+    LENGTH,
+    NO_ROUNDING,
+    OFFSET,
+    PAGE,
+    ROW,
+    START,
+    TABLE_COLUMNS,
+    TENSOR,
+    HostToDevice,
+    PageBatch,
+)
 from .pytorch import gather_in_buffers, update_in_buffers, update_or_undo
 from .rules import (
     ADEMAMIX_SCALAR_NAMES,
@@ -75,6 +90,9 @@ from .rules import (
     ademamix_update_,
     lion_update_,
 )
+
+if TYPE_CHECKING:
+    from ..store import Page, Segment
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +130,13 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 def _pair_code(param: torch.Tensor, grad: torch.Tensor) -> int:
     """The code of a parameter's and gradient's dtypes that the kernel compares with its specialization."""
     return _DTYPES[param.dtype] * 3 + _DTYPES[grad.dtype]
+
+
+def _padded(addresses: list[int]) -> list[int]:
+    """``addresses`` with a 0 appended where their number is odd: the int64 entries that follow start at a 16-byte
+    boundary, as every pointer the kernels take does (Triton specializes a kernel on whether a pointer is 16-byte
+    aligned)."""
+    return addresses + [0] if len(addresses) % 2 else addresses
 
 
 def triton_rule(rule: UpdateRule, codecs: tuple[Codec, ...]) -> tuple[str, int, int] | None:
@@ -823,12 +848,14 @@ def self_check(
 
 
 def _launch_failure(kernel: TritonKernel, batch: PageBatch, round_shift: int | None) -> str | None:
-    """Launch ``kernel`` on ``batch`` (see :meth:`TritonKernel._launch`) and wait for it; ``None`` where it ran, else
-    the error it raised, in a line. Running out of memory is raised."""
+    """Launch ``kernel`` on ``batch`` (see :meth:`TritonKernel._launch`) and wait for it on the batch's device (which
+    may not be the current one); ``None`` where it ran, else the error it raised, in a line. Running out of memory is
+    raised."""
+    device = batch.params[0].device
     try:
         kernel._launch(batch, round_shift)
-        if batch.params[0].device.type != "cpu":
-            torch.get_device_module(batch.params[0].device).synchronize()
+        if device.type != "cpu":
+            torch.get_device_module(device).synchronize(device)
     except torch.OutOfMemoryError:
         raise
     except Exception as error:  # noqa: BLE001 (any error of the launch is a verdict on the kernel)
@@ -955,17 +982,20 @@ class TritonKernel:
     ) -> None:
         """Update one segment (``param`` and ``grad`` shaped ``(blocks, block_size)``, or flat for fp32 state);
         ``scalars`` floats or 0-d fp32 CPU tensors; ``rounding`` rounds a bf16 ``param`` stochastically. A rank-1
-        state's segment (``encoded`` with its normalizers appended) goes to the fallback."""
+        state's segment (``encoded`` with its normalizers appended) goes to the fallback. Its tables reach the device
+        from pinned memory without the host waiting (:func:`~hf_paged.device.values_to_device`)."""
         if self.rank1 or not self.takes_batch(param.device, param.dtype, grad.dtype):
             update_or_undo(self.fallback, param, grad, encoded, scalars, rounding)
             return
         device = param.device
         arrays = tuple(array.reshape(-1) for segment in encoded for array in segment)
-        table = torch.tensor([[0, 0, param.numel(), 0, 0, 0]], dtype=torch.int64, device=device)
-        values = torch.tensor([[float(scalars[name]) for name in self.scalar_names]], dtype=torch.float32)
+        table = values_to_device([0, 0, param.numel(), 0, 0, 0], torch.int64, device).view(1, 6)
+        values = [float(scalars[name]) for name in self.scalar_names]
+        scalar_row = values_to_device(values, torch.float32, device).view(1, len(values))
         rounds = rounding is not None and param.dtype == torch.bfloat16
-        keys = torch.tensor([[int(rounding.key_a), int(rounding.key_b)]], device=device) if rounds else None
-        segment = PageBatch([param.reshape(-1)], [grad.reshape(-1)], [arrays], table, values.to(device), keys)
+        keys = values_to_device([int(rounding.key_a), int(rounding.key_b)], torch.int64, device) if rounds else None
+        rounding_row = None if keys is None else keys.view(1, 2)
+        segment = PageBatch([param.reshape(-1)], [grad.reshape(-1)], [arrays], table, scalar_row, rounding_row)
         self._launch(segment, int(rounding.start) if rounds else 0)
 
     def update_batch(self, batch: PageBatch) -> None:
@@ -977,48 +1007,93 @@ class TritonKernel:
         computes for every segment of ``batch`` (rank-1 normalized state only; see :mod:`hf_paged.kernels.batch`)."""
         self._launch(batch, None)
 
+    def prepare(
+        self,
+        device: torch.device,
+        backend: HostToDevice,
+        numels: Sequence[int],
+        shapes: dict[int, tuple[int, int]],
+        pages: Sequence[tuple[Page, Sequence[tuple[int, Segment]]]],
+    ) -> TritonLaunches:
+        """The launches of this kernel over ``pages`` of a step plan on ``device`` (see :class:`TritonLaunches`):
+        ``numels`` gives the elements of each tensor by its index in the plan, ``shapes`` the local shape of each
+        rank-1 normalized one, ``pages`` each page with its ``(tensor index, segment)`` pairs; ``backend`` writes
+        tables into pinned host memory and copies them to the device. Everything is checked here, once."""
+        return TritonLaunches(self, device, backend, numels, shapes, pages)
+
     def _launch(self, batch: PageBatch, round_shift: int | None) -> None:
         """Check ``batch``, then launch the update kernel once per parameter and gradient dtype pair it holds, the
         rounding index of element ``i`` of a segment being ``START + round_shift + i``; or, where ``round_shift`` is
         ``None``, the gathering kernel of rank-1 statistics once per gradient dtype."""
-        gathering = round_shift is None
-        device = self._check(batch, gathering)
+        device = self._check(batch, round_shift is None)
         if batch.segments == 0:
             return
-        pairs = sorted({(_DTYPES[p.dtype], _DTYPES[g.dtype]) for p, g in zip(batch.params, batch.grads)})
-        # one table of addresses, copied to the device at once: (address, dtype pair) per parameter, then an address
-        # per gradient, then the page buffers' addresses page by page, then for rank-1 state the statistics' addresses
-        # and number of columns per tensor (STATISTICS_COLUMNS each)
         tensors = len(batch.params)
-        addresses = torch.tensor(
-            [
-                *(value for p, g in zip(batch.params, batch.grads) for value in (p.data_ptr(), _pair_code(p, g))),
-                *(g.data_ptr() for g in batch.grads),
-                *(buffer.data_ptr() for buffers in batch.buffers for buffer in buffers),
-                *(
-                    value
-                    for entry in (batch.statistics if self.rank1 else ())
-                    for value in (*(maxima.data_ptr() for maxima in entry), entry[1].numel())
-                ),
-            ],
-            dtype=torch.int64,
-        ).to(device)
-        buffer_addresses = addresses[3 * tensors : 3 * tensors + len(batch.buffers) * len(self._buffer_specs)]
-        statistic_addresses = addresses[3 * tensors + buffer_addresses.numel() :] if self.rank1 else addresses
+        # one table of addresses, copied to the device at once, each section at a 16-byte boundary: (address, dtype
+        # pair) per parameter, an address per gradient, the page buffers' addresses page by page, and for rank-1 state
+        # the statistics' addresses and number of columns per tensor (STATISTICS_COLUMNS each)
+        params = [value for p, g in zip(batch.params, batch.grads) for value in (p.data_ptr(), _pair_code(p, g))]
+        grads = _padded([g.data_ptr() for g in batch.grads])
+        buffers = _padded([buffer.data_ptr() for buffers in batch.buffers for buffer in buffers])
+        statistics = [
+            value
+            for entry in (batch.statistics if self.rank1 else ())
+            for value in (*(maxima.data_ptr() for maxima in entry), entry[1].numel())
+        ]
+        addresses = values_to_device(params + grads + buffers + statistics, torch.int64, device)
+        first_buffer = len(params) + len(grads)
+        first_statistic = first_buffer + len(buffers)
         longest = min(max(p.numel() for p in batch.params), max(self._capacity(b) for b in batch.buffers))
+        self._run(
+            device,
+            batch.table,
+            batch.scalars,
+            batch.rounding,
+            addresses[: 2 * tensors],
+            addresses[2 * tensors : 3 * tensors],
+            addresses[first_buffer:first_statistic],
+            addresses[first_statistic:] if self.rank1 else addresses,
+            batch.segments,
+            longest,
+            sorted({_pair_code(p, g) for p, g in zip(batch.params, batch.grads)}),
+            round_shift,
+        )
+
+    def _run(
+        self,
+        device: torch.device,
+        table: torch.Tensor,
+        scalars: torch.Tensor,
+        rounding: torch.Tensor | None,
+        param_addresses: torch.Tensor,
+        grad_addresses: torch.Tensor,
+        buffer_addresses: torch.Tensor,
+        statistic_addresses: torch.Tensor,
+        segments: int,
+        longest: int,
+        pairs: Sequence[int],
+        round_shift: int | None,
+    ) -> None:
+        """Launch the update kernel over ``segments`` rows of ``table`` once per dtype pair code in ``pairs`` (or, where
+        ``round_shift`` is ``None``, the gathering kernel once per gradient dtype among them), each segment split
+        between programs as its ``longest`` elements need. Every tensor starts at a 16-byte boundary, so that Triton
+        compiles one variant of each kernel, the one the first-use self-check ran."""
         rows = max(1, TILE_ELEMENTS // self.block_size)
         programs = max(1, min(-(-longest // (rows * self.block_size)), MAX_PROGRAMS_PER_SEGMENT))
-        rounding = batch.rounding if batch.rounding is not None else batch.table
         options = {} if INTERPRETED else {"enable_fp_fusion": False}
-        on_device = contextlib.nullcontext() if INTERPRETED else torch.get_device_module(device).device(device)
+        on_device = (
+            contextlib.nullcontext()
+            if INTERPRETED or device.type == "cpu"
+            else torch.get_device_module(device).device(device)
+        )
         with on_device:
-            if gathering:
-                for grad_dtype in sorted({grad_dtype for _, grad_dtype in pairs}):
-                    _gather_batch_kernel[(batch.segments, programs)](
-                        batch.table,
-                        batch.scalars,
-                        addresses[: 2 * tensors],
-                        addresses[2 * tensors : 3 * tensors],
+            if round_shift is None:
+                for grad_dtype in sorted({pair % 3 for pair in pairs}):
+                    _gather_batch_kernel[(segments, programs)](
+                        table,
+                        scalars,
+                        param_addresses,
+                        grad_addresses,
                         buffer_addresses,
                         statistic_addresses,
                         programs,
@@ -1029,13 +1104,14 @@ class TritonKernel:
                         **options,
                     )
                 return
-            for param_dtype, grad_dtype in pairs:
-                _update_batch_kernel[(batch.segments, programs)](
-                    batch.table,
-                    batch.scalars,
-                    rounding,
-                    addresses[: 2 * tensors],
-                    addresses[2 * tensors : 3 * tensors],
+            for pair in pairs:
+                param_dtype, grad_dtype = divmod(pair, 3)
+                _update_batch_kernel[(segments, programs)](
+                    table,
+                    scalars,
+                    table if rounding is None else rounding,
+                    param_addresses,
+                    grad_addresses,
                     buffer_addresses,
                     statistic_addresses,
                     round_shift,
@@ -1048,7 +1124,7 @@ class TritonKernel:
                     SCALARS=len(self.scalar_names),
                     P_DTYPE=param_dtype,
                     G_DTYPE=grad_dtype,
-                    ROUND=batch.rounding is not None and param_dtype == _DTYPES[torch.bfloat16],
+                    ROUND=rounding is not None and param_dtype == _DTYPES[torch.bfloat16],
                     RANK1=self.rank1,
                     **options,
                 )
@@ -1148,3 +1224,240 @@ class TritonKernel:
             raise ValueError(
                 f"PageBatch: a segment's page offset is not a multiple of the block size, {self.block_size}"
             )
+
+
+class TritonLaunches:
+    """The launches of one :class:`TritonKernel` over one device's pages of a step plan.
+
+    What they need that does not change between steps is built and checked once, here: each page's rows of the
+    segment table (its segments' tensor, first element, length, offset in the page and scalar row; the tensor's
+    number among this object's tensors stands for both), the longest segment of each page, each segment within its
+    tensor and its page. A step then checks only what a step can change (which tensors it updates in place, their
+    dtypes), and writes into pinned host memory only what changes, copied to the device without the host waiting
+    (``backend``, :class:`~hf_paged.kernels.batch.HostToDevice`):
+
+    - per step (:meth:`begin_step`): one table of the tensors' addresses and dtype pairs (and for rank-1 state, their
+      statistics' addresses), and one of their rules' scalars, a row per tensor;
+    - per batch (:meth:`update`, :meth:`gather`): its pages' rows and the addresses of their buffers, one table; the
+      batch of the pages resident at a step's start keeps its table on the device while no page moves (the store's
+      ``version`` stays), so that a step with every page resident copies no batch table at all;
+    - with stochastic rounding, each batch's segments' keys.
+
+    Args:
+        kernel: the kernel launched.
+        device: the pages' device.
+        backend: writes pinned host tables and copies them to the device.
+        numels: the elements of each tensor, by its index in the plan.
+        shapes: the local shape of each rank-1 normalized tensor, by its index in the plan.
+        pages: each page with the ``(tensor index, segment)`` pairs it holds.
+    """
+
+    def __init__(
+        self,
+        kernel: TritonKernel,
+        device: torch.device,
+        backend: HostToDevice,
+        numels: Sequence[int],
+        shapes: dict[int, tuple[int, int]],
+        pages: Sequence[tuple[Page, Sequence[tuple[int, Segment]]]],
+    ) -> None:
+        self.kernel = kernel
+        self.device = device
+        self.backend = backend
+        self.tensors: list[int] = []
+        """The plan's index of each tensor these launches update, in the order of the step's tables."""
+        number: dict[int, int] = {}
+        self._rows: dict[int, list[int]] = {}
+        self._page_tensors: dict[int, list[int]] = {}
+        self._longest: dict[int, int] = {}
+        block = kernel.block_size
+        for page, segments in pages:
+            if page.format.codecs != kernel.codecs:
+                raise ValueError(f"page {page.index} holds another state format than this kernel's")
+            rows: list[int] = []
+            for index, segment in segments:
+                if index not in number:
+                    number[index] = len(self.tensors)
+                    self.tensors.append(index)
+                extent = segment.length if kernel.bits == 32 else -(-segment.length // block) * block
+                if segment.start < 0 or segment.length <= 0 or segment.start + segment.length > numels[index]:
+                    raise ValueError(f"a segment of page {page.index} reaches outside its tensor")
+                if segment.offset < 0 or segment.offset + extent > page.capacity:
+                    raise ValueError(f"a segment reaches outside page {page.index}")
+                if kernel.bits != 32 and segment.offset % block:
+                    raise ValueError(f"a segment's offset in page {page.index} is not a multiple of {block}")
+                local = number[index]
+                rows += (local, segment.start, segment.length, 0, segment.offset, local)
+            self._rows[page.index] = rows
+            self._page_tensors[page.index] = sorted({number[index] for index, _ in segments})
+            self._longest[page.index] = min(max(segment.length for _, segment in segments), page.capacity)
+        if kernel.rank1:
+            for index in self.tensors:
+                rows_count, cols = shapes[index]
+                if rows_count * cols != numels[index]:
+                    raise ValueError(f"statistics of a {rows_count} x {cols} tensor for {numels[index]} elements")
+        self._scalar_names = kernel.scalar_names
+        self._step: _StepTables | None = None
+        self._resident: tuple[int, list[Page], _BatchTables] | None = None
+
+    def begin_step(
+        self,
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        rows: Sequence[int],
+        scalars: Sequence[dict[str, float]],
+        keys: dict[int, tuple[int, int]],
+        statistics: dict[int, tuple[torch.Tensor, ...]],
+    ) -> None:
+        """Write this step's tables and copy them to the device: ``params`` and ``grads`` (the plan's local tensors,
+        by index), each tensor's scalar ``rows`` into ``scalars`` (the rule's scalars of each row), the stochastic
+        rounding ``keys`` of the tensors that round and the rank-1 ``statistics`` entries, by index. The batches
+        launched this step take only tensors whose parameter and gradient are contiguous (others take the
+        per-segment path)."""
+        params = [params[index] for index in self.tensors]
+        grads = [grads[index] for index in self.tensors]
+        address = _address_of(params[0])
+        pairs = [
+            _DTYPES[p.dtype] * 3 + _DTYPES[g.dtype] if p.dtype in _DTYPES and g.dtype in _DTYPES else -1
+            for p, g in zip(params, grads)
+        ]
+        values = [value for p, pair in zip(params, pairs) for value in (address(p), pair)]
+        values += _padded([address(g) for g in grads])
+        if self.kernel.rank1:
+            for index in self.tensors:
+                entry = statistics.get(index)
+                values += (0,) * STATISTICS_COLUMNS if entry is None else (*map(address, entry), entry[1].numel())
+        backend = self.backend
+        addresses = backend.to_device(backend.pinned_tensor(values, torch.int64))
+        tensors = len(self.tensors)
+        distinct = sorted({rows[index] for index in self.tensors})
+        position = {row: number for number, row in enumerate(distinct)}
+        scalar_rows = torch.tensor(
+            [[scalars[row][name] for name in self._scalar_names] for row in distinct], dtype=torch.float32
+        ).reshape(len(distinct), len(self._scalar_names))
+        row_of = torch.tensor([position[rows[index]] for index in self.tensors], dtype=torch.int64)
+        scalar_table = backend.pinned_empty((tensors, len(self._scalar_names)), torch.float32)
+        torch.index_select(scalar_rows, 0, row_of, out=scalar_table)
+        rounding = None
+        if any(index in keys for index in self.tensors):
+            rounding = torch.tensor(
+                [keys.get(index, (NO_ROUNDING, NO_ROUNDING)) for index in self.tensors], dtype=torch.int64
+            ).reshape(tensors, 2)
+        first_statistic = 3 * tensors + tensors % 2
+        self._step = _StepTables(
+            param_addresses=addresses[: 2 * tensors],
+            grad_addresses=addresses[2 * tensors : 3 * tensors],
+            statistic_addresses=addresses[first_statistic:] if self.kernel.rank1 else addresses,
+            scalars=backend.to_device(scalar_table),
+            keys=rounding,
+            pairs=pairs,
+            distinct_pairs=sorted(set(pairs)),
+            address=address,
+        )
+
+    def update(self, pages: Sequence[Page], version: int) -> None:
+        """Update every segment of ``pages`` (resident, of this kernel's format and device) in one launch per dtype
+        pair; ``version`` is the store's count of page moves (:attr:`~hf_paged.store.PageStore.generation`)."""
+        self._launch(pages, version, 0)
+
+    def gather(self, pages: Sequence[Page], version: int) -> None:
+        """Gather the next rank-1 statistics over every segment of ``pages`` (see :meth:`TritonKernel.gather_batch`)."""
+        self._launch(pages, version, None)
+
+    def _launch(self, pages: Sequence[Page], version: int, round_shift: int | None) -> None:
+        step = self._step
+        batch = self._batch(pages, version, step.address)
+        pairs = step.distinct_pairs
+        if len(pairs) > 1:
+            pairs = sorted({step.pairs[tensor] for page in pages for tensor in self._page_tensors[page.index]})
+        rounding = None
+        if step.keys is not None and round_shift is not None:
+            if batch.tensor_column is None:
+                batch.tensor_column = torch.tensor(batch.rows[TENSOR::TABLE_COLUMNS], dtype=torch.int64)
+            host = self.backend.pinned_empty((batch.segments, 2), torch.int64)
+            torch.index_select(step.keys, 0, batch.tensor_column, out=host)
+            rounding = self.backend.to_device(host)
+        self.kernel._run(
+            self.device,
+            batch.table,
+            step.scalars,
+            rounding,
+            step.param_addresses,
+            step.grad_addresses,
+            batch.buffer_addresses,
+            step.statistic_addresses,
+            batch.segments,
+            batch.longest,
+            pairs,
+            round_shift,
+        )
+
+    def _batch(self, pages: Sequence[Page], version: int, address: Callable[[torch.Tensor], int]) -> _BatchTables:
+        """The tables of a batch of ``pages``, on the device: made once while the same pages stay where they are (the
+        store's ``version`` unchanged)."""
+        cached = self._resident
+        if cached is not None and cached[0] == version and cached[1] == pages:
+            return cached[2]
+        rows: list[int] = []
+        for position, page in enumerate(pages):
+            page_rows = self._rows[page.index]
+            if position:
+                page_rows = page_rows.copy()
+                page_rows[PAGE::TABLE_COLUMNS] = [position] * (len(page_rows) // TABLE_COLUMNS)
+            rows += page_rows
+        addresses: list[int] = []
+        for page in pages:
+            buffers = page.device
+            block = getattr(buffers, "block", None)  # a PageBuffers: its block's address and the buffers' offsets
+            if block is None:
+                addresses += map(address, buffers)
+            else:
+                base = address(block)
+                addresses += [base + offset for offset in buffers.offsets]
+        device_values = self.backend.to_device(self.backend.pinned_tensor(rows + _padded(addresses), torch.int64))
+        table, buffer_addresses = device_values[: len(rows)], device_values[len(rows) :]
+        batch = _BatchTables(
+            table, buffer_addresses, len(rows) // TABLE_COLUMNS, max(self._longest[page.index] for page in pages), rows
+        )
+        self._resident = (version, list(pages), batch)
+        return batch
+
+
+@dataclass(slots=True)
+class _StepTables:
+    """A step's tables of :class:`TritonLaunches`: on the device, the tensors' addresses and dtype pair codes, their
+    gradients' and (rank-1) statistics' addresses, and the scalars, a row per tensor; on the host, each tensor's
+    rounding keys (``None`` where none rounds) and dtype pair code, and how to read an address."""
+
+    param_addresses: torch.Tensor
+    grad_addresses: torch.Tensor
+    statistic_addresses: torch.Tensor
+    scalars: torch.Tensor
+    keys: torch.Tensor | None
+    pairs: list[int]
+    distinct_pairs: list[int]
+    address: Callable[[torch.Tensor], int]
+
+
+@dataclass(slots=True)
+class _BatchTables:
+    """A batch's tables of :class:`TritonLaunches`: its segment rows and its pages' buffer addresses on the device, its
+    number of segments and longest one, its rows on the host and (once a step with stochastic rounding asks) each
+    row's tensor as a host tensor."""
+
+    table: torch.Tensor
+    buffer_addresses: torch.Tensor
+    segments: int
+    longest: int
+    rows: list[int]
+    tensor_column: torch.Tensor | None = None
+
+
+def _address_of(tensor: torch.Tensor):
+    """How to read the address of tensors like ``tensor``: its data pointer, or 0 for a fake tensor (a memory plan
+    traces a step whose launches do nothing)."""
+    return _no_address if isinstance(tensor, FakeTensor) else torch.Tensor.data_ptr
+
+
+def _no_address(tensor: torch.Tensor) -> int:
+    return 0

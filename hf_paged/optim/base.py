@@ -27,9 +27,9 @@ from ..stochastic_rounding import ROUNDING_BYTES_PER_ELEMENT, ROUNDING_SLICE_ELE
 from ..store import Page, PageStore
 from ..stores import DeviceBudget, DeviceStores
 from ._params import check_update_rule_options, describe_parameter, normalize_param_group
-from .executor import StateViews, StepRun, WorkItem, run_step
+from .executor import StateViews, WorkItem, run_step
 from .layout import StateLayout, local_tensor, state_device
-from .plan import StepPlan
+from .plan import StepParts, StepPlan
 from .state_dict import (
     export_state,
     import_state,
@@ -220,7 +220,7 @@ class PagedOptimizer(Optimizer):
         self._plan: StepPlan | None = None
         """The plan of the last step, reused while the layout and the tensors with gradients stay; ``None`` once
         the layout changes."""
-        self._store.add_observer(_views_forgetter(weakref.ref(self)))
+        self._store.add_observer(_views_forgetter(weakref.ref(self)), ("page_out", "written"))
         self._stepped_params: dict[int, tuple[dict[str, Any], list[torch.Tensor], int]] = {}
         """By ``id``: each group given to the optimizer, the tensors it listed at its last step (or when given), and
         its position then, for :meth:`_check_replacements`."""
@@ -507,21 +507,47 @@ class PagedOptimizer(Optimizer):
             self._place(new)
         params, grads, groups = (list(column) for column in zip(*work))
         if self._plan is None or not self._plan.holds_for(params, groups):
-            self._plan = StepPlan(self._layout, params, groups)
-        run_step(self, self._plan, grads, self.compiled)
+            self._plan = StepPlan(self._layout, params, groups, self._step_parts())
+        budgets = {device: store.device_budget for device, store in self._store.stores.items()}
+        if self._auto_budgets:
+            self._begin_auto_step()
+        try:
+            run_step(
+                self._plan,
+                grads,
+                [self.state[param] for param in params],
+                self.compiled,
+                self.oom_retries,
+                self.on_oom_recovery,
+            )
+        finally:
+            # after a step that raised too: a loop that goes on gets its budgets back, the forward's where automatic
+            for device, budget in budgets.items():
+                store = self._store.stores[device]
+                if device not in self._auto_budgets and store.device_budget != budget:
+                    store.set_budget(budget)
+            if self._auto_budgets:
+                self._end_auto_step()
         self._record_stepped()
         self._free_dropped_tensors()
         return loss
 
-    def _stream_pages(self, pages: list[Page], run: StepRun) -> None:
-        """Stream ``pages`` through the devices and update them for ``run``; on an error, no page is left in
-        flight."""
-        run.stream(pages)
+    def _step_parts(self) -> StepParts:
+        """What a step plan takes from this optimizer (see :class:`~hf_paged.optim.plan.StepParts`)."""
+        return StepParts(
+            stores=self._store,
+            kernel=self._kernel_for,
+            rule_scalars=self.rule_scalars,
+            moments_rule=self.moments_rule() if self.normalization == "rank1" else None,
+            chunk_elements=self._chunk_elements,
+            takes_pages_fast=self.takes_pages_fast,
+            update_pages_fast=self.update_pages_fast,
+        )
 
-    def _kernel_for(self, page: Page, compiled: bool) -> Any:
-        """The kernel that updates ``page``'s segments (its format and device; see
+    def _kernel_for(self, page_format: PageFormat, device: torch.device, compiled: bool) -> Any:
+        """The kernel that updates pages of ``page_format`` on ``device`` (see
         :func:`~hf_paged.kernels.segment_kernel`)."""
-        return segment_kernel(self.update_rule(), page.format.codecs, compiled, page.device[0].device)
+        return segment_kernel(self.update_rule(), page_format.codecs, compiled, device)
 
     # Saving and loading -------------------------------------------------------------------------------
 
@@ -710,7 +736,7 @@ class PagedOptimizer(Optimizer):
         self._store, self._auto_budgets = DeviceStores(self._new_store), auto_budgets
         self._layout = StateLayout(self._store, self._formats, self.page_size, self._state_device)
         self._plan = None
-        self._store.add_observer(_views_forgetter(weakref.ref(self)))
+        self._store.add_observer(_views_forgetter(weakref.ref(self)), ("page_out", "written"))
         self._stepped_params = {}
         for group in param_groups:
             self.add_param_group(group)
@@ -867,7 +893,7 @@ def _views_forgetter(optimizer: weakref.ref[PagedOptimizer]) -> Callable[[str, P
 
     def forget_views(operation: str, page: Page) -> None:
         owner = optimizer()
-        if operation in ("page_out", "written") and owner is not None and owner._plan is not None:
+        if owner is not None and owner._plan is not None:
             owner._plan.forget_views(page)
 
     return forget_views

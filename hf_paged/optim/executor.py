@@ -1,11 +1,15 @@
 """The step's executor: it streams the pages of a :class:`~hf_paged.optim.plan.StepPlan` through the devices and
 updates them, keeps track of how far the step got, keeps every update whole or undone, and recovers from an
-out-of-memory error inside the step.
+out-of-memory error inside the step. It takes everything from the plan (the kernels, stores, rule and chunking the
+optimizer handed it, :class:`~hf_paged.optim.plan.StepParts`) and nothing from the optimizer.
 
-For each batch of resident pages of one page format, a kernel that takes batches
-(:mod:`hf_paged.kernels.batch`) updates all their segments in one call; others update segment by segment, in chunks
-that each update whole or not at all. :class:`~hf_paged.optim.adamw.PagedAdamW`'s fp32 parameters with fp32 state
-take PyTorch's fused AdamW first (``update_pages_fast``).
+The stores hand out pages in batches: the resident pages in one, then the others a prefetch window at a time (the
+pages whose copies were started together). For each batch and page format, a kernel that takes batches
+(:mod:`hf_paged.kernels.batch`) updates all their segments in one call, through launches prepared with the plan
+where the kernel has them (the Triton kernels: one launch per batch, its tables copied to the device from pinned
+memory); others update segment by segment, in chunks that each update whole or not at all.
+:class:`~hf_paged.optim.adamw.PagedAdamW`'s fp32 parameters with fp32 state take PyTorch's fused AdamW first
+(``update_pages_fast``).
 """
 
 from __future__ import annotations
@@ -14,24 +18,22 @@ import contextlib
 import logging
 import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..codecs import ADDRESS_ALIGNMENT, Rank1Normalized4bitCodec, Rank1Statistics, to_blocks
 from ..kernels import SegmentKernel, prepare_scalars, update_or_undo
-from ..kernels.batch import PageBatch
+from ..kernels.batch import HostToDevice, PageBatch
 from ..memory import probe_for
 from ..recovery import Recovery, device_out_of_memory, empty_device_cache, is_out_of_memory
 from ..sizes import format_size
 from ..stochastic_rounding import ElementRounding, parameter_seed, step_keys
 from ..store import Page, Segment
+from ..stores import DeviceStores
 from ._params import StridedElements, StridedRange, flat_elements
 from .layout import local_tensor
 from .plan import StepPlan, segment_slices
-
-if TYPE_CHECKING:
-    from .base import PagedOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -44,39 +46,38 @@ StateViews = Callable[[Page, Segment], tuple[Any, ...]]
 """The views of a segment's state in its page's device buffers, one encoded segment per codec."""
 
 
-def run_step(optimizer: PagedOptimizer, plan: StepPlan, grads: list[torch.Tensor], compiled: bool) -> None:
-    """Update the tensors of ``plan`` with their local gradients ``grads``: every page, through
-    ``optimizer._stream_pages``, retrying after an out-of-memory error (``optimizer.oom_retries`` times) with the
-    pages left under a smaller budget. The step counts of the tensors updated in full advance, even when the step
+def run_step(
+    plan: StepPlan,
+    grads: list[torch.Tensor],
+    states: list[dict[str, Any]],
+    compiled: bool,
+    oom_retries: int,
+    on_oom_recovery: Callable[[Recovery], None] | None = None,
+) -> None:
+    """Update the tensors of ``plan`` with their local gradients ``grads``: every page, streamed through the devices,
+    retrying after an out-of-memory error (``oom_retries`` times; ``on_oom_recovery`` hears of each) with the pages
+    left under a smaller budget, which the caller restores. ``states`` are the tensors' ``optimizer.state`` entries,
+    whose step counts (made at a tensor's first step) advance for the tensors updated in full, even when the step
     stops part way."""
-    run = StepRun(optimizer, plan, grads, compiled)
-    budgets = {device: store.device_budget for device, store in optimizer._store.stores.items()}
+    run = StepRun(plan, grads, states, compiled)
     recoveries = 0
     try:
-        if optimizer._auto_budgets:
-            optimizer._begin_auto_step()
         while True:
-            pages = [page for page in plan.pages if not run.progress.page_done(page)]
+            pages = run.progress.pages_left()
             if not pages:
                 break
             try:
-                optimizer._stream_pages(pages, run)
+                run.stream(pages)
             except RuntimeError as error:  # torch.OutOfMemoryError is one
-                if not is_out_of_memory(error) or recoveries >= optimizer.oom_retries:
+                if not is_out_of_memory(error) or recoveries >= oom_retries:
                     error.add_note(run.progress.describe(recoveries))
                     raise
                 recoveries += 1
-                recover_in_step(optimizer, error, recoveries, len(pages))
+                recover_in_step(plan.stores, error, recoveries, oom_retries, len(pages), on_oom_recovery)
                 del error
     finally:
         run.release()
         run.progress.advance_step_counts()
-        if recoveries:
-            for device, budget in budgets.items():
-                if device not in optimizer._auto_budgets:
-                    optimizer._store.stores[device].set_budget(budget)
-        if optimizer._auto_budgets:  # after a step that raised too: a loop that goes on gets the forward's budget
-            optimizer._end_auto_step()
 
 
 class StepProgress:
@@ -119,6 +120,16 @@ class StepProgress:
     def finish_pages(self, pages: list[Page]) -> None:
         """Record that every segment of ``pages`` is updated (a batch kernel's call)."""
         self._pages_done.update(page.index for page in pages)
+
+    def pages_left(self) -> list[Page]:
+        """The plan's pages not updated in full, in order."""
+        if not self._pages_done and not self._finished:
+            return list(self.plan.pages)
+        return [page for page in self.plan.pages if not self.page_done(page)]
+
+    def any_touched(self) -> bool:
+        """Whether a segment kernel has updated any segment (so that some pages may hold segments in part)."""
+        return bool(self._touched)
 
     def page_done(self, page: Page) -> bool:
         if page.index in self._pages_done:
@@ -175,18 +186,17 @@ class StepRun:
     """One step over a plan: its step counts, scalars, gradients, work items and progress.
 
     Args:
-        optimizer: the optimizer stepping.
-        plan: its plan for this step.
+        plan: the plan of this step.
         grads: the local gradient of each tensor of ``plan`` (any shape).
+        states: the ``optimizer.state`` entry of each tensor of ``plan``.
         compiled: whether segment kernels run compiled.
     """
 
-    def __init__(self, optimizer: PagedOptimizer, plan: StepPlan, grads: list[torch.Tensor], compiled: bool) -> None:
-        self.optimizer = optimizer
+    def __init__(self, plan: StepPlan, grads: list[torch.Tensor], states: list[dict[str, Any]], compiled: bool) -> None:
         self.plan = plan
+        self.parts = plan.parts
         self.grads = grads
         self.compiled = compiled
-        states = [optimizer.state[param] for param in plan.params]
         for state in states:
             if "step" not in state:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -201,18 +211,24 @@ class StepRun:
         for group, step in zip(plan.group_of, self.steps):
             self.rows.append(row_of.setdefault((group, step), len(row_of)))
         self.row_keys = list(row_of)
+        rule_scalars = self.parts.rule_scalars
         self._rule_scalars: list[dict[str, float]] = [
-            optimizer.rule_scalars(self.groups[group], step) for group, step in self.row_keys
+            rule_scalars(self.groups[group], step) for group, step in self.row_keys
         ]
         self._segment_scalars: dict[int, dict[str, float | torch.Tensor]] = {}
         self._scalar_tables: dict[tuple[tuple[str, ...], torch.device], torch.Tensor] = {}
-        self._kernels: dict[tuple[int, torch.device], Any] = {}
-        """Each page format's kernel by device, the formats by ``id`` (the pages hold them through the step)."""
+        self._routes: dict[int, tuple[Any, bool | None, torch.device]] = {}
+        """By the plan's index of a page format and device: its kernel, whether the multi-tensor kernel takes its
+        pages, and the device of their buffers."""
+        self._launches: dict[tuple[int, str], Any] = {}
+        """By kernel (``id``) and device: its prepared launches begun for this step, ``None`` where it has none."""
         self._fast_verdicts: dict[tuple[int, torch.device, frozenset], bool] = {}
         self._batch_verdicts: dict[tuple[int, torch.device, tuple[torch.dtype, torch.dtype]], bool] = {}
         self.rounding_keys = _rounding_keys(plan, self.groups, self.steps)
         """The stochastic rounding keys of this step, by tensor index, of the bf16 tensors that round."""
-        devices = {(local_tensor(param).device, step) for param, step in zip(plan.params, self.steps)}
+        self.params = [local_tensor(param) for param in plan.params]
+        """Each tensor's local elements (a DTensor's shard), as the step updates them."""
+        devices = {(param.device, step) for param, step in zip(self.params, self.steps)}
         # Made once per step: a tensor built from a number on a device per page would wait for a host copy.
         self.step_tensors = {key: torch.full((), key[1], dtype=torch.float32, device=key[0]) for key in devices}
         self._flat_params: list[torch.Tensor | StridedElements | None] = [None] * len(plan.params)
@@ -221,10 +237,10 @@ class StepRun:
         self._grad_slices: list[list[torch.Tensor | StridedRange] | None] = [None] * len(plan.params)
         self._strided = {
             index
-            for index, (param, grad) in enumerate(zip(plan.params, grads))
-            if not grad.is_contiguous() or not local_tensor(param).is_contiguous()
+            for index, (param, grad) in enumerate(zip(self.params, grads))
+            if not grad.is_contiguous() or not param.is_contiguous()
         }
-        self._dtypes = {(local_tensor(param).dtype, grad.dtype) for param, grad in zip(plan.params, grads)}
+        self._dtypes = {(param.dtype, grad.dtype) for param, grad in zip(self.params, grads)}
         self._statistics_gathered = not plan.statistics
 
     # Per-tensor views ------------------------------------------------------------------------------------
@@ -237,7 +253,7 @@ class StepRun:
         """Tensor ``index``'s local elements, flat (a view made once this step; a 1-D tensor as it is)."""
         flat = self._flat_params[index]
         if flat is None:
-            local = local_tensor(self.plan.params[index])
+            local = self.params[index]
             flat = local if local.dim() == 1 and local.is_contiguous() else flat_elements(local)
             self._flat_params[index] = flat
         return flat
@@ -252,7 +268,7 @@ class StepRun:
         slices = self._param_slices[index]
         if slices is None:
             if self.whole(index):
-                slices = [local_tensor(self.plan.params[index])]
+                slices = [self.params[index]]
             else:
                 segments = [segment for _, segment in self.plan.segments[index]]
                 slices = segment_slices(self.flat_param(index), segments)
@@ -265,7 +281,7 @@ class StepRun:
         index = self.plan.tensor_index(segment)
         shape = None
         if self.whole(index):
-            shape = local_tensor(self.plan.params[index]).shape
+            shape = self.params[index].shape
             if len(shape) == 1:
                 shape = None
         return self.plan.state_views(page, segment, shape)
@@ -318,8 +334,9 @@ class StepRun:
             self._segment_scalars[row] = scalars
         return scalars
 
-    def scalar_table(self, names: tuple[str, ...], device: torch.device) -> torch.Tensor:
-        """The rules' scalars of this step's rows in ``names`` order, fp32 on ``device`` (made once per step)."""
+    def scalar_table(self, names: tuple[str, ...], device: torch.device, backend: HostToDevice) -> torch.Tensor:
+        """The rules' scalars of this step's rows in ``names`` order, fp32 on ``device`` (made once per step; copied
+        there by ``backend``)."""
         key = (names, device)
         table = self._scalar_tables.get(key)
         if table is None:
@@ -328,7 +345,7 @@ class StepRun:
             if not names:
                 table = table.reshape(len(values), 0)
             if device.type != "cpu":
-                table = table.to(device)
+                table = _to_device(backend, table)
             self._scalar_tables[key] = table
         return table
 
@@ -347,7 +364,7 @@ class StepRun:
         (an out-of-memory recovery calls it again)."""
         if self._statistics_gathered:
             return
-        moments = self.optimizer.moments_rule()
+        moments = self.parts.moments_rule
         # every tensor's next maxima zeroed in one call: a call per buffer would be four operator calls per tensor
         torch._foreach_zero_(
             [maxima for statistics in self.plan.statistics.values() for maxima in statistics.next_maxima]
@@ -357,11 +374,11 @@ class StepRun:
             for page in self.plan.pages
             if any(index in self.plan.statistics for index in self.plan.page_tensors[page.index])
         ]
-        with contextlib.closing(self.optimizer._store.stream(pages)) as batches:
+        with contextlib.closing(self.plan.stores.stream(pages)) as batches:
             for batch in batches:
                 by_kernel: dict[int, tuple[Any, list[Page]]] = {}
                 for page in batch:
-                    kernel = self.kernel(page)
+                    kernel = self.route(page)[0]
                     if hasattr(kernel, "gather_batch") and self._takes_batch(kernel, page):
                         by_kernel.setdefault(id(kernel), (kernel, []))[1].append(page)
                         continue
@@ -372,11 +389,14 @@ class StepRun:
                             grad = grad.gather()
                         scalars = self._rule_scalars[self.rows[index]]
                         statistics = self.plan.statistics[index]
-                        gather_segment_statistics(
-                            self.optimizer, moments, page, arrays, segment, grad, scalars, statistics
-                        )
+                        chunk = self.parts.chunk_elements(page.format, False)
+                        gather_segment_statistics(moments, page, arrays, segment, grad, scalars, statistics, chunk)
                 for kernel, batch_pages in by_kernel.values():
-                    kernel.gather_batch(self.page_batch(kernel, batch_pages))
+                    launches = self.launches(kernel, batch_pages[0])
+                    if launches is None:
+                        kernel.gather_batch(self.page_batch(kernel, batch_pages))
+                    else:
+                        launches.gather(batch_pages, self.plan.stores.store_of(batch_pages[0]).generation)
         self._statistics_gathered = True
 
     # Updates ---------------------------------------------------------------------------------------------
@@ -385,8 +405,11 @@ class StepRun:
         """Stream ``pages`` through the devices and update them, after the step's rank-1 statistics are gathered; on
         an error, no page is left in flight."""
         self.gather_statistics()
-        with contextlib.closing(self.optimizer._store.stream(pages)) as batches:
+        with contextlib.closing(self.plan.stores.stream(pages)) as batches:
             for batch in batches:
+                if not self._strided:
+                    self.update_pages(batch)
+                    continue
                 # Pages of non-contiguous parameters are updated one at a time: their contiguous copies stay within
                 # one page's share of the parameters, however many pages are resident.
                 whole = [page for page in batch if not self.has_strided(page)]
@@ -417,30 +440,40 @@ class StepRun:
                     strided_of[id(segment)].scatter(param_slice)
                 self.progress.finish(page_of[id(segment)], segment)
 
-        fast = [page for page in pages if self.takes_pages_fast(page)]
-        batch = [(page, [item for item, _ in gather(page)]) for page in fast if gather(page)]
-        left = [
-            page for page, _ in self.optimizer.update_pages_fast(batch, self.step_tensors, finished, self.state_views)
-        ]
-        taken = {page.index for page in fast}
-        left += [page for page in pages if page.index not in taken]
-        by_kernel: dict[int, tuple[Any, list[Page]]] = {}
+        by_kind: dict[int, list[Page]] = {}
+        kind_of = self.plan.page_kind
+        for page in pages:
+            by_kind.setdefault(kind_of[page.index], []).append(page)
+        fast: list[Page] = []
+        for kind, kind_pages in list(by_kind.items()):
+            verdict = self.route(kind_pages[0])[1]
+            if verdict is None:
+                verdicts = [self.takes_pages_fast(page) for page in kind_pages]
+                fast += [page for page, taken in zip(kind_pages, verdicts) if taken]
+                by_kind[kind] = [page for page, taken in zip(kind_pages, verdicts) if not taken]
+            elif verdict:
+                fast += kind_pages
+                del by_kind[kind]
+        if fast:
+            batch = [(page, [item for item, _ in gather(page)]) for page in fast if gather(page)]
+            for page, _ in self.parts.update_pages_fast(batch, self.step_tensors, finished, self.state_views):
+                by_kind.setdefault(kind_of[page.index], []).append(page)
         segment_pages = []
-        for page in left:
-            kernel = self.kernel(page)
-            if self._takes_batch(kernel, page):
-                by_kernel.setdefault(id(kernel), (kernel, []))[1].append(page)
-            else:
-                segment_pages.append((kernel, page))
-        for kernel, batch_pages in by_kernel.values():
-            self.update_batch(kernel, batch_pages)
+        for kind_pages in by_kind.values():
+            if not kind_pages:
+                continue
+            kernel = self.route(kind_pages[0])[0]
+            batched, one_by_one = self._batchable(kernel, kind_pages)
+            if batched:
+                self.update_batch(kernel, batched)
+            segment_pages += [(kernel, page) for page in one_by_one]
         for kernel, page in segment_pages:
             arrays = page.format.arrays(page.device)
+            chunk = self.parts.chunk_elements(page.format, kernel.compiled)
             for (segment, param_slice, grad_slice, _, _), strided in gather(page):
                 index = self.plan.tensor_index(segment)
                 try:
                     update_segment(
-                        self.optimizer,
                         kernel,
                         page,
                         arrays,
@@ -449,6 +482,7 @@ class StepRun:
                         grad_slice,
                         self.segment_scalars(index),
                         self.progress,
+                        chunk,
                         self.rounding_keys.get(index),
                         self.plan.statistics.get(index),
                     )
@@ -456,77 +490,126 @@ class StepRun:
                     if strided is not None:
                         strided.scatter(param_slice)
 
+    def route(self, page: Page) -> tuple[Any, bool | None, torch.device]:
+        """The kernel of ``page``'s format and device (the optimizer's choice), whether the optimizer's multi-tensor
+        kernel takes pages of them (``None`` where the step has tensors of several dtypes: asked per set of dtypes),
+        and the device of their buffers: asked once per step for each format and device."""
+        kind = self.plan.page_kind[page.index]
+        route = self._routes.get(kind)
+        if route is None:
+            device = page.device[0].device
+            kernel = self.parts.kernel(page.format, device, self.compiled)
+            fast = self.parts.takes_pages_fast(page, self._dtypes) if len(self._dtypes) == 1 else None
+            route = self._routes[kind] = (kernel, fast, device)
+        return route
+
+    def launches(self, kernel: Any, page: Page) -> Any:
+        """``kernel``'s prepared launches over the plan's pages of ``page``'s format and device, begun for this step
+        (once), or ``None`` for a kernel without them (see :meth:`~hf_paged.optim.plan.StepPlan.launches`)."""
+        device = self.plan.kinds[self.plan.page_kind[page.index]][1]
+        key = (id(kernel), device)
+        if key in self._launches:
+            return self._launches[key]
+        launches = self.plan.launches(kernel, device)
+        if launches is not None:
+            launches.begin_step(
+                self.params,
+                self.grads,
+                self.rows,
+                self._rule_scalars,
+                self.rounding_keys,
+                {index: statistics.batch_entry() for index, statistics in self.plan.statistics.items()},
+            )
+        self._launches[key] = launches  # once begun: an error while beginning leaves it to the next attempt
+        return launches
+
     def takes_pages_fast(self, page: Page) -> bool:
         """Whether the optimizer's multi-tensor kernel takes ``page`` (asked once per step for each page format,
         device and set of dtypes)."""
+        if len(self._dtypes) == 1:
+            return self.route(page)[1]
         dtypes = self.page_dtypes(page)
-        key = (id(page.format), page.device[0].device, frozenset(dtypes))
+        key = (id(page.format), self.route(page)[2], frozenset(dtypes))
         verdict = self._fast_verdicts.get(key)
         if verdict is None:
-            verdict = self._fast_verdicts[key] = self.optimizer.takes_pages_fast(page, dtypes)
+            verdict = self._fast_verdicts[key] = self.parts.takes_pages_fast(page, dtypes)
         return verdict
 
-    def kernel(self, page: Page) -> SegmentKernel | Any:
-        """The kernel of ``page``'s format and device (the optimizer's choice, asked once per step for each)."""
-        key = (id(page.format), page.device[0].device)
-        kernel = self._kernels.get(key)
-        if kernel is None:
-            kernel = self._kernels[key] = self.optimizer._kernel_for(page, self.compiled)
-        return kernel
+    def _batch_verdict(self, kernel: Any, device: torch.device, dtypes: tuple[torch.dtype, torch.dtype]) -> bool:
+        key = (id(kernel), device, dtypes)
+        verdict = self._batch_verdicts.get(key)
+        if verdict is None:
+            verdict = self._batch_verdicts[key] = kernel.takes_batch(device, *dtypes)
+        return verdict
+
+    def _batchable(self, kernel: Any, pages: list[Page]) -> tuple[list[Page], list[Page]]:
+        """``pages`` (of one format and device) split into those ``kernel`` updates in a batch and the others (see
+        :meth:`_takes_batch`): no question per page in a step of one dtype pair, no copies and no segment kernel."""
+        if not hasattr(kernel, "takes_batch"):
+            return [], pages
+        if len(self._dtypes) == 1 and not self._strided and not self.progress.any_touched():
+            dtypes = next(iter(self._dtypes))
+            return (pages, []) if self._batch_verdict(kernel, self.route(pages[0])[2], dtypes) else ([], pages)
+        verdicts = [self._takes_batch(kernel, page) for page in pages]
+        return (
+            [page for page, taken in zip(pages, verdicts) if taken],
+            [page for page, taken in zip(pages, verdicts) if not taken],
+        )
 
     def _takes_batch(self, kernel: Any, page: Page) -> bool:
         """Whether ``kernel`` updates ``page`` in a batch: it takes batches of every parameter and gradient dtype on
         the page (asked once per step for each kernel, device and dtypes), none of them goes through a copy, and no
         segment of it was updated by a segment kernel."""
-        takes_batch = getattr(kernel, "takes_batch", None)
-        if takes_batch is None or self.progress.touched(page) or self.has_strided(page):
+        if not hasattr(kernel, "takes_batch") or self.progress.touched(page) or self.has_strided(page):
             return False
-        device = page.device[0].device
-        for dtypes in self.page_dtypes(page):
-            key = (id(kernel), device, dtypes)
-            verdict = self._batch_verdicts.get(key)
-            if verdict is None:
-                verdict = self._batch_verdicts[key] = takes_batch(device, *dtypes)
-            if not verdict:
-                return False
-        return True
+        device = self.route(page)[2]
+        return all(self._batch_verdict(kernel, device, dtypes) for dtypes in self.page_dtypes(page))
 
     def page_dtypes(self, page: Page) -> set[tuple[torch.dtype, torch.dtype]]:
         """The parameter and gradient dtypes of the tensors with segments on ``page``."""
         if len(self._dtypes) == 1:
             return self._dtypes
-        return {
-            (local_tensor(self.plan.params[index]).dtype, self.grads[index].dtype)
-            for index in self.plan.page_tensors[page.index]
-        }
+        return {(self.params[index].dtype, self.grads[index].dtype) for index in self.plan.page_tensors[page.index]}
 
     def update_batch(self, kernel: Any, pages: list[Page]) -> None:
-        """One call of ``kernel``'s ``update_batch`` for every segment of ``pages`` (one format, one device): whole
-        or, where it raises, not at all."""
-        kernel.update_batch(self.page_batch(kernel, pages))
+        """One call of ``kernel``'s ``update_batch`` (or of its prepared launches) for every segment of ``pages`` (one
+        format, one device): whole or, where it raises, not at all."""
+        launches = self.launches(kernel, pages[0])
+        if launches is None:
+            kernel.update_batch(self.page_batch(kernel, pages))
+        else:
+            launches.update(pages, self.plan.stores.store_of(pages[0]).generation)
         self.progress.finish_pages(pages)
 
     def page_batch(self, kernel: Any, pages: list[Page]) -> PageBatch:
         """The :class:`~hf_paged.kernels.batch.PageBatch` of every segment of ``pages`` (one format, one device) for
         ``kernel``."""
-        device = kernel.table_device(pages[0].device[0].device)
+        device = kernel.table_device(self.route(pages[0])[2])
+        backend = self.plan.stores.store_of(pages[0]).backend
         table, tensors = self.plan.batch_table(pages, self.rows)
         rounding = self.plan.rounding_table(pages, self.plan.page_segments, self.rounding_keys)
         if device.type != "cpu":
-            table = table.to(device)
-            rounding = None if rounding is None else rounding.to(device)
+            table = _to_device(backend, table)
+            rounding = None if rounding is None else _to_device(backend, rounding)
         statistics = None
         if isinstance(pages[0].format.codecs[0], Rank1Normalized4bitCodec):
             statistics = [self.plan.statistics[index].batch_entry() for index in tensors]
         return PageBatch(
-            params=[local_tensor(self.plan.params[index]) for index in tensors],
+            params=[self.params[index] for index in tensors],
             grads=[self.grads[index] for index in tensors],
             buffers=[page.device for page in pages],
             table=table,
-            scalars=self.scalar_table(tuple(kernel.scalar_names), device),
+            scalars=self.scalar_table(tuple(kernel.scalar_names), device, backend),
             rounding=rounding,
             statistics=statistics,
         )
+
+
+def _to_device(backend: HostToDevice, host: torch.Tensor) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``backend``'s device, through pinned memory: the host does not wait."""
+    pinned = backend.pinned_empty(host.shape, host.dtype)
+    pinned.copy_(host)
+    return backend.to_device(pinned)
 
 
 def _read_once(group: dict[str, Any]) -> dict[str, Any]:
@@ -615,7 +698,6 @@ def update_aligned(
 
 
 def update_segment(
-    optimizer: PagedOptimizer,
     kernel: SegmentKernel,
     page: Page,
     arrays: list[tuple[torch.Tensor, ...]],
@@ -624,11 +706,13 @@ def update_segment(
     grad: torch.Tensor,
     scalars: dict[str, float | torch.Tensor],
     progress: StepProgress,
+    chunk_elements: int,
     keys: tuple[int, int] | None = None,
     statistics: Rank1Statistics | None = None,
 ) -> None:
     """Run ``kernel`` on the elements of a segment that ``progress`` has not reached: its whole blocks in place,
-    chunk by chunk (in one call where the kernel allocates nothing), each chunk whole or not at all; a partial
+    chunk by chunk (``chunk_elements`` at a time, or in one call where the kernel allocates nothing), each chunk
+    whole or not at all; a partial
     last block through padded copies. With stochastic rounding ``keys``, each chunk rounds its bf16 elements by
     their index in the parameter. ``param`` and ``grad`` are the segment's elements (flat, or the whole tensors of
     a tensor in one segment, read in their flat order). A rank-1 normalized state's ``statistics`` give each chunk
@@ -644,10 +728,7 @@ def update_segment(
     codecs = page.format.codecs
     alignment = page.format.alignment
     body = segment.length - segment.length % alignment
-    if kernel.allocates_nothing(param, grad):
-        chunk = max(alignment, body)
-    else:
-        chunk = optimizer._chunk_elements(page.format, kernel.compiled)
+    chunk = max(alignment, body) if kernel.allocates_nothing(param, grad) else chunk_elements
     for start in range(progress.reached(segment), body, chunk):
         end = min(start + chunk, body)
         encoded = [codec.select(array, segment.offset + start, end - start) for codec, array in zip(codecs, arrays)]
@@ -670,7 +751,6 @@ def update_segment(
 
 
 def gather_segment_statistics(
-    optimizer: PagedOptimizer,
     moments: Callable[..., None],
     page: Page,
     arrays: list[tuple[torch.Tensor, ...]],
@@ -678,14 +758,14 @@ def gather_segment_statistics(
     grad: torch.Tensor,
     scalars: dict[str, float],
     statistics: Rank1Statistics,
+    chunk: int,
 ) -> None:
     """Take the rank-1 statistics of the states a step computes for ``segment`` (flat gradient elements ``grad``)
-    into ``statistics``, chunk by chunk, writing nothing but them."""
+    into ``statistics``, ``chunk`` elements at a time, writing nothing but them."""
     if grad.dim() != 1:
         grad = grad.view(-1)
     codecs = page.format.codecs
     alignment = page.format.alignment
-    chunk = optimizer._chunk_elements(page.format, False)
     for start in range(0, segment.length, chunk):
         end = min(start + chunk, segment.length)
         first = segment.start + start
@@ -697,14 +777,20 @@ def gather_segment_statistics(
             statistics.observe(state, first, values)
 
 
-def recover_in_step(optimizer: PagedOptimizer, error: RuntimeError, attempt: int, pages_left: int) -> None:
+def recover_in_step(
+    stores: DeviceStores,
+    error: RuntimeError,
+    attempt: int,
+    retries: int,
+    pages_left: int,
+    on_oom_recovery: Callable[[Recovery], None] | None,
+) -> None:
     """After an out-of-memory error in the step: give the state back to the host, free cached memory and lower
-    each device's budget for the rest of the step (halved, and one page at the last retry)."""
+    each device's budget for the rest of the step (halved, and one page at the last of ``retries``)."""
     traceback.clear_frames(error.__traceback__)  # the failed chunk's temporaries
-    stores = optimizer._store
     held = {device: store.device_bytes for device, store in stores.stores.items()}
     evicted = stores.evict()
-    last = attempt >= optimizer.oom_retries
+    last = attempt >= retries
     for device, store in stores.stores.items():
         empty_device_cache(torch.device(device))
         budget = held[device] if store.device_budget is None else min(store.device_budget, held[device])
@@ -728,7 +814,7 @@ def recover_in_step(optimizer: PagedOptimizer, error: RuntimeError, attempt: int
         pages_left,
         format_size(stores.device_budget or 0),
         attempt,
-        optimizer.oom_retries,
+        retries,
     )
-    if optimizer.on_oom_recovery is not None:
-        optimizer.on_oom_recovery(recovery)
+    if on_oom_recovery is not None:
+        on_oom_recovery(recovery)

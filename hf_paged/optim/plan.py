@@ -2,23 +2,28 @@
 
 A plan is built when the layout changes (a first step, tensors swapped or dropped, a param group added, a state
 dict loaded) or when the tensors that have gradients, or their groups, change; the optimizer keeps it while they
-hold. It holds each page's segments, the page batches' segment tables (:class:`~hf_paged.kernels.batch.PageBatch`) and
-the views of the state that segments read, so that a step does Python work and operator calls in proportion to
-tensors and page batches, not to segments or chunks. It holds no view of a parameter or gradient: a parameter given
-new memory between steps (``param.data = ...``, ``model.to(...)``) frees its old memory at once.
+hold. It holds each page's segments, the page batches' segment tables (:class:`~hf_paged.kernels.batch.PageBatch`),
+the views of the state that segments read and the launches a device kernel prepared over its pages (built and
+checked once, see :class:`~hf_paged.kernels.triton_kernels.TritonLaunches`), so that a step does Python work and
+operator calls in proportion to tensors and page batches, not to segments or chunks. It holds what the step takes
+from the optimizer (:class:`StepParts`) and no view of a parameter or gradient: a parameter given new memory between
+steps (``param.data = ...``, ``model.to(...)``) frees its old memory at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..codecs import Float32Codec
+from ..codecs import Float32Codec, PageFormat
+from ..kernels import UpdateRule
 from ..kernels.batch import NO_ROUNDING
 from ..store import Page, Segment
+from ..stores import DeviceStores
 from ._params import StridedElements, StridedRange
 from .layout import StateLayout
 
@@ -38,6 +43,34 @@ def segment_slices(
     return [flat[segment.start : segment.start + segment.length] for segment in segments]
 
 
+@dataclass(frozen=True)
+class StepParts:
+    """What a step takes from its optimizer, handed to the step plan once: the executor reaches nothing else of it.
+
+    Attributes:
+        stores: the page stores, one per device.
+        kernel: the kernel of a page format on a device, ``kernel(format, device, compiled)`` (its family read at
+            each call: ``HF_PAGED_KERNELS`` may change between steps).
+        rule_scalars: the rule's scalars of a param group at a step, ``rule_scalars(group, step)``.
+        moments_rule: the states' part of the update rule, with which rank-1 normalized state gathers its statistics
+            (``None`` where no state is rank-1 normalized).
+        chunk_elements: elements of a segment one call of a segment kernel updates, ``chunk_elements(format,
+            compiled)``.
+        takes_pages_fast: whether the optimizer's multi-tensor kernel takes a page of these (parameter, gradient)
+            dtypes, ``takes_pages_fast(page, dtypes)``.
+        update_pages_fast: the optimizer's multi-tensor kernel over pages' work items (see
+            :meth:`~hf_paged.optim.base.PagedOptimizer.update_pages_fast`).
+    """
+
+    stores: DeviceStores
+    kernel: Callable[[PageFormat, torch.device, bool], Any]
+    rule_scalars: Callable[[dict[str, Any], float], dict[str, float]]
+    moments_rule: UpdateRule | None
+    chunk_elements: Callable[[PageFormat, bool], int]
+    takes_pages_fast: Callable[..., bool]
+    update_pages_fast: Callable[..., list]
+
+
 class StepPlan:
     """The segments of the tensors a step updates, by page, and the views and tables built from them.
 
@@ -45,9 +78,14 @@ class StepPlan:
         layout: the optimizer's layout, in which every one of ``params`` has pages.
         params: the tensors the step updates (those with gradients), in the step's order.
         groups: the param group of each of ``params``.
+        parts: what the step takes from the optimizer.
     """
 
-    def __init__(self, layout: StateLayout, params: Sequence[torch.Tensor], groups: Sequence[dict[str, Any]]) -> None:
+    def __init__(
+        self, layout: StateLayout, params: Sequence[torch.Tensor], groups: Sequence[dict[str, Any]], parts: StepParts
+    ) -> None:
+        self.parts = parts
+        self.stores = parts.stores
         self.params = list(params)
         self.groups = list(groups)
         self.distinct_groups: list[dict[str, Any]] = []
@@ -85,9 +123,24 @@ class StepPlan:
             if layout[param].statistics is not None
         }
         """By tensor index: the rank-1 statistics of the tensors whose state is rank-1 normalized."""
+        self.numels = [layout[param].numel for param in self.params]
+        """Each tensor's local elements."""
+        kinds: dict[tuple[int, str], int] = {}
+        self.kinds: list[tuple[PageFormat, str]] = []
+        """Each (page format, device) pair of the plan's pages: a page batch holds pages of one of them."""
+        self.page_kind: dict[int, int] = {}
+        """By page index: its (format, device) pair's index in :attr:`kinds`."""
+        for page in self.pages:
+            device = self.stores.device_of(page)
+            kind = kinds.get((id(page.format), device))
+            if kind is None:
+                kind = kinds[id(page.format), device] = len(self.kinds)
+                self.kinds.append((page.format, device))
+            self.page_kind[page.index] = kind
         self._steps: list[tuple[torch.Tensor, int, float] | None] = [None] * len(self.params)
         self._tables: dict[tuple[int, ...], tuple[tuple[int, ...], torch.Tensor, list[int]]] = {}
         self._state_views: dict[int, dict[int, tuple[torch.Size | None, tuple[Any, ...]]]] = {}
+        self._launches: dict[tuple[int, str], tuple[Any, Any]] = {}
 
     def holds_for(self, params: Sequence[torch.Tensor], groups: Sequence[dict[str, Any]]) -> bool:
         """Whether the plan is that of a step over ``params`` in ``groups`` (the same objects, in order)."""
@@ -168,6 +221,28 @@ class StepPlan:
         table = torch.tensor(entries, dtype=torch.int64).reshape(-1, 6)
         self._tables[key] = (row_key, table, tensors)
         return table, tensors
+
+    def launches(self, kernel: Any, device: str) -> Any:
+        """The prepared launches of ``kernel`` over this plan's pages of its format on ``device`` (its ``prepare``,
+        see :mod:`hf_paged.kernels.batch`), made at the first step that asks and kept with the plan; ``None`` for a
+        kernel without ``prepare``."""
+        key = (id(kernel), device)
+        cached = self._launches.get(key)
+        if cached is not None and cached[0] is kernel:
+            return cached[1]
+        prepare = getattr(kernel, "prepare", None)
+        launches = None
+        if prepare is not None:
+            pages = [
+                (page, self.page_segments[page.index])
+                for page in self.pages
+                if self.kinds[self.page_kind[page.index]][1] == device and page.format.codecs == kernel.codecs
+            ]
+            shapes = {index: statistics.shape for index, statistics in self.statistics.items()}
+            store = self.stores.stores[device]
+            launches = prepare(torch.device(device), store.backend, self.numels, shapes, pages)
+        self._launches[key] = (kernel, launches)
+        return launches
 
     @staticmethod
     def rounding_table(
