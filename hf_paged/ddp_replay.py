@@ -2,9 +2,8 @@
 
 In a synchronized micro-batch (outside ``no_sync``) DDP's reducer all-reduces the gradients in buckets, launched in
 order as backward hands it each parameter's gradient; the other ranks wait in each all-reduce until this rank joins it.
-:class:`DDPReplay` follows which parameters' gradients this rank handed over in the micro-batch running (a hook on each
-parameter's gradient accumulator, next to DDP's own). After an error it hands the reducer zero gradients for the
-others through a backward of their own, so that the reducer launches exactly the all-reduces this rank owes, waits for
+After an error, :class:`DDPReplay` finds which parameters' gradients this rank had not handed over yet (from the
+reducer's own record) and hands the reducer zero gradients for them through a backward of their own, so that the reducer launches exactly the all-reduces this rank owes, waits for
 them and ends its iteration as after any backward; no process group is aborted or created (gloo cannot abort a
 collective a peer never joins, and DDP, accelerate and the Trainer hold the group). Every rank then drops the step's
 gradients and replays it from the same DDP state: no buffer broadcast in the replay's first forward (the buffers a
@@ -18,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -68,16 +68,17 @@ def settings_obstacle(model: DistributedDataParallel) -> str | None:
     return None
 
 
-def tensors_in(output: object) -> Iterator[torch.Tensor]:
+def tensors_in(output: object) -> list[torch.Tensor]:
     """The tensors in a forward's ``output``: itself, or inside tuples, lists and dictionaries (a ``ModelOutput``)."""
     if isinstance(output, torch.Tensor):
-        yield output
-    elif isinstance(output, dict):
-        for value in output.values():
-            yield from tensors_in(value)
-    elif isinstance(output, (list, tuple)):
-        for value in output:
-            yield from tensors_in(value)
+        return [output]
+    found: list[torch.Tensor] = []
+    for value in output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else ():
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (dict, list, tuple)):
+            found += tensors_in(value)
+    return found
 
 
 def accumulated_parameters(roots: Iterable[torch.Tensor]) -> set[int]:
@@ -99,17 +100,27 @@ def accumulated_parameters(roots: Iterable[torch.Tensor]) -> set[int]:
     return reached
 
 
+_PRE_FORWARD = DistributedDataParallel._pre_forward.__code__
+_POST_FORWARD = DistributedDataParallel._post_forward.__code__
+_MODULE_FORWARD = DistributedDataParallel._run_ddp_forward.__code__
+
+
 class DDPReplay:
     """Follows a DDP model's micro-batches so that a step one rank left part way can be replayed on every rank.
 
-    Call :meth:`start_window` at each step, :meth:`begin_micro_batch` before each micro-batch; after an error in a
-    synchronized micro-batch, :meth:`note_failure` while the error's traceback still holds the micro-batch's graph,
-    :meth:`complete_collectives` (on the rank that failed), then :meth:`prepare_replay` and the replay (each earlier
-    micro-batch inside :meth:`replaying`) on every rank. :meth:`close` removes the hooks.
+    Call :meth:`start_window` at each step, :meth:`begin_micro_batch` before each micro-batch; after an error,
+    :meth:`note_failure` while the error's traceback still holds the micro-batch's frames and graph, then for a
+    synchronized micro-batch :meth:`complete_collectives` (on the rank that failed), :meth:`prepare_replay` and the
+    replay (each earlier micro-batch inside :meth:`replaying`) on every rank. :meth:`close` removes the hooks.
 
-    With ``find_unused_parameters=True`` (the Trainer's default without gradient checkpointing) DDP counts the
-    parameters its forward's graph does not reach as handed over at the first gradient; the forward's outputs are
-    followed by weak references, and after an error the parameters their graph reaches tell which ones those are.
+    What the reducer was handed in the micro-batch running is read from its own record (the time each parameter's
+    gradient reached it, ``reducer.get_backward_stats()``), taken before the micro-batch and compared after the error,
+    so no hook runs per parameter; DDP's ``_pre_forward`` and ``_post_forward``, which its forward calls through the
+    instance, are wrapped on the instance to note when each ends (a module hook would cost the model's forward the
+    slow path of ``nn.Module.__call__``, about 12 us on this CPU). With ``find_unused_parameters=True`` (the Trainer's
+    default without gradient checkpointing) DDP also counts the parameters its forward's graph does not reach as handed
+    over at the first gradient; the forward's outputs are followed by weak references, and after an error the
+    parameters their graph reaches tell which ones those are.
 
     Args:
         model: the DDP model the micro-batches run.
@@ -120,18 +131,32 @@ class DDPReplay:
         self.obstacle = settings_obstacle(model)
         """Why this model's settings keep a rank from completing its all-reduces after an error (``None``: nothing)."""
         self.parameters = reducer_parameters(model)
-        self._handed_over = bytearray(len(self.parameters))
-        self._module_started = False
+        self._device = self.parameters[0].device if self.parameters else torch.device("cpu")
+        self._stats_before: list[int] = []
         self._forward_ended = False
         self._outputs: list[weakref.ref] = []
+        self._failed_where = ""
         self._owed: list[torch.nn.Parameter] | None = None
-        self._on_module_start: Callable[[], None] | None = None
-        self._handles = [
-            torch.autograd.graph.get_gradient_edge(parameter).node.register_hook(self._accumulated_hook(index))
-            for index, parameter in enumerate(self.parameters)
-        ]
-        self._handles.append(model.module.register_forward_pre_hook(self._module_starts))
-        self._handles.append(model.register_forward_hook(self._forward_ends))
+        self._on_buffers_broadcast: Callable[[], None] | None = None
+        self._wrapped = {name: vars(model).get(name) for name in ("_pre_forward", "_post_forward")}
+        pre_forward, post_forward = model._pre_forward, model._post_forward
+
+        def pre_forward_then_note(*args: Any, **kwargs: Any) -> Any:
+            moved = pre_forward(*args, **kwargs)  # DDP's collectives before the model: bucket rebuild, buffers
+            if self._on_buffers_broadcast is not None:
+                on_broadcast, self._on_buffers_broadcast = self._on_buffers_broadcast, None
+                on_broadcast()
+            return moved
+
+        def post_forward_then_note(output: Any) -> Any:
+            output = post_forward(output)
+            self._forward_ended = True
+            if model.find_unused_parameters:  # the loss, say, which backward's caller holds until an error is handled
+                self._outputs = [weakref.ref(tensor) for tensor in tensors_in(output) if tensor.requires_grad]
+            return output
+
+        model._pre_forward = pre_forward_then_note
+        model._post_forward = post_forward_then_note
 
     @property
     def synchronizes(self) -> bool:
@@ -140,46 +165,70 @@ class DDPReplay:
 
     @property
     def phase(self) -> str:
-        """Where the micro-batch running is: ``"forward"`` until DDP's forward returned, then ``"backward"``."""
+        """Where the micro-batch that failed was: ``"forward"`` (the model's) or ``"backward"`` (after DDP's forward
+        returned: the loss, or backward)."""
         return "backward" if self._forward_ended else "forward"
 
     @property
     def gradients_handed_over(self) -> int:
-        """Parameters whose gradient the micro-batch running handed to the reducer."""
-        return sum(self._handed_over)
+        """Parameters whose gradient the micro-batch that failed had handed to the reducer."""
+        return len(self.parameters) - len(self._owed or ())
 
     def start_window(self, on_buffers_broadcast: Callable[[], None]) -> None:
-        """Begin a step: ``on_buffers_broadcast`` runs once, when the model's first forward of the step begins (after
-        DDP's broadcast of rank 0's buffers), to take the buffers a replay restores."""
-        self._on_module_start = on_buffers_broadcast
+        """Begin a step: ``on_buffers_broadcast`` runs once, when DDP's work before the step's first forward (its
+        broadcast of rank 0's buffers) is done, to take the buffers a replay restores."""
+        self._on_buffers_broadcast = on_buffers_broadcast
 
-    def begin_micro_batch(self) -> None:
-        """Forget what the last micro-batch handed over."""
-        self._handed_over = bytearray(len(self.parameters))
-        self._module_started = self._forward_ended = False
+    def begin_micro_batch(self, synchronizes: bool) -> None:
+        """Before each micro-batch; for one that all-reduces gradients, take the reducer's record to compare with."""
+        self._forward_ended = False
         self._outputs = []
-        self._owed = None
+        if synchronizes:
+            self._stats_before = self.model.reducer.get_backward_stats()
 
-    def note_failure(self) -> None:
-        """Right after an error in the micro-batch running, while its traceback still holds the forward's graph: take
-        the parameters whose gradients this rank still owes the reducer (``None`` where it cannot tell)."""
-        pending = [parameter for index, parameter in enumerate(self.parameters) if not self._handed_over[index]]
-        if not self._forward_ended or not self.model.find_unused_parameters:
-            self._owed = pending
-            return
+    def note_failure(self, error: BaseException, synchronized: bool) -> None:
+        """Right after ``error`` in the micro-batch running, while its traceback still holds the frames and the
+        forward's graph: where it came, and for a ``synchronized`` micro-batch which parameters' gradients this rank
+        still owes the reducer (``None`` where it cannot tell)."""
+        codes = set()
+        frame = error.__traceback__
+        while frame is not None:
+            codes.add(frame.tb_frame.f_code)
+            frame = frame.tb_next
+        if codes & {_PRE_FORWARD, _POST_FORWARD}:
+            self._failed_where = "ddp"
+        elif _MODULE_FORWARD in codes or self._forward_ended:
+            self._failed_where = "model"
+        else:
+            self._failed_where = "before"
+        self._owed = self._owed_parameters() if synchronized and self._failed_where == "model" else None
+
+    def _owed_parameters(self) -> list[torch.nn.Parameter] | None:
+        if not self._forward_ended:
+            return list(self.parameters)  # the reducer was not told to expect any gradient yet
+        now = self.model.reducer.get_backward_stats()
+        pending = [
+            parameter for parameter, before, after in zip(self.parameters, self._stats_before, now) if before == after
+        ]
+        if not self.model.find_unused_parameters:
+            return pending
         roots = [tensor for tensor in (reference() for reference in self._outputs) if tensor is not None]
         if not roots:
-            self._owed = None
-            return
+            return None
         reached = accumulated_parameters(roots)
-        self._owed = [parameter for parameter in pending if id(parameter) in reached]
+        return [parameter for parameter in pending if id(parameter) in reached]
 
     def obstacle_to_replay(self, synchronized: bool) -> str | None:
         """Why the micro-batch that just failed cannot be replayed (``synchronized``: on every rank), or ``None``."""
-        if not self._module_started:
+        if self._failed_where == "ddp":
             return (
-                "the error came in DDP's own work before the model's forward (rebuilding its gradient buckets or "
-                "broadcasting rank 0's buffers, both collectives), which this rank cannot complete."
+                "the error came in DDP's own work around the model's forward (rebuilding its gradient buckets, "
+                "broadcasting rank 0's buffers), collectives this rank cannot complete."
+            )
+        if self._failed_where == "before":
+            return (
+                "the error came before DDP's forward ran, whose broadcast of rank 0's buffers the other ranks may "
+                "already wait in."
             )
         if not synchronized:
             return None
@@ -211,9 +260,8 @@ class DDPReplay:
     def wait_for_reductions(self) -> None:
         """Make the host wait until the all-reduces launched so far have completed (on an accelerator, DDP only makes
         the stream wait): only then does the job's store hold every replay request of the step's attempt."""
-        device = self.parameters[0].device if self.parameters else torch.device("cpu")
-        if device.type != "cpu":
-            torch.get_device_module(device.type).synchronize(device)
+        if self._device.type != "cpu":
+            torch.get_device_module(self._device.type).synchronize(self._device)
 
     def prepare_replay(self) -> None:
         """On every rank, once its all-reduces of the failed attempt completed: let the replay's first forward skip
@@ -241,26 +289,10 @@ class DDPReplay:
             self.model.require_backward_grad_sync = before
 
     def close(self) -> None:
-        """Remove the hooks (idempotent)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    # Hooks ------------------------------------------------------------------------------------------------
-
-    def _accumulated_hook(self, index: int) -> Callable[..., None]:
-        def accumulated(grad_inputs: tuple, grad_outputs: tuple) -> None:
-            self._handed_over[index] = 1
-
-        return accumulated
-
-    def _module_starts(self, module: torch.nn.Module, args: tuple) -> None:
-        self._module_started = True
-        if self._on_module_start is not None:
-            on_start, self._on_module_start = self._on_module_start, None
-            on_start()
-
-    def _forward_ends(self, module: torch.nn.Module, args: tuple, output: object) -> None:
-        self._forward_ended = True
-        if self.model.find_unused_parameters:
-            self._outputs = [weakref.ref(tensor) for tensor in tensors_in(output) if tensor.requires_grad]
+        """Give DDP its own ``_pre_forward`` and ``_post_forward`` back (idempotent)."""
+        for name, own in self._wrapped.items():
+            if own is None:
+                vars(self.model).pop(name, None)
+            else:
+                setattr(self.model, name, own)
+        self._wrapped = {}

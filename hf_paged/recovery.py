@@ -252,6 +252,8 @@ class OOMRecovery:
         self.optimizer.oom_retries = retries
         self.optimizer.on_oom_recovery = self._recovered_in_step
         self.model = model
+        self._module = model.module if isinstance(model, DistributedDataParallel) else model
+        """The model DDP wraps, or ``model``: its parameters and buffers (the wrapper has none of its own)."""
         self.replay_obstacle = replay_obstacle
         self._buffers: _BufferSnapshot | None = None
         self.recoveries = 0
@@ -284,7 +286,7 @@ class OOMRecovery:
     def _accelerator_kinds(self) -> set[str]:
         """The accelerator kinds that the optimizer's parameters and the model live on (a model with
         ``device_map`` offload may start on the CPU and run dropout on CUDA)."""
-        tensors = [*self._params(), *(self.model.parameters() if self.model is not None else ())]
+        tensors = [*self._params(), *(self._module.parameters() if self._module is not None else ())]
         return {tensor.device.type for tensor in tensors} - {"cpu", "meta"}
 
     def start_window(self, step: int | None = None) -> None:
@@ -295,7 +297,9 @@ class OOMRecovery:
         self._failures = self._replays = self._attempt = 0
         self._grads_at_start = any(param.grad is not None for param in self._params())
         self._accelerators = self._accelerator_kinds()
-        self._buffers = _BufferSnapshot(self.model) if self.model is not None and self.retries > 0 else None
+        taken_after_broadcast = self._ddp is not None  # by the DDP hook as the window's first forward begins
+        keeps_buffers = self.model is not None and self.retries > 0 and not taken_after_broadcast
+        self._buffers = _BufferSnapshot(self._module) if keeps_buffers else None
         self._marked = {auto.probe for auto in self.optimizer.auto_budgets.values()} if self.retries > 0 else set()
         for probe in self._marked:
             probe.mark(_WINDOW_MARK)
@@ -307,7 +311,7 @@ class OOMRecovery:
         """Take the model's buffers again as a replay is to restore them (an engine that changes them before the
         window's first forward runs, as DDP's broadcast of rank 0's, calls it then)."""
         if self.model is not None and self.retries > 0:
-            self._buffers = _BufferSnapshot(self.model)
+            self._buffers = _BufferSnapshot(self._module)
 
     @contextlib.contextmanager
     def window(self, step: int | None = None) -> Iterator[OOMRecovery]:
@@ -369,7 +373,7 @@ class OOMRecovery:
         if self._ddp is None:
             return micro_batch.fn(*micro_batch.args, **micro_batch.kwargs)
         self._running = micro_batch
-        self._ddp.begin_micro_batch()
+        self._ddp.begin_micro_batch(micro_batch.synchronizes)
         result = micro_batch.fn(*micro_batch.args, **micro_batch.kwargs)
         if micro_batch.synchronizes and self._requests is not None:
             self._ddp.wait_for_reductions()
@@ -396,8 +400,8 @@ class OOMRecovery:
         device_stats = stats["devices"].get(str(device), {"device_bytes": 0, "host_bytes": 0})
         other_bytes = max(0, probe_for(device).allocated() - device_stats["device_bytes"])
         failed = self._running if self._ddp is not None else self._micro_batches[-1]
-        if failed.synchronizes:
-            self._ddp.note_failure()  # reads the graph the traceback still holds
+        if self._ddp is not None:
+            self._ddp.note_failure(error, failed.synchronizes)  # reads the frames and graph the traceback still holds
         traceback.clear_frames(error.__traceback__)  # the failed attempt's activations and graph
         self._failures += 1
         synchronized = failed.synchronizes

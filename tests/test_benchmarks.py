@@ -351,3 +351,19 @@ def test_step_recovery_table():
     for row in rows:
         assert row["recoveries"] == "3 of 3", row
         assert float(row["step (ms)"]) > 0 and float(row["step with one OOM recovered (ms)"]) > 0
+
+
+@pytest.mark.slow  # two processes of a Trainer-free DDP loop, about 40 s on the 2-core machine
+def test_ddp_replay_overhead_table():
+    """The benchmark of the checks that let every DDP rank replay a step runs two ranks and prints each variant."""
+    output = run_benchmark("ddp_replay_overhead.py", "--quick")
+    (rows,) = markdown_tables(output)
+    assert [row["variant"] for row in rows] == [
+        "plain step",
+        "one-process recovery",
+        "replay on every rank",
+        "new checks: paired difference",
+        "new checks timed alone: store read + the rest",
+        "the store read as the steps paid it",
+    ]
+    assert rows[0]["ratio"] == "100.00%" and float(rows[2]["CPU time"].split()[0]) > 0

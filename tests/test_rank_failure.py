@@ -34,7 +34,9 @@ import torch
 import torch.distributed as dist
 from transformers.trainer_utils import get_last_checkpoint
 
+import hf_paged
 from hf_paged.rank_failure import EXIT_CODE, RankFailure, RankFailureWatcher, failure_key
+from hf_paged.replay_requests import ReplayRequest, ReplayRequests
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tests", "scripts", "rank_failure.py")
@@ -270,6 +272,43 @@ def test_watcher_refuses_bad_durations(store, name):
         RankFailureWatcher(store, rank=0, **{name: -1})
 
 
+def replay_request(rank: int, phase: str = "backward") -> ReplayRequest:
+    return ReplayRequest(rank, 3, phase, 1, 2, "OutOfMemoryError: injected", 2048, 5, 12, 1, 2)
+
+
+def test_replay_requests_of_an_attempt_are_read_by_every_rank_in_order(store):
+    """Two ranks ask to replay window 7's first attempt; a third rank (its own connection) reads both, and nothing for
+    the next attempt or another window."""
+    first, second, reader = ReplayRequests(store), ReplayRequests(store), ReplayRequests(store)
+    first.publish(7, 0, replay_request(1))
+    second.publish(7, 0, replay_request(0, "forward"))
+    assert reader.read(7, 0) == [replay_request(1), replay_request(0, "forward")]
+    assert reader.read(7, 1) == [] and reader.read(8, 0) == []
+    assert replay_request(1).describe() == (
+        "rank 1 ran out of memory in the backward of step 3 (micro-batch 2 of 2, after 5 of 12 gradients were handed "
+        "to the all-reduce: OutOfMemoryError: injected); it moved 2.0 KiB of optimizer state to the host, freed cached "
+        "memory and joined the all-reduces it owed with zero gradients (retry 1 of 2)"
+    )
+
+
+def test_a_failure_hf_paged_did_not_recover_from_says_why():
+    """An out-of-memory error that outlasts the retries reaches the other ranks with the reason it was not recovered."""
+    model = torch.nn.Linear(4, 4)
+    optimizer = hf_paged.PagedAdamW(model.parameters())
+
+    def always_out_of_memory(micro_batch):
+        raise torch.OutOfMemoryError("injected")
+
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        hf_paged.recover_oom(always_out_of_memory, [0], optimizer, retries=1)
+    failure = RankFailure.of(raised.value, rank=1, step=3, phase="forward/backward")
+    assert (
+        "with OutOfMemoryError: injected. hf-paged did not recover: it ran out of memory in forward/backward 2 times in "
+        "this step, more than the 1 recoveries allowed (oom_retries). To fit"
+    ) in failure.describe()
+    assert "did not recover" not in RankFailure.of(RuntimeError("x"), 1, 3, "forward/backward").describe()
+
+
 # Through the Trainer, under torchrun ------------------------------------------------------------------------
 
 ACCUMULATE = ("--steps", "4", "--save-steps", "2", "--grad-accum", "2", "--layers", "2")
@@ -366,7 +405,7 @@ def assert_replayed_bitwise(run: Launch, clean: Launch, failed_ranks: list[int],
         assert (result["oom_recoveries"], result["oom_recovery_steps"]) == (1, [step]), rank
         assert result["oom_ranks"] == {str(step): failed_ranks}, rank
     for rank in failed_ranks:
-        assert f"hf-paged: rank {rank} ran out of memory in the " in run.output
+        assert f"rank {rank} ran out of memory in the " in run.output
     assert run.output.count(REPLAY_NOTE) == len(run.results), run.output[-4000:]
 
 
@@ -442,6 +481,22 @@ def test_an_oom_on_one_rank_is_replayed_on_every_rank_bitwise(
     )
     assert_replayed_bitwise(run, clean_runs(processes, find_unused), failed_ranks=[failed_rank], step=step)
     assert f"hf-paged: rank {failed_rank} ran out of memory in the {where} of step {step}" in run.output
+
+
+@needs_torchrun
+@pytest.mark.slow
+def test_a_loop_of_its_own_replays_on_every_rank_with_oom_recovery(tmp_path):
+    """Without the Trainer: a DDP loop whose micro-batches run through OOMRecovery(optimizer, model=ddp_model); rank 1
+    runs out of memory in step 3's synchronized backward, and both ranks end bitwise as the loop without the error."""
+    loop = os.path.join(REPO, "tests", "scripts", "ddp_loop_replay.py")
+    clean = launch(tmp_path / "clean", script=loop)
+    run = launch(tmp_path / "failed", "--fail-rank", "1", script=loop)
+    assert clean.returncodes == run.returncodes == [0], run.output[-4000:]
+    for rank in (0, 1):
+        assert run.results[rank]["digest"] == clean.results[rank]["digest"]
+        assert run.results[rank]["losses"] == clean.results[rank]["losses"]
+        assert (run.results[rank]["oom_recoveries"], clean.results[rank]["oom_recoveries"]) == (1, 0)
+    assert "rank 1 ran out of memory in the backward of step 3" in run.output
 
 
 @needs_torchrun
