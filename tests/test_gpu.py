@@ -13,6 +13,7 @@ import contextlib
 import pytest
 import torch
 from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches
+from kernel_paths import pin_kernel_path, record_kernel_paths
 
 import hf_paged
 
@@ -126,13 +127,17 @@ def test_paging_on_a_busy_device_is_invariant_and_within_budget(optimizer_name, 
 
 
 def test_compiled_paging_on_a_busy_device_is_invariant(optimizer_name, monkeypatch):
+    """The compiled PyTorch kernels (pinned: the Triton kernels would take every page)."""
     from hf_paged.kernels import compile_available
 
     if not compile_available(DEVICE):
         pytest.skip("no usable Triton for torch.compile")
     monkeypatch.setenv("HF_PAGED_COMPILE", "1")
     torch._dynamo.reset()
-    assert_paging_on_a_busy_device_matches_unlimited(optimizer_name, prefetch=2, compiled=True)
+    compiled = pin_kernel_path(monkeypatch, "compiled")
+    paths = record_kernel_paths(monkeypatch)
+    assert_paging_on_a_busy_device_matches_unlimited(optimizer_name, prefetch=2, compiled=compiled)
+    assert paths["compiled"] > 0 and "triton" not in paths, paths
 
 
 @pytest.mark.parametrize("guard", ["wait_stream", "order_after", "event record"])
@@ -234,8 +239,12 @@ def test_page_ins_are_ordered_on_the_device_not_waited_for_by_the_host(optimizer
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_default_compiled_path_with_budget_and_prefetch_matches_unlimited(monkeypatch, optimizer_name, dtype):
+    """The compiled PyTorch kernels, the default where Triton is not (pinned: on a machine with Triton its kernels
+    are the default, see test_triton_path_with_budget_and_prefetch_matches_unlimited)."""
     monkeypatch.setenv("HF_PAGED_COMPILE", "1")  # compiled, although the test's state is small
     torch._dynamo.reset()  # a fresh recompile budget: both runs below take the same kernels
+    pin_kernel_path(monkeypatch, "compiled")
+    paths = record_kernel_paths(monkeypatch)
 
     def run_compiled(**paging):
         model = make_mlp(dtype=dtype).to(DEVICE)
@@ -247,9 +256,47 @@ def test_default_compiled_path_with_budget_and_prefetch_matches_unlimited(monkey
         return model, optimizer
 
     reference_model, reference = run_compiled()
-    assert reference.compiled  # the default path on a CUDA machine with Triton
+    assert reference.compiled
     model, optimizer = run_compiled(device_budget=4096, prefetch=2)
     assert optimizer.paging_stats()["page_outs"] > 0
+    for param, expected in zip(model.parameters(), reference_model.parameters()):
+        assert param.dtype == dtype and torch.equal(param, expected)
+    assert_state_equal(optimizer.state_dict(), reference.state_dict())
+    assert paths["compiled"] > 0 and "triton" not in paths, paths
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefetch", [1, 2, 4])
+def test_triton_path_with_budget_and_prefetch_matches_unlimited(monkeypatch, optimizer_name, dtype, prefetch):
+    """The Triton kernels, the default on a CUDA machine with Triton: streamed pages launched a prefetch window at a
+    time (at most one launch per page format for the resident pages and one per ``prefetch`` streamed pages, and
+    per dtype pair), bitwise the result without a budget."""
+    from hf_paged.kernels import triton_module
+
+    if triton_module() is None or not triton_module().runs_on(DEVICE):
+        pytest.skip("the Triton kernels do not run here")
+    pin_kernel_path(monkeypatch, "triton")
+
+    def run_triton(**paging):
+        model = make_mlp(dtype=dtype).to(DEVICE)
+        optimizer = OPTIMIZERS[optimizer_name](decay_groups(model), **optimizer_kwargs(optimizer_name, **paging))
+        for inputs, targets in regression_batches(4, dtype=dtype):
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(inputs.to(DEVICE)).float(), targets.to(DEVICE).float()).backward()
+            optimizer.step()
+        return model, optimizer
+
+    reference_model, reference = run_triton()
+    paths = record_kernel_paths(monkeypatch)
+    model, optimizer = run_triton(device_budget=3 * 4096, prefetch=prefetch)
+    stats = optimizer.paging_stats()
+    assert stats["page_outs"] > 0
+    formats = len({page.format for page in optimizer._store.pages})
+    # four steps, each a batch of its resident pages and windows of the others (the first step's pages new)
+    windows = 4 + -(-(stats["page_ins"] + stats["pages_total"]) // prefetch)
+    assert paths["triton"] <= formats * windows, (paths, stats)
+    # fp32 pages of fp32 tensors take PyTorch's fused AdamW: all of fp32 PagedAdamW's
+    assert paths["triton"] > 0 or (optimizer_name == "PagedAdamW" and dtype == torch.float32), paths
     for param, expected in zip(model.parameters(), reference_model.parameters()):
         assert param.dtype == dtype and torch.equal(param, expected)
     assert_state_equal(optimizer.state_dict(), reference.state_dict())
@@ -337,9 +384,13 @@ class HostWaits:
             self._recording = False
 
 
-def assert_step_never_synchronizes_the_host(monkeypatch, optimizer_name, compiled, budget, dtype):
-    """Steps 3 and 4, each behind a long kernel on the compute stream, neither sync under ``set_sync_debug_mode``
-    nor wait on the host for a page-in's event, a stream or the device; without a budget they wait for nothing."""
+def assert_step_never_synchronizes_the_host(monkeypatch, optimizer_name, path, budget, dtype):
+    """Steps 3 and 4 on kernel ``path`` (see tests/kernel_paths.py), each behind a long kernel on the compute stream,
+    neither sync under ``set_sync_debug_mode`` nor wait on the host for a page-in's event, a stream or the device;
+    without a budget they wait for nothing. The steps take ``path`` (PagedAdamW's fp32 pages of fp32 tensors take
+    fused AdamW whatever the path)."""
+    compiled = pin_kernel_path(monkeypatch, path)
+    paths = record_kernel_paths(monkeypatch)
     model = make_mlp(dtype=dtype).to(DEVICE)
     optimizer = OPTIMIZERS[optimizer_name](
         decay_groups(model), **optimizer_kwargs(optimizer_name, device_budget=budget, compiled=compiled)
@@ -362,6 +413,7 @@ def assert_step_never_synchronizes_the_host(monkeypatch, optimizer_name, compile
         finally:
             torch.cuda.set_sync_debug_mode(0)
     assert waits.streams_and_devices == []
+    assert set(paths) <= {path, "fused"} and (paths[path] > 0 or optimizer_name == "PagedAdamW"), paths
     page_ins = {id(event) for event in page_in_events}
     assert not [event for event in waits.events if id(event) in page_ins]
     if budget is None:
@@ -381,15 +433,17 @@ def _record_page_ins(backend, events: list) -> None:
     backend.copy_to_device = recording_copy
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("path", ["triton", "eager", "compiled"])
 @pytest.mark.parametrize("budget", [None, 2 * 4096])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_step_never_synchronizes_the_host(monkeypatch, optimizer_name, compiled, budget, dtype):
-    from hf_paged.kernels import compile_available
+def test_step_never_synchronizes_the_host(monkeypatch, optimizer_name, path, budget, dtype):
+    from hf_paged.kernels import compile_available, triton_module
 
-    if compiled and not compile_available(DEVICE):
+    if path == "compiled" and not compile_available(DEVICE):
         pytest.skip("no usable Triton for torch.compile")
-    assert_step_never_synchronizes_the_host(monkeypatch, optimizer_name, compiled, budget, dtype)
+    if path == "triton" and (triton_module() is None or not triton_module().runs_on(DEVICE)):
+        pytest.skip("the Triton kernels do not run here")
+    assert_step_never_synchronizes_the_host(monkeypatch, optimizer_name, path, budget, dtype)
 
 
 def test_the_host_sync_check_catches_a_host_wait_for_a_page_in(monkeypatch):
@@ -398,7 +452,7 @@ def test_the_host_sync_check_catches_a_host_wait_for_a_page_in(monkeypatch):
 
     monkeypatch.setattr(StreamBackend, "order_after", lambda self, event: self.wait(event))
     with pytest.raises(AssertionError):
-        assert_step_never_synchronizes_the_host(monkeypatch, "PagedAdamW", False, 2 * 4096, torch.float32)
+        assert_step_never_synchronizes_the_host(monkeypatch, "PagedAdamW", "eager", 2 * 4096, torch.float32)
 
 
 @pytest.mark.parametrize("budget", [2 * 4096, "auto"])
@@ -422,11 +476,15 @@ def test_bf16_params_on_cuda_page_invariantly_and_match_the_cpu(optimizer_name, 
 
 
 def test_default_compiled_path_on_cuda(optimizer_name, monkeypatch):
+    """The PyTorch kernels (pinned: the Triton kernels would take every page) compiled where Triton is usable."""
     from hf_paged.kernels import compile_available
 
     monkeypatch.setenv("HF_PAGED_COMPILE", "1")
+    pin_kernel_path(monkeypatch, "compiled")
+    paths = record_kernel_paths(monkeypatch)
     default_model, default = run(optimizer_name)  # compiled=None: compiled where Triton is usable
     assert default.compiled == compile_available(DEVICE)
+    assert "triton" not in paths and (paths["compiled"] > 0) == compile_available(DEVICE), paths
     eager_model, _ = run(optimizer_name, compiled=False)
     for param, expected in zip(default_model.parameters(), eager_model.parameters()):
         assert ((param - expected).norm() / expected.norm()).item() < 1e-3
@@ -436,13 +494,16 @@ def test_default_compiled_path_on_cuda(optimizer_name, monkeypatch):
         assert torch.equal(param, expected)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("path", ["eager", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_step_workspace_on_cuda_is_what_the_optimizer_reserves(optimizer_name, compiled, dtype):
+def test_step_workspace_on_cuda_is_what_the_optimizer_reserves(optimizer_name, path, dtype, monkeypatch):
+    """The PyTorch kernels' temporaries (pinned: the Triton kernels take none)."""
     from hf_paged.kernels import compile_available
 
-    if compiled and not compile_available(DEVICE):
+    if path == "compiled" and not compile_available(DEVICE):
         pytest.skip("no usable Triton for torch.compile")
+    compiled = pin_kernel_path(monkeypatch, path)
+    paths = record_kernel_paths(monkeypatch)
     torch._dynamo.reset()  # Dynamo keeps at most 8 graphs of the kernel function per process, then runs it eagerly
     page_size = 256 * 2**10
     torch.manual_seed(0)
@@ -463,6 +524,7 @@ def test_step_workspace_on_cuda_is_what_the_optimizer_reserves(optimizer_name, c
     extra = torch.cuda.max_memory_allocated(DEVICE) - before
     assert optimizer.step_workspace <= 3 * page_size
     assert extra <= optimizer.step_workspace, (extra / page_size, "pages")
+    assert set(paths) <= {path, "fused"} and (paths[path] > 0 or optimizer_name == "PagedAdamW"), paths
 
 
 def _split_mlp(devices):
@@ -538,11 +600,16 @@ def test_blocks_with_a_subnormal_scale_encode_to_zero_codes_on_cuda():
         assert torch.equal(decoded[0], torch.zeros(64, device=DEVICE)) and decoded[1].abs().max() > 0
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_an_out_of_memory_error_inside_the_step_on_cuda_is_recovered_bitwise(optimizer_name, compiled):
+@pytest.mark.parametrize("path", ["triton", "eager", "compiled"])
+def test_an_out_of_memory_error_inside_the_step_on_cuda_is_recovered_bitwise(optimizer_name, path, monkeypatch):
     """A page allocation of step 3 fails (the caching allocator's error, injected): the pages left are updated under
-    a smaller budget, and the run equals one without the error, with pinned pages and copy streams."""
-    kwargs = {"device_budget": 2 * 4096, "compiled": compiled}
+    a smaller budget, and the run equals one without the error, with pinned pages and copy streams, on each kernel
+    path."""
+    from hf_paged.kernels import triton_module
+
+    if path == "triton" and (triton_module() is None or not triton_module().runs_on(DEVICE)):
+        pytest.skip("the Triton kernels do not run here")
+    kwargs = {"device_budget": 2 * 4096, "compiled": pin_kernel_path(monkeypatch, path)}
     expected_model, _ = run(optimizer_name, **kwargs)
     model = make_mlp().to(DEVICE)
     optimizer = OPTIMIZERS[optimizer_name](decay_groups(model), **optimizer_kwargs(optimizer_name, **kwargs))

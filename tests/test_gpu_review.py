@@ -2,7 +2,9 @@
 out-of-memory learning per device, one read of a tensor learning rate per step.
 
 Each runs where a CUDA device exists (the two-device test where two do); the CPU tests of the same points are
-tests/test_alignment.py, tests/test_compiled.py, tests/test_oom_devices.py and tests/test_tensor_lr.py.
+tests/test_alignment.py, tests/test_compiled.py, tests/test_oom_devices.py and tests/test_tensor_lr.py. The tests of
+the compiled PyTorch kernels pin them (tests/kernel_paths.py; tests/test_kernel_paths.py runs the pins on the CPU):
+where Triton runs, its kernels would take every page and those tests would never reach ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections import Counter
 import pytest
 import torch
 from conftest import OPTIMIZERS, make_mlp, optimizer_kwargs, regression_batches
+from kernel_paths import pin_kernel_path, record_kernel_paths
 from test_alignment import ALIGNMENT, odd_kwargs, odd_model
 from test_compiled import _Recompiles, fresh_kernels  # noqa: F401 (a fixture)
 from test_tensor_lr import ScalarReads, groups
@@ -73,8 +76,10 @@ def test_compiled_kernels_take_aligned_views_and_update_every_segment_on_cuda(op
     if not kernels.compile_available(DEVICE):
         pytest.skip("no usable Triton for torch.compile")
     misaligned = _misaligned_kernel_inputs(monkeypatch)
+    paths = record_kernel_paths(monkeypatch)
     results = {}
     for compiled in (False, True):
+        pin_kernel_path(monkeypatch, "compiled" if compiled else "eager")  # the Triton kernels would take every page
         model = odd_model(dtype).to(DEVICE)
         kwargs = odd_kwargs(optimizer_name, device_budget=1024, compiled=compiled)
         optimizer = OPTIMIZERS[optimizer_name](model.parameters(), **kwargs)
@@ -83,6 +88,7 @@ def test_compiled_kernels_take_aligned_views_and_update_every_segment_on_cuda(op
         assert max(len(page.segments) for page in optimizer._store.pages) > 1
         results[compiled] = [param.detach().float().cpu() for param in model.parameters()]
     assert not misaligned, misaligned[:5]
+    assert paths["compiled"] > 0 and paths["eager"] > 0 and "triton" not in paths, paths
     start = [param.detach().float() for param in odd_model(dtype).parameters()]
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     for eager, compiled, initial in zip(results[False], results[True], start):
@@ -191,11 +197,14 @@ def test_a_cuda_tensor_lr_is_read_once_per_group_and_step(optimizer_name):
         assert torch.equal(with_tensor, with_float)
 
 
-def test_every_rule_format_and_dtype_stays_compiled_on_cuda(fresh_kernels, caplog):  # noqa: F811
+def test_every_rule_format_and_dtype_stays_compiled_on_cuda(fresh_kernels, caplog, monkeypatch):  # noqa: F811
     """Point 2: 8-bit AdamW, 8-bit Lion and 4-bit AdamW on fp32 and bf16 parameters in one process (with their fp32
     pages of small tensors, ten variants) compile a function per rule, format and device, each recompiled at most
     once (for the second dtype); one function shared by all recompiled for every variant and, past Dynamo's
-    recompile limit (8), ran eagerly with the compiled chunks and workspace, without a word."""
+    recompile limit (8), ran eagerly with the compiled chunks and workspace, without a word. The PyTorch kernels are
+    pinned (the Triton kernels would take every page)."""
+    pin_kernel_path(monkeypatch, "compiled")
+    paths = record_kernel_paths(monkeypatch)
     with _Recompiles() as recompiles, caplog.at_level(logging.WARNING, logger="hf_paged.kernels.pytorch"):
         for name in ("PagedAdamW8bit", "PagedLion8bit", "PagedAdamW4bit"):
             for dtype in (torch.float32, torch.bfloat16):
@@ -204,3 +213,4 @@ def test_every_rule_format_and_dtype_stays_compiled_on_cuda(fresh_kernels, caplo
                 _train(model, optimizer, 3, dtype)
     assert not [record for record in caplog.records if "torch.compile failed" in record.getMessage()]
     assert max(Counter(recompiles.functions).values(), default=0) <= 1, Counter(recompiles.functions)
+    assert paths["compiled"] > 0 and "triton" not in paths and "eager" not in paths, paths
