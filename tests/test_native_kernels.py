@@ -8,6 +8,10 @@ tested without a build.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -122,6 +126,27 @@ def test_another_version_of_the_source_builds_under_another_name(tmp_path, monke
     monkeypatch.setattr(native, "SOURCE", other)
     assert native.build_name() != name
     assert native.build_name().rsplit("_", 1)[0] == name.rsplit("_", 1)[0]
+
+
+def test_a_build_killed_on_the_way_does_not_make_later_processes_wait(built, tmp_path):
+    """A process killed while it built the extension leaves PyTorch's ``lock`` file in the build folder; every
+    later process waited for it forever (a CI run hung at its first optimizer step until its 90 minutes ran out).
+    The next process removes it, with a warning, and loads the build."""
+    cache = tmp_path / "extensions"
+    directory = cache / native.build_directory().relative_to(native.build_directory().parents[1])
+    shutil.copytree(native.build_directory(), directory)  # the build itself is cached: loading it takes a second
+    (directory / "lock").touch()
+    script = (
+        "import logging, torch; logging.basicConfig();"
+        "from hf_paged import native; assert native.build_failure() is None; torch.ops.hf_paged.vector_lanes()"
+    )
+    environment = {**os.environ, "TORCH_EXTENSIONS_DIR": str(cache), "HF_PAGED_NATIVE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], check=False, env=environment, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"removing {directory / 'lock'}, left by a build of the host kernels that did not finish" in done.stderr
+    assert not (directory / "lock").exists()
 
 
 def test_host_kernel_takes_compiled_scalars(built):

@@ -2,8 +2,8 @@
 
 :func:`host_kernels` builds the extension once per process with :func:`torch.utils.cpp_extension.load` (ninja and a
 C++ compiler; the build lands in PyTorch's extension cache, ``TORCH_EXTENSIONS_DIR`` or
-``~/.cache/torch_extensions``, under a name of the capability and the source's version, :func:`build_name`, so later
-processes load it in well under a second) and registers its operators, for each rule (``adamw``, ``lion``,
+``~/.cache/torch_extensions``, in :func:`build_directory`, under a name of the capability and the source's version,
+:func:`build_name`, so later processes load it in well under a second; one process at a time builds or loads it) and registers its operators, for each rule (``adamw``, ``lion``,
 ``ademamix``) one per segment (``torch.ops.hf_paged.adamw_segment_``) and one per page batch (``adamw_batch_``; see
 :mod:`hf_paged.kernels.batch`), each for 8-bit, 4-bit and fp32 state. They return nothing, so PyTorch gives them
 fake kernels of its own and a step traces under ``FakeTensorMode``. Where the extension cannot be built the optimizers keep PyTorch's kernels; the reason is
@@ -22,11 +22,17 @@ import hashlib
 import logging
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # Windows: PyTorch's own lock alone
+    fcntl = None
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +92,43 @@ def build_name() -> str:
     return f"hf_paged_host_kernels_{torch.backends.cpu.get_cpu_capability().lower()}_{digest}"
 
 
+def build_directory() -> Path:
+    """Where the extension is built and cached: ``py<X><Y>_torch<version>/<build_name()>`` in PyTorch's extension
+    cache (``TORCH_EXTENSIONS_DIR``, or ``~/.cache/torch_extensions``), one folder per Python and PyTorch version,
+    since the build links against both."""
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    interpreter = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}"
+    return Path(root) / interpreter / build_name()
+
+
+@contextlib.contextmanager
+def _one_builder(directory: Path) -> Iterator[None]:
+    """Hold the build folder for this process alone, and remove the lock file a killed build left behind.
+
+    PyTorch marks a build in progress with a file, ``lock``, that its builder deletes when done, and every other
+    process waits for as long as it exists: a build killed on the way (a SIGKILL, a job's time limit, a closed
+    terminal) left it, and every later process waited forever at its first step. An operating-system lock on
+    ``build.flock`` is released by the kernel however its holder ends, so the process holding it knows that a
+    ``lock`` it finds is such a leftover. Where there is no ``fcntl`` (Windows) PyTorch's lock alone is taken.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        yield
+        return
+    with open(directory / "build.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = directory / "lock"
+            if stale.exists():
+                logger.warning("hf_paged: removing %s, left by a build of the host kernels that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _compile_flags() -> list[str]:
     """Optimization flags for the vector unit PyTorch's kernels use, as PyTorch detected it: AVX-512 code (sixteen
     fp32 lanes) for its AVX512 capability, AVX2 code (eight lanes) for AVX2, both with fused multiply-adds, scalar
@@ -120,15 +163,18 @@ def build_failure() -> str | None:
         reason = None
     if reason is None:
         start = time.perf_counter()
+        directory = build_directory()
         try:
-            cpp_extension.load(
-                name=build_name(),
-                sources=[str(SOURCE)],
-                extra_cflags=_compile_flags(),
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-                verbose=False,
-            )
+            with _one_builder(directory):
+                cpp_extension.load(
+                    name=build_name(),
+                    sources=[str(SOURCE)],
+                    extra_cflags=_compile_flags(),
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(directory),
+                    is_python_module=False,
+                    verbose=False,
+                )
         except (RuntimeError, OSError, ImportError) as error:  # a failed build or load: the PyTorch kernels remain
             lines = [line for line in str(error).splitlines() if line.strip()]
             reason = f"{type(error).__name__}: {lines[0] if lines else ''}"
