@@ -3,13 +3,14 @@
 In a synchronized micro-batch (outside ``no_sync``) DDP's reducer all-reduces the gradients in buckets, launched in
 order as backward hands it each parameter's gradient; the other ranks wait in each all-reduce until this rank joins it.
 After an error, :class:`DDPReplay` finds which parameters' gradients this rank had not handed over yet (from the
-reducer's own record) and hands the reducer zero gradients for them through a backward of their own, so that the reducer launches exactly the all-reduces this rank owes, waits for
-them and ends its iteration as after any backward; no process group is aborted or created (gloo cannot abort a
-collective a peer never joins, and DDP, accelerate and the Trainer hold the group). Every rank then drops the step's
-gradients and replays it from the same DDP state: no buffer broadcast in the replay's first forward (the buffers a
-replay restores were taken after the step's broadcast), and, when the error came in the iteration whose gradient order
-DDP rebuilds its buckets from, that order recorded again by the replay, so the buckets, and with them the order in which
-the ranks' gradients are summed, are those of a run without the error.
+reducer's own record) and hands the reducer zero gradients for them through a backward of their own, so that the
+reducer launches exactly the all-reduces this rank owes, waits for them and ends its iteration as after any backward;
+no process group is aborted or created (gloo cannot abort a collective a peer never joins, and DDP, accelerate and the
+Trainer hold the group). Every rank then drops the step's gradients and replays it from the same DDP state: no buffer
+broadcast in the replay's first forward (the buffers a replay restores were taken after the step's broadcast), and,
+when the error came in the iteration whose gradient order DDP rebuilds its buckets from, that order recorded again by
+the replay, so the buckets, and with them the order in which the ranks' gradients are summed, are those of a run
+without the error.
 """
 
 from __future__ import annotations

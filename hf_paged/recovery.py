@@ -473,7 +473,8 @@ class OOMRecovery:
 
     def _ask_every_rank_to_replay(self, error: RuntimeError, failed: _MicroBatch, evicted: int) -> None:
         """After an error in a micro-batch whose gradients the ranks all-reduce: publish a request to replay the step,
-        complete the all-reduces this rank owes (the other ranks wait in them), read every rank's requests and replay."""
+        complete the all-reduces this rank owes (the other ranks wait in them), read every rank's requests and
+        prepare the replay."""
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
         request = ReplayRequest(
             rank=self._rank,
