@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -92,20 +93,26 @@ def build_name() -> str:
     return f"hf_paged_host_kernels_{torch.backends.cpu.get_cpu_capability().lower()}_{digest}"
 
 
-def build_directory() -> Path:
-    """Where the extension is built and cached: ``py<X><Y>_torch<version>/<build_name()>`` in PyTorch's extension
+def extension_directory(name: str) -> Path:
+    """Where the extension ``name`` is built and cached: ``py<X><Y>_torch<version>/<name>`` in PyTorch's extension
     cache (``TORCH_EXTENSIONS_DIR``, or ``~/.cache/torch_extensions``), one folder per Python and PyTorch version,
     since the build links against both."""
     from torch.utils import cpp_extension
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     interpreter = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}"
-    return Path(root) / interpreter / build_name()
+    return Path(root) / interpreter / name
+
+
+def build_directory() -> Path:
+    """Where the host kernels are built and cached: :func:`extension_directory` of :func:`build_name`."""
+    return extension_directory(build_name())
 
 
 @contextlib.contextmanager
-def _one_builder(directory: Path) -> Iterator[None]:
-    """Hold the build folder for this process alone, and remove the lock file a killed build left behind.
+def _one_builder(directory: Path, what: str) -> Iterator[None]:
+    """Hold an extension's build folder for this process alone, and remove the lock file a killed build left behind
+    (with a warning naming ``what``, the extension in words).
 
     PyTorch marks a build in progress with a file, ``lock``, that its builder deletes when done, and every other
     process waits for as long as it exists: a build killed on the way (a SIGKILL, a job's time limit, a closed
@@ -122,11 +129,23 @@ def _one_builder(directory: Path) -> Iterator[None]:
         try:
             stale = directory / "lock"
             if stale.exists():
-                logger.warning("hf_paged: removing %s, left by a build of the host kernels that did not finish", stale)
+                logger.warning("hf_paged: removing %s, left by a build of %s that did not finish", stale, what)
                 stale.unlink(missing_ok=True)
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def load_extension(name: str, sources: list[str], what: str, **options: Any) -> Any:
+    """:func:`torch.utils.cpp_extension.load` of the extension ``name`` from ``sources`` (paths) into
+    :func:`extension_directory`, one process at a time, removing the ``lock`` a killed build left (see
+    :func:`_one_builder`; ``what``: the extension in words, for that warning); ``options``: ``load``'s other keyword
+    arguments. Returns what ``load`` returns (the module, or ``None`` with ``is_python_module=False``)."""
+    from torch.utils import cpp_extension
+
+    directory = extension_directory(name)
+    with _one_builder(directory, what):
+        return cpp_extension.load(name=name, sources=sources, build_directory=str(directory), verbose=False, **options)
 
 
 def _compile_flags() -> list[str]:
@@ -163,18 +182,15 @@ def build_failure() -> str | None:
         reason = None
     if reason is None:
         start = time.perf_counter()
-        directory = build_directory()
         try:
-            with _one_builder(directory):
-                cpp_extension.load(
-                    name=build_name(),
-                    sources=[str(SOURCE)],
-                    extra_cflags=_compile_flags(),
-                    extra_ldflags=["-fopenmp"],
-                    build_directory=str(directory),
-                    is_python_module=False,
-                    verbose=False,
-                )
+            load_extension(
+                build_name(),
+                [str(SOURCE)],
+                "the host kernels",
+                extra_cflags=_compile_flags(),
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+            )
         except (RuntimeError, OSError, ImportError) as error:  # a failed build or load: the PyTorch kernels remain
             lines = [line for line in str(error).splitlines() if line.strip()]
             reason = f"{type(error).__name__}: {lines[0] if lines else ''}"
