@@ -15,6 +15,7 @@ interface: :class:`AcceleratorMemory` from the device's PyTorch module, :class:`
 
 from __future__ import annotations
 
+import array
 import functools
 import os
 import time
@@ -32,11 +33,16 @@ Buffers = Sequence[torch.Tensor]
 Event = Any
 """A backend's copy-completion handle: a stream event, or ``None`` for a copy that already completed."""
 
+_ARRAY_CODES = {torch.int64: "q", torch.float32: "f"}
+"""The ``array`` type code of each dtype :meth:`SyncBackend.pinned_tensor` converts through one."""
+
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
+
 BUFFER_ALIGNMENT = 16
 """Bytes to which each buffer of a page's block is aligned (every view a kernel takes starts at such a boundary)."""
 
 
-@functools.lru_cache(maxsize=256)
+@functools.cache
 def packing(specs: tuple[BufferSpec, ...]) -> tuple[tuple[int, ...], int]:
     """The byte offset of each buffer of ``specs`` in one block, each at a :data:`BUFFER_ALIGNMENT` boundary, and
     the block's bytes."""
@@ -56,15 +62,28 @@ class PageBuffers(Sequence[torch.Tensor]):
     Args:
         block: the block (exactly the packed bytes, on the host or the device).
         specs: the buffers.
+        offsets: each buffer's byte offset in the block, :func:`packing`'s (worked out here when not given).
     """
 
-    __slots__ = ("__weakref__", "_views", "block", "offsets", "specs")
+    __slots__ = ("__weakref__", "_addresses", "_views", "block", "offsets", "specs")
 
-    def __init__(self, block: torch.Tensor, specs: tuple[BufferSpec, ...]) -> None:
+    def __init__(
+        self, block: torch.Tensor, specs: tuple[BufferSpec, ...], offsets: tuple[int, ...] | None = None
+    ) -> None:
         self.block = block
         self.specs = specs
-        self.offsets = packing(specs)[0]
+        self.offsets = packing(specs)[0] if offsets is None else offsets
         self._views: list[torch.Tensor | None] = [None] * len(specs)
+        self._addresses: tuple[Callable[[torch.Tensor], int], list[int]] | None = None
+
+    def addresses(self, address_of: Callable[[torch.Tensor], int] = torch.Tensor.data_ptr) -> list[int]:
+        """The address of each buffer: the block's, read by ``address_of``, plus its offset (worked out once for
+        each ``address_of``; a block keeps its memory)."""
+        cached = self._addresses
+        if cached is None or cached[0] is not address_of:
+            base = address_of(self.block)
+            cached = self._addresses = (address_of, [base + offset for offset in self.offsets])
+        return cached[1]
 
     def __len__(self) -> int:
         return len(self.specs)
@@ -129,7 +148,8 @@ class SyncBackend:
     def empty_host(self, specs: Sequence[BufferSpec]) -> PageBuffers:
         """Uninitialised host buffers, one block."""
         specs = tuple(specs)
-        return PageBuffers(torch.empty(packing(specs)[1], dtype=torch.uint8), specs)
+        offsets, nbytes = packing(specs)
+        return PageBuffers(torch.empty(nbytes, dtype=torch.uint8), specs, offsets)
 
     def host_nbytes(self, specs: Sequence[BufferSpec]) -> int:
         """Bytes of host memory that :meth:`empty_host` of ``specs`` holds: its buffers' (the block adds less than
@@ -139,7 +159,8 @@ class SyncBackend:
     def empty_device(self, specs: Sequence[BufferSpec]) -> PageBuffers:
         """Uninitialised device buffers, one block."""
         specs = tuple(specs)
-        return PageBuffers(torch.empty(packing(specs)[1], dtype=torch.uint8, device=self.device), specs)
+        offsets, nbytes = packing(specs)
+        return PageBuffers(torch.empty(nbytes, dtype=torch.uint8, device=self.device), specs, offsets)
 
     def release(self, buffers: Buffers) -> None:
         """Give device ``buffers`` back; the caller has ordered the compute stream after every copy of them.
@@ -149,8 +170,16 @@ class SyncBackend:
 
     def pinned_tensor(self, values: Sequence[int] | Sequence[float], dtype: torch.dtype) -> torch.Tensor:
         """A new 1-D host tensor of ``values`` that :meth:`to_device` copies without the host waiting: in pinned
-        memory where this backend pins host memory."""
-        return torch.tensor(values, dtype=dtype, pin_memory=self.pins_host_memory)
+        memory where this backend pins host memory. int64 and fp32 values are converted in one call (an ``array``,
+        three times faster than ``torch.tensor`` from a list) and, where this backend pins, copied into a pinned
+        tensor (not under ``FakeTensorMode``, whose tensors cannot share memory)."""
+        code = _ARRAY_CODES.get(dtype)
+        if code is None or not values or torch._C._get_dispatch_mode(_FAKE) is not None:
+            return torch.tensor(values, dtype=dtype, pin_memory=self.pins_host_memory)
+        host = torch.frombuffer(array.array(code, values), dtype=dtype)
+        if not self.pins_host_memory:
+            return host
+        return self.pinned_empty(host.shape, dtype).copy_(host)
 
     def pinned_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A new uninitialised host tensor that :meth:`to_device` copies without the host waiting."""
@@ -200,8 +229,9 @@ def pinned_block_bytes(specs: Sequence[BufferSpec]) -> int:
 def pinned_page_buffers(specs: Sequence[BufferSpec], pin_memory: bool) -> PageBuffers:
     """Host buffers of ``specs`` in one block of :func:`pinned_block_bytes` (pinned with ``pin_memory``)."""
     specs = tuple(specs)
+    offsets, nbytes = packing(specs)
     block = torch.empty(pinned_block_bytes(specs), dtype=torch.uint8, pin_memory=pin_memory)
-    return PageBuffers(block[: packing(specs)[1]], specs)
+    return PageBuffers(block[:nbytes], specs, offsets)
 
 
 class StreamBackend(SyncBackend):

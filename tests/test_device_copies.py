@@ -16,6 +16,7 @@ the page buffers' addresses at byte ``24 * tensors``).
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -132,13 +133,41 @@ def test_the_stream_backend_copies_from_pinned_memory_without_waiting(monkeypatc
     """On a device with streams the backend's tables are pinned and copied with ``non_blocking=True`` (the simulated
     device above checks what reaches the backend; this checks what the backend asks of PyTorch)."""
     made = []
+    empty = torch.empty
 
-    def tensor(values, dtype=None, pin_memory=False):
+    def pinned_empty(*args, pin_memory=False, **kwargs):
         made.append(pin_memory)
-        return SimpleNamespace(to=lambda device, **kwargs: (device, kwargs))
+        return empty(*args, **kwargs)
 
-    monkeypatch.setattr(torch, "tensor", tensor)
+    monkeypatch.setattr(torch, "empty", pinned_empty)
     backend = SimpleNamespace(device=torch.device("cuda", 0), pins_host_memory=StreamBackend.pins_host_memory)
-    host = SyncBackend.pinned_tensor(backend, [1, 2], torch.int64)
-    assert made == [True]
+    backend.pinned_empty = functools.partial(SyncBackend.pinned_empty, backend)
+    for values, dtype in (([1, 2], torch.int64), ([0.5, 3.0], torch.float32)):
+        host = SyncBackend.pinned_tensor(backend, values, dtype)
+        assert (host.tolist(), host.dtype) == (values, dtype)
+    assert made == [True, True]
+    host = SimpleNamespace(to=lambda device, **kwargs: (device, kwargs))
     assert StreamBackend.to_device(backend, host) == (torch.device("cuda", 0), {"non_blocking": True})
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32])
+def test_pinned_tensors_hold_what_torch_tensor_makes_of_the_values(dtype):
+    """The backend's tables (converted through an ``array`` for int64 and fp32) hold the values ``torch.tensor``
+    makes of them: addresses beyond 2**32, fp32 rounding of Python floats, no values at all."""
+    cases = [[], [0, 2**47 + 16, -(2**40), 7], [0.1, 1e-40, 3.4e38, -2.5]]
+    for values in cases:
+        if dtype == torch.int64 and any(isinstance(value, float) for value in values):
+            continue
+        made = SyncBackend(torch.device("cpu")).pinned_tensor(values, dtype)
+        expected = torch.tensor(values, dtype=dtype)
+        assert made.dtype == dtype and made.shape == expected.shape and torch.equal(made, expected)
+
+
+def test_page_buffers_know_their_addresses():
+    """A block's buffers' addresses: its address plus each buffer's offset, as the buffers' own data pointers;
+    read again with another reader (a fake tensor's reads 0)."""
+    backend = SyncBackend(torch.device("cpu"))
+    buffers = backend.empty_device([(100, torch.uint8), (3, torch.float32), (5, torch.int64)])
+    assert buffers.addresses() == [buffer.data_ptr() for buffer in buffers]
+    assert all(address % 16 == 0 for address in buffers.addresses())
+    assert buffers.addresses(lambda tensor: 0) == list(buffers.offsets)

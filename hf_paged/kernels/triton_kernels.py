@@ -42,6 +42,7 @@ PyTorch kernels (the fallback) from then on, which is logged once with the reaso
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import platform
 from collections.abc import Callable, Sequence
@@ -1268,6 +1269,7 @@ class TritonLaunches:
         """The plan's index of each tensor these launches update, in the order of the step's tables."""
         number: dict[int, int] = {}
         self._rows: dict[int, list[int]] = {}
+        self._segment_counts: dict[int, int] = {}
         self._page_tensors: dict[int, list[int]] = {}
         self._longest: dict[int, int] = {}
         block = kernel.block_size
@@ -1289,6 +1291,7 @@ class TritonLaunches:
                 local = number[index]
                 rows += (local, segment.start, segment.length, 0, segment.offset, local)
             self._rows[page.index] = rows
+            self._segment_counts[page.index] = len(segments)
             self._page_tensors[page.index] = sorted({number[index] for index, _ in segments})
             self._longest[page.index] = min(max(segment.length for _, segment in segments), page.capacity)
         if kernel.rank1:
@@ -1297,6 +1300,9 @@ class TritonLaunches:
                 if rows_count * cols != numels[index]:
                     raise ValueError(f"statistics of a {rows_count} x {cols} tensor for {numels[index]} elements")
         self._scalar_names = kernel.scalar_names
+        self._batch_rows: dict[tuple[int, ...], tuple[list[int], int]] = {}
+        """By the page indices of a batch launched before: its segment rows and longest segment (a streamed step
+        brings the same pages in the same batches at every step)."""
         self._step: _StepTables | None = None
         self._resident: tuple[int, list[Page], _BatchTables] | None = None
 
@@ -1398,27 +1404,23 @@ class TritonLaunches:
         cached = self._resident
         if cached is not None and cached[0] == version and cached[1] == pages:
             return cached[2]
-        rows: list[int] = []
-        for position, page in enumerate(pages):
-            page_rows = self._rows[page.index]
-            if position:
-                page_rows = page_rows.copy()
-                page_rows[PAGE::TABLE_COLUMNS] = [position] * (len(page_rows) // TABLE_COLUMNS)
-            rows += page_rows
+        key = tuple(page.index for page in pages)
+        known = self._batch_rows.get(key)
+        if known is None:
+            rows = list(itertools.chain.from_iterable(self._rows[page.index] for page in pages))
+            counts = self._segment_counts
+            rows[PAGE::TABLE_COLUMNS] = [
+                position for position, page in enumerate(pages) for _ in range(counts[page.index])
+            ]
+            known = self._batch_rows[key] = (rows, max(self._longest[page.index] for page in pages))
+        rows, longest = known
         addresses: list[int] = []
         for page in pages:
-            buffers = page.device
-            block = getattr(buffers, "block", None)  # a PageBuffers: its block's address and the buffers' offsets
-            if block is None:
-                addresses += map(address, buffers)
-            else:
-                base = address(block)
-                addresses += [base + offset for offset in buffers.offsets]
+            buffers = page.device  # PageBuffers, which know their addresses, or any sequence of buffers
+            addresses += buffers.addresses(address) if hasattr(buffers, "addresses") else map(address, buffers)
         device_values = self.backend.to_device(self.backend.pinned_tensor(rows + _padded(addresses), torch.int64))
         table, buffer_addresses = device_values[: len(rows)], device_values[len(rows) :]
-        batch = _BatchTables(
-            table, buffer_addresses, len(rows) // TABLE_COLUMNS, max(self._longest[page.index] for page in pages), rows
-        )
+        batch = _BatchTables(table, buffer_addresses, len(rows) // TABLE_COLUMNS, longest, rows)
         self._resident = (version, list(pages), batch)
         return batch
 
