@@ -101,6 +101,37 @@ def test_operator_calls_of_paged_adamw_are_bounded_by_tensors(dtype):
         assert calls <= 4 * split + 12, (page_size, calls, segments, split)
 
 
+def test_tensors_cut_at_whole_rows_cost_one_split_of_the_parameter_and_one_of_the_gradient():
+    """fp32 PagedAdamW on matrices of issue 27's Llama layout (rows of 512 elements) and vectors of other sizes in
+    1 MiB pages: each matrix is cut between pages at whole rows (a row is far under 1/64 of a page), so PyTorch's fused
+    AdamW takes slices of the parameter and gradient along their rows, one split of each per step (not a flat view and
+    a split of each: 521 operator calls per step on that layout, now 265), and the result is bitwise torch's fused
+    AdamW."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(1000,), (1536, 512), (512, 512), (200,), (256, 512), (512, 1536), (512,)] * 3
+    values = [torch.randn(shape, generator=generator) for shape in shapes]
+    grads = [[torch.randn(shape, generator=generator) * 1e-2 for shape in shapes] for _ in range(3)]
+    params = [value.clone().requires_grad_() for value in values]
+    optimizer = hf_paged.PagedAdamW(params, lr=1e-3, page_size="1MiB", compiled=False)
+    reference_params = [value.clone().requires_grad_() for value in values]
+    reference = torch.optim.AdamW(reference_params, lr=1e-3, fused=True)
+    for step, step_grads in enumerate(grads):
+        for param, reference_param, grad in zip(params, reference_params, step_grads):
+            param.grad, reference_param.grad = grad.clone(), grad.clone()
+        reference.step()
+        if step < 2:
+            optimizer.step()
+            continue
+        with OperatorCalls() as counted:
+            optimizer.step()
+    split = [param for param in params if len(optimizer._layout[param].segments) > 1]
+    assert len(split) >= 6
+    assert all(segment.length % 512 == 0 for param in split for _, segment in optimizer._layout[param].segments)
+    assert counted.calls <= 2 * len(split) + 12, (counted.calls, len(split))
+    for param, expected in zip(params, reference_params):
+        assert torch.equal(param, expected)
+
+
 @pytest.mark.parametrize("name", ["PagedAdamW8bit", "PagedAdamW"])
 def test_a_step_chooses_each_formats_kernel_once_not_each_pages(monkeypatch, name):
     """The kernel of a page format and device, whether it takes a page batch and whether the multi-tensor kernel

@@ -355,7 +355,8 @@ class PagedOptimizer(Optimizer):
         made before the page loop, for kernels that read the step on the device; ``state_views(page, segment)``
         gives a segment's state views (one encoded segment per codec), kept between steps; a work item's parameter
         and gradient are flat views of its segment, or, for a contiguous tensor in one segment, the tensors as they
-        are (any shape), whose fp32 state views then come in the same shape. Each kernel call must update its
+        are (any shape), or, for a contiguous tensor cut between pages at whole rows, the segment's rows (a split
+        along the first dimension), whose fp32 state views then come in the same shape. Each kernel call must update its
         work items whole or not at all (allocate nothing after its first write), and be followed by
         ``finished(items)`` before the next call: an error in a later call then leaves a step whose progress is
         known, that an out-of-memory recovery finishes without updating an item twice.

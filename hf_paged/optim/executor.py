@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 WorkItem = tuple[Segment, torch.Tensor, torch.Tensor, float, dict[str, Any]]
 """One segment's update in a step: the segment, its parameter and gradient elements (flat views; for a contiguous
-tensor in one segment, the parameter and gradient as they are, any shape), the step, the group (as the step reads
+tensor in one segment, the parameter and gradient as they are, any shape; for one cut at whole rows, the segment's
+rows), the step, the group (as the step reads
 it: a copy with a tensor ``lr`` read as a float, once per step)."""
 
 StateViews = Callable[[Page, Segment], tuple[Any, ...]]
@@ -263,12 +264,20 @@ class StepRun:
         them as they are (no view), and its fp32 state views come in the parameter's shape."""
         return len(self.plan.segments[index]) == 1 and index not in self._strided
 
+    def in_rows(self, index: int) -> bool:
+        """Whether tensor ``index`` is in several segments of whole rows (slices along its first dimension, see
+        :attr:`~hf_paged.optim.plan.StepPlan.row_splits`) and its parameter and gradient are contiguous: its work
+        items hold one split of each (no flat view), and its fp32 state views come in the segments' shapes."""
+        return index in self.plan.row_splits and index not in self._strided
+
     def param_slices(self, index: int) -> list[torch.Tensor | StridedRange]:
         """Tensor ``index``'s elements of each of its segments, in order."""
         slices = self._param_slices[index]
         if slices is None:
             if self.whole(index):
                 slices = [self.params[index]]
+            elif self.in_rows(index):
+                slices = list(self.params[index].split(self.plan.row_splits[index]))
             else:
                 segments = [segment for _, segment in self.plan.segments[index]]
                 slices = segment_slices(self.flat_param(index), segments)
@@ -277,13 +286,17 @@ class StepRun:
 
     def state_views(self, page: Page, segment: Segment) -> tuple[Any, ...]:
         """The views of ``segment``'s state (the plan's, kept while the page is resident), fp32 values in the shape
-        of the parameter of a :meth:`whole` tensor, as its work item holds it."""
+        its work item's parameter has: the parameter's of a :meth:`whole` tensor, the segment's rows of one
+        :meth:`in_rows`."""
         index = self.plan.tensor_index(segment)
         shape = None
         if self.whole(index):
             shape = self.params[index].shape
             if len(shape) == 1:
                 shape = None
+        elif self.in_rows(index):
+            shape = self.params[index].shape
+            shape = torch.Size((segment.length // (shape.numel() // shape[0]), *shape[1:]))
         return self.plan.state_views(page, segment, shape)
 
     def release(self) -> None:
@@ -306,6 +319,8 @@ class StepRun:
         if slices is None:
             if self.whole(index):
                 slices = [self.grads[index]]
+            elif self.in_rows(index):
+                slices = list(self.grads[index].split(self.plan.row_splits[index]))
             else:
                 segments = [segment for _, segment in self.plan.segments[index]]
                 slices = segment_slices(self.flat_grad(index), segments)

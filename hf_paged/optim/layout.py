@@ -15,12 +15,13 @@ in and out at every call, which before torch 2.8 lost the writes (pytorch#152425
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ..codecs import PageFormat, Rank1Normalized4bitCodec, Rank1Statistics
+from ..codecs import Float32Codec, PageFormat, Rank1Normalized4bitCodec, Rank1Statistics
 from ..store import Page, Segment
 from ..stores import DeviceStores, device_key
 
@@ -58,6 +59,18 @@ class TensorPages:
 
 def _round_up(elements: int, multiple: int) -> int:
     return -(-elements // multiple) * multiple
+
+
+def cut_alignment(page_format: PageFormat, shape: torch.Size, capacity: int) -> int:
+    """Elements at multiples of which a tensor of ``shape`` is cut between pages of ``page_format`` holding
+    ``capacity`` elements: the format's split alignment, and for fp32 state of a tensor of two or more dimensions also
+    whole rows (slices along the first dimension), where such a multiple is at most 1/64 of a page (the room a cut can
+    leave unused)."""
+    split = page_format.split_alignment
+    if len(shape) < 2 or shape.numel() == 0 or not isinstance(page_format.codecs[0], Float32Codec):
+        return split
+    rows = math.lcm(split, shape.numel() // shape[0])
+    return rows if rows <= capacity // 64 else split
 
 
 class StateLayout:
@@ -109,7 +122,11 @@ class StateLayout:
         Each segment starts at a multiple of the format's :attr:`~hf_paged.codecs.PageFormat.offset_alignment` in
         its page, and a tensor is cut between pages at multiples of its
         :attr:`~hf_paged.codecs.PageFormat.split_alignment`, so that the views of each segment start at 16-byte
-        boundaries (the padding between segments is less than 16 bytes of each buffer)."""
+        boundaries (the padding between segments is less than 16 bytes of each buffer). A tensor of fp32 state is cut
+        at whole rows (its first dimension) too, where that leaves at most 1/64 of a page unused
+        (:func:`cut_alignment`): each segment is then a slice of the tensor along its first dimension, which a step
+        takes as it is (PyTorch's fused AdamW takes the segments of fp32 ``PagedAdamW``: one split of the parameter
+        and one of the gradient, not a flat view and a split of each)."""
         open_pages: dict[tuple[str, str], Page] = {}
         used: dict[int, int] = {}
         for tensor, kind in tensors:
@@ -121,16 +138,18 @@ class StateLayout:
             owner = next(self._owners)
             segments = []
             start, numel = 0, local.numel()
+            capacity = page_format.capacity_for(self.page_size)
+            cut = cut_alignment(page_format, local.shape, capacity)
             while start < numel:
                 page = open_pages.get((device, kind))
                 offset = 0 if page is None else _round_up(used[page.index], page_format.offset_alignment)
                 room = 0 if page is None else page.capacity - offset
                 left = numel - start
-                length = left if left <= room else room - room % page_format.split_alignment
+                length = left if left <= room else room - room % cut
                 if length <= 0:
-                    page = self.store.add_page(page_format, page_format.capacity_for(self.page_size), device)
+                    page = self.store.add_page(page_format, capacity, device)
                     open_pages[device, kind] = page
-                    offset, length = 0, min(left, page.capacity)
+                    offset, length = 0, min(left, capacity - capacity % cut)
                 segment = Segment(owner, start, length, offset)
                 page.segments.append(segment)
                 segments.append((page, segment))

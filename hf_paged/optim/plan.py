@@ -125,6 +125,15 @@ class StepPlan:
         """By tensor index: the rank-1 statistics of the tensors whose state is rank-1 normalized."""
         self.numels = [layout[param].numel for param in self.params]
         """Each tensor's local elements."""
+        self.row_splits: dict[int, list[int]] = {}
+        """By tensor index, for each tensor in several segments that are all whole rows (slices along its first
+        dimension; see :func:`~hf_paged.optim.layout.cut_alignment`): the rows of each segment."""
+        for index, (param, segments) in enumerate(zip(self.params, self.segments)):
+            shape = layout[param].shape
+            if len(segments) > 1 and len(shape) >= 2 and shape[0]:
+                row = shape.numel() // shape[0]
+                if all(segment.length % row == 0 for _, segment in segments):
+                    self.row_splits[index] = [segment.length // row for _, segment in segments]
         kinds: dict[tuple[int, str], int] = {}
         self.kinds: list[tuple[PageFormat, str]] = []
         """Each (page format, device) pair of the plan's pages: a page batch holds pages of one of them."""
