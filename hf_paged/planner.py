@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -48,6 +49,15 @@ from .kernels import HostKernel, SegmentKernel, triton_module
 from .native import host_kernels_disabled
 from .optim import PagedOptimizer
 from .optim.plan import StepPlan
+from .sharded_trace import (
+    fake_world,
+    is_sharded_tensor_type,
+    label_parameters_in_use,
+    local_tensor,
+    offloaded_shards,
+    traceable_engines,
+)
+from .sharding import Strategy, Wrap, default_wrap, strategy_named
 from .sizes import format_size
 
 FORWARD_BACKWARD = "forward_backward"
@@ -61,11 +71,13 @@ KINDS = (
     "quantization_state",
     "gradients",
     "optimizer_state",
+    "communication",
     "activations",
     "temporaries",
 )
 """What the bytes at a peak hold: ``activations`` in forward and backward, ``temporaries`` in the optimizer
-step (everything no other kind claims)."""
+step (everything no other kind claims); ``communication`` is the buffers a sharded strategy's collectives use
+(DDP's gradient buckets, FSDP2's all-gather and reduce-scatter buffers), zero on one device."""
 
 CUDA_ALLOCATION_ROUNDING = 512
 """Bytes to which PyTorch's CUDA caching allocator rounds every allocation (what ``max_memory_allocated``
@@ -115,6 +127,10 @@ class MemoryPlan:
     ``optimizer.state`` and every page of a paged optimizer, each allocation as the planned device would hold it."""
     notes: list[str] = field(default_factory=list)
     """What the figures include besides traced tensors (constants added for the device)."""
+    world_size: int = 1
+    """Ranks the step is spread over; the figures are one rank's."""
+    strategy: str | None = None
+    """The :data:`hf_paged.sharding.STRATEGIES` name, ``None`` for one device."""
 
     def peak(self, phase: str) -> PhasePeak:
         """The highest peak of ``phase`` over the traced steps."""
@@ -174,25 +190,96 @@ class _Ledger:
         self._peak_event = 0
         self.watched_peak = 0
         """The highest live bytes since :meth:`watch`."""
+        self.labels: dict[int, str] = {}
+        """Serial to the kind a storage was seen holding while it lived (see :meth:`label`)."""
+        self._labelling: str | None = None
+        self._host_keys: set[int] = set()
+        self._host_depth = 0
 
     def add(self, storage: torch.UntypedStorage) -> None:
         key = id(storage)
         if key in self._serial_of:
             return
+        self._follow(key, storage, on_host=self._on_host or self._host_depth > 0)
+        if self._pages:
+            self.page_serials.add(self._serial_of[key])
+
+    def _follow(self, key: int, storage: torch.UntypedStorage, on_host: bool) -> None:
         serial = self._next_serial
         self._next_serial += 1
-        nbytes = 0 if self._on_host else math.ceil(storage.nbytes() / self.rounding) * self.rounding
-        if self._pages:
-            self.page_serials.add(serial)
+        nbytes = 0 if on_host else math.ceil(storage.nbytes() / self.rounding) * self.rounding
+        if on_host:
+            self._host_keys.add(key)
+        if self._labelling is not None:
+            self.labels[serial] = self._labelling
         self._serial_of[key] = serial
         self._bytes_of[serial] = nbytes
-        self._references[key] = weakref.ref(storage, lambda _, key=key: self._drop(key))
+        if key not in self._references:
+            self._references[key] = weakref.ref(storage, lambda _, key=key: self._drop(key))
         self._events.append(serial)
         self.live_bytes += nbytes
         self.watched_peak = max(self.watched_peak, self.live_bytes)
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
             self._peak_event = len(self._events)
+
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """``storage`` was resized in place (FSDP2 frees and re-allocates unsharded parameters so): its old bytes
+        are freed and its new bytes allocated, under a new serial that keeps its label and page status."""
+        key = id(storage)
+        serial = self._serial_of.get(key)
+        if serial is None:
+            self.add(storage)
+            return
+        self._renew(key, storage, serial, on_host=key in self._host_keys)
+
+    def _renew(self, key: int, storage: torch.UntypedStorage, serial: int, on_host: bool) -> None:
+        """Free ``serial``'s bytes and follow ``storage`` again under a new serial with its label and page status."""
+        label, page = self.labels.get(serial), serial in self.page_serials
+        self._events.append(-serial)
+        self.live_bytes -= self._bytes_of[serial]
+        self._follow(key, storage, on_host=on_host)
+        renewed = self._serial_of[key]
+        if label is not None:
+            self.labels.setdefault(renewed, label)
+        if page:
+            self.page_serials.add(renewed)
+
+    def to_host(self, storage: torch.UntypedStorage) -> None:
+        """``storage`` is in host memory from now on (an offloaded shard, a gradient copied to the host): its device
+        bytes are freed; it stays followed, with no bytes on the device."""
+        key = id(storage)
+        serial = self._serial_of.get(key)
+        if serial is None or key in self._host_keys:
+            return
+        self._renew(key, storage, serial, on_host=True)
+
+    @contextlib.contextmanager
+    def in_host_memory(self) -> Iterator[None]:
+        """Everything allocated inside is in host memory, page buffers included (an optimizer step offloaded to the
+        host): followed but not counted on the device."""
+        self._host_depth += 1
+        try:
+            yield
+        finally:
+            self._host_depth -= 1
+
+    def label(self, tensor: torch.Tensor, kind: str) -> None:
+        """``tensor``'s storage holds ``kind`` (of :data:`KINDS`) while it lives, unless what the model and the
+        optimizer hold at the end of a phase says otherwise: FSDP2's unsharded parameters and gradients, held only
+        inside the phase."""
+        serial = self.serial(tensor)
+        if serial is not None:
+            self.labels.setdefault(serial, kind)
+
+    @contextlib.contextmanager
+    def labelling(self, kind: str) -> Iterator[None]:
+        """New storages hold ``kind`` (see :meth:`label`): the buffers of a sharded strategy's collectives."""
+        previous, self._labelling = self._labelling, kind
+        try:
+            yield
+        finally:
+            self._labelling = previous
 
     @contextlib.contextmanager
     def allocating_on_host(self) -> Iterator[None]:
@@ -215,12 +302,13 @@ class _Ledger:
     def _drop(self, key: int) -> None:
         serial = self._serial_of.pop(key)
         del self._references[key]
+        self._host_keys.discard(key)
         self._events.append(-serial)
         self.live_bytes -= self._bytes_of[serial]
 
     def serial(self, tensor: torch.Tensor) -> int | None:
         """The serial number of ``tensor``'s storage while it lives, ``None`` if the ledger does not follow it."""
-        return self._serial_of.get(id(tensor.untyped_storage()))
+        return self._serial_of.get(id(local_tensor(tensor).untyped_storage()))
 
     def watch(self) -> int:
         """Start watching for the highest live bytes from now (:attr:`watched_peak`); the live bytes now."""
@@ -347,14 +435,18 @@ def _standard_error_discarded() -> Iterator[None]:
 def allocations_inside(events: Iterable[tuple]) -> Iterator[tuple]:
     """The allocator's events of a profile, in order, each ending ``(address, size)`` (size negative for a free),
     without the frees of blocks allocated before the profile: the profiler reports those where an earlier profile saw
-    them allocated (garbage of earlier work collected during this one)."""
-    held: set[int] = set()
+    them allocated (garbage of earlier work collected during this one). A block allocated at an address the profile
+    still holds was freed where the profiler did not see it (a thread it does not follow, such as a gloo worker
+    dropping a collective's buffer): its free is inserted before the new block."""
+    held: dict[int, int] = {}
     for event in events:
         address, size = event[-2:]
         if size > 0:
-            held.add(address)
+            if address in held:
+                yield (*event[:-2], address, -held[address])
+            held[address] = size
         elif address in held:
-            held.remove(address)
+            del held[address]
         else:
             continue
         yield event
@@ -450,15 +542,24 @@ class _KernelScratch:
 
 class _StorageTracker(TorchDispatchMode):
     """Adds the storage of every tensor an operator returns to a ledger (holds no tensor itself), and the working
-    memory that CPU kernels free before they return, where a :class:`_KernelScratch` is given."""
+    memory that CPU kernels free before they return, where a :class:`_KernelScratch` is given.
 
-    def __init__(self, ledger: _Ledger, scratch: _KernelScratch | None = None) -> None:
+    An operator on sharded tensors (DTensor) is left to DTensor first, so that the operators on the local shards it
+    runs come here one by one; the tensors of DTensor's sharding propagation, made under a fake mode of its own for
+    global shapes, are not the plan's and are left out."""
+
+    def __init__(self, ledger: _Ledger, mode: FakeTensorMode, scratch: _KernelScratch | None = None) -> None:
         super().__init__()
         self._ledger = ledger
+        self._mode = mode
         self._scratch = scratch
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if any(is_sharded_tensor_type(kind) for kind in types):
+            return NotImplemented
+        if active_fake_mode() is not self._mode:  # DTensor's sharding propagation, on global shapes
+            return func(*args, **kwargs)
         try:
             if func is torch.ops.aten._grouped_mm.default:
                 output = _grouped_mm_output(*args, **kwargs)
@@ -467,7 +568,7 @@ class _StorageTracker(TorchDispatchMode):
         except (DynamicOutputShapeException, DataDependentOutputException) as error:
             raise PlanningError(_data_dependent_message(error)) from None
         for item in tree_flatten(output)[0]:
-            if isinstance(item, torch.Tensor):
+            if isinstance(item, torch.Tensor) and getattr(item, "fake_mode", self._mode) is self._mode:
                 self._ledger.add(item.untyped_storage())
         if self._scratch is not None:
             scratch = self._scratch.nbytes(func, args, kwargs, output)
@@ -747,9 +848,10 @@ def _check_callable(name: str, value: Any) -> None:
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``value``, a DTensor as its local shard."""
     for item in tree_flatten(value)[0]:
         if isinstance(item, torch.Tensor):
-            yield item
+            yield local_tensor(item)
 
 
 def _paged_state_bytes(optimizer: torch.optim.Optimizer) -> int | None:
@@ -812,10 +914,33 @@ class _Classifier:
             kinds.update(dict.fromkeys(serials, kind))
         kinds.update(self._extra)
         if after_step:
-            for serial in self._ledger.new_since_mark().difference(kinds):
+            for serial in self._ledger.new_since_mark().difference(kinds, self._ledger.labels):
                 self._optimizer_state.add(serial)
                 kinds[serial] = "optimizer_state"
         return kinds
+
+
+def _wrapped(
+    model: nn.Module, wrap: Wrap, optimizer: torch.optim.Optimizer, ledger: _Ledger, replaced_on_host: bool
+) -> nn.Module:
+    """``wrap(model)``, then each parameter the engine replaced (FSDP2's sharded ones) takes the place of the one of
+    the same name in the optimizer's param groups, as accelerate does for an optimizer the Trainer built first. A
+    replaced parameter that something still holds counts as weights (an optimizer that keeps the tensors it was given
+    until its first step keeps the whole unsharded weights until then); with ``replaced_on_host`` it is in host memory
+    (the Trainer leaves a model FSDP2 shards where it was built, and ``fully_shard`` copies the shards to the
+    accelerator)."""
+    originals = dict(model.named_parameters())
+    for param in originals.values():
+        ledger.label(param, "trainable_weights" if param.requires_grad else "frozen_weights")
+    names = {id(param): name for name, param in originals.items()}
+    trained = wrap(model)
+    current = dict(model.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [current.get(names.get(id(param), ""), param) for param in group["params"]]
+    for name, param in originals.items() if replaced_on_host else ():
+        if current.get(name) is not param:
+            ledger.to_host(param.untyped_storage())
+    return trained
 
 
 def plan(
@@ -829,6 +954,10 @@ def plan(
     device: str | torch.device = "cpu",
     extra_state: Callable[[nn.Module], Mapping[str, Iterable[torch.Tensor]]] | None = None,
     step_temporaries: bool = True,
+    world_size: int = 1,
+    strategy: str | Strategy | None = None,
+    wrap: Wrap | None = None,
+    host_memory_apart: bool = False,
 ) -> MemoryPlan:
     """Predict the device memory of training, in bytes, by tracing ``steps`` training steps under fake tensors.
 
@@ -855,6 +984,17 @@ def plan(
             kernels do nothing and take each segment in one call, so :attr:`MemoryPlan.optimizer_state_bytes` and
             :attr:`MemoryPlan.paged_state_bytes` are exact, and faster to trace, but the optimizer step's peak
             leaves out the kernels' temporaries.
+        world_size: ranks the step is spread over (with a ``strategy``).
+        strategy: one of :data:`hf_paged.sharding.STRATEGIES` (``ddp``, ``fsdp2``, ``fsdp2_offload``...): the step
+            is traced as rank 0 of ``world_size`` would run it, in a fake process group of that many ranks in this
+            process (see :mod:`hf_paged.sharded_trace`), and the peaks are rank 0's (no rank holds more).
+        wrap: wraps the built model for the strategy (DDP or FSDP2), in the fake world; by default
+            :func:`hf_paged.sharding.default_wrap`. As under the Trainer, the optimizer is built first, on the
+            model's parameters, and each parameter the wrap replaces (FSDP2's sharded ones) takes the place of the one
+            of the same name in its param groups, as accelerate does.
+        host_memory_apart: with ``device="cpu"``, the CPU stands in for an accelerator whose memory is apart from
+            host memory (as the tests' allocator that counts and caps CPU memory but a paged optimizer's host pages):
+            the host pages of a paged optimizer are not counted. On an accelerator host memory is always apart.
 
     Returns:
         the :class:`MemoryPlan`: each phase's peak and what it holds.
@@ -872,8 +1012,20 @@ def plan(
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
         raise ValueError(f"accumulation must be an integer >= 1, got {accumulation!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if strategy is None and (world_size > 1 or wrap is not None):
+        raise ValueError("world_size > 1 and wrap need a strategy (one of hf_paged.sharding.STRATEGIES)")
+    sharding = None if strategy is None else strategy_named(strategy)
+    if wrap is not None:
+        _check_callable("wrap", wrap)
+    elif sharding is not None:
+        wrap = default_wrap(sharding)
     target = torch.device(device)
     on_cuda = target.type == "cuda"
+    # what a strategy offloads is in host memory, beside the device unless the device is the host
+    offloads_parameters = sharding is not None and sharding.offload_parameters and target.type != "cpu"
+    offloads_step = sharding is not None and sharding.offload_optimizer and target.type != "cpu"
     ledger = _Ledger(rounding=CUDA_ALLOCATION_ROUNDING if on_cuda else 1)
     added = CUDA_WORKSPACE_BYTES if on_cuda else 0
     classifier = _Classifier(ledger)
@@ -881,8 +1033,10 @@ def plan(
     scratch = _KernelScratch() if target.type == "cpu" else None
     phases: list[PhasePeak] = []
     with (
-        _fake_mode(),
-        _page_backend(ledger, host_is_device=target.type == "cpu"),
+        contextlib.nullcontext() if sharding is None else fake_world(world_size),
+        _fake_mode() as mode,
+        contextlib.nullcontext() if sharding is None else traceable_engines(ledger, offloads_parameters),
+        _page_backend(ledger, host_is_device=target.type == "cpu" and not host_memory_apart),
         contextlib.nullcontext("native") if target.type == "cpu" else _accelerator_kernels(ledger) as family,
         # host memory, so on the device only when the device is the host
         _host_rng_states_counted(ledger) if target.type == "cpu" else contextlib.nullcontext(),
@@ -890,7 +1044,7 @@ def plan(
     ):
         # a pointer comparison of fake tensors (all at 0) decides only whether to copy, never what is allocated
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-        with _StorageTracker(ledger):
+        with _StorageTracker(ledger, mode):
             with _fake_module_conversions():
                 built = model()
             if not isinstance(built, nn.Module):
@@ -899,6 +1053,10 @@ def plan(
             built_optimizer = optimizer(built)
             if not isinstance(built_optimizer, torch.optim.Optimizer):
                 raise TypeError(f"optimizer must build a torch.optim.Optimizer, got {type(built_optimizer).__name__}")
+            trained = built if wrap is None else _wrapped(built, wrap, built_optimizer, ledger, target.type != "cpu")
+        for shard in offloaded_shards(built) if offloads_parameters else ():
+            ledger.to_host(shard.untyped_storage())
+        hooks = [] if sharding is None else label_parameters_in_use(built, ledger)
         extra = dict(extra_state(built)) if extra_state is not None else {}
         unknown = set(extra).difference(KINDS)
         if unknown:
@@ -910,31 +1068,41 @@ def plan(
             for phase in PHASES:
                 ledger.mark()
                 held_before = classifier.kinds(built, built_optimizer, extra, after_step=False)
-                with _StorageTracker(ledger, scratch):
+                with _StorageTracker(ledger, mode, scratch):
                     if phase == FORWARD_BACKWARD:
                         for _ in range(accumulation):
                             inputs = batch()
-                            value = loss(built, inputs)
+                            value = loss(trained, inputs)
                             value.backward()
                             del value, inputs
                     else:
-                        with kernel_calls.installed() if step_temporaries else _idle_kernels():
+                        with (
+                            kernel_calls.installed() if step_temporaries else _idle_kernels(),
+                            ledger.in_host_memory() if offloads_step else contextlib.nullcontext(),
+                        ):
                             built_optimizer.step()
                         built_optimizer.zero_grad(set_to_none=True)
                 at_peak = ledger.live_at_peak()
-                kinds = {**held_before, **classifier.kinds(built, built_optimizer, extra, phase == OPTIMIZER_STEP)}
+                held_after = classifier.kinds(built, built_optimizer, extra, phase == OPTIMIZER_STEP)
+                kinds = {
+                    **ledger.labels,
+                    **held_before,
+                    **held_after,
+                }  # what it held in the phase, unless held at an end
                 other = "activations" if phase == FORWARD_BACKWARD else "temporaries"
                 by_kind = dict.fromkeys(KINDS, 0)
                 for serial, nbytes in at_peak.items():
                     by_kind[kinds.get(serial, other)] += nbytes
                 by_kind["temporaries"] += added
                 phases.append(PhasePeak(phase, step, ledger.peak_bytes + added, by_kind))
+        for handle in hooks:
+            handle.remove()
         params = list(built.parameters())
         trainable = sum(p.numel() for p in params if p.requires_grad)
         total = sum(p.numel() for p in params)
         paged_state = _paged_state_bytes(built_optimizer)
         state = _optimizer_state_bytes(built_optimizer, ledger.rounding)
-        shapes = [(tuple(p.shape), p.dtype) for p in params if p.requires_grad]
+        shapes = [(tuple(local_tensor(p).shape), p.dtype) for p in params if p.requires_grad]
     notes = [f"includes {format_size(CUDA_WORKSPACE_BYTES)} of cuBLAS workspace"] if on_cuda else []
     if family == "triton":
         notes.append("paged optimizer steps traced with the Triton kernels, one launch per page batch")
@@ -953,4 +1121,6 @@ def plan(
         paged_state_bytes=paged_state,
         optimizer_state_bytes=state,
         notes=notes,
+        world_size=world_size,
+        strategy=None if sharding is None else sharding.name,
     )

@@ -12,7 +12,7 @@ TOLERANCE = 0.0025
 """Largest relative difference allowed between a planned and a measured peak (the README's 0.25%)."""
 
 
-def _fill_process_tables() -> None:
+def fill_process_tables() -> None:
     """bitsandbytes keeps tables for the process from its first quantization on (the dynamic map, the NF4 codes
     and their bounds: 1,276 bytes); filled before a truth is taken, as any later run in the process finds them."""
     try:
@@ -27,7 +27,7 @@ def measured_peaks(build, batch, optimizer, steps: int = 2, loss=default_loss) -
     allocation events of ``torch.profiler``; everything is allocated inside the profile, so live bytes start at 0, and
     frees of blocks allocated before it (which the profiler reports where an earlier profile saw them allocated:
     garbage of an earlier test collected during this run) are left out."""
-    _fill_process_tables()
+    fill_process_tables()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         model = build()
         built_optimizer = optimizer(model)
@@ -40,6 +40,13 @@ def measured_peaks(build, batch, optimizer, steps: int = 2, loss=default_loss) -
             with record_function(f"plan-test:{OPTIMIZER_STEP}:{step}"):
                 built_optimizer.step()
                 built_optimizer.zero_grad(set_to_none=True)
+    return window_peaks(profiler)
+
+
+def window_peaks(profiler: profile) -> list[tuple[str, int, int]]:
+    """(phase, step, peak bytes of live tensors) of each ``plan-test:PHASE:STEP`` window a finished ``profiler`` (with
+    ``profile_memory=True``) recorded, in order: the live bytes of every allocation the profile saw before the window
+    and inside it, without frees of blocks allocated before the profile."""
     allocations, windows = [], []
     pending = list(profiler.profiler.kineto_results.experimental_event_tree())
     while pending:
@@ -63,14 +70,14 @@ def measured_peaks(build, batch, optimizer, steps: int = 2, loss=default_loss) -
     return peaks
 
 
-def check_plan(planned, measured) -> list[str]:
-    """The phases whose planned peak is off by more than the tolerance (with the figures), for the assertion."""
+def check_plan(planned, measured, tolerance: float = TOLERANCE) -> list[str]:
+    """The phases whose planned peak is off by more than ``tolerance`` (with the figures), for the assertion."""
     assert [(item.phase, item.step) for item in planned.phases] == [(phase, step) for phase, step, _ in measured]
     failures = []
     for item, (_, _, truth) in zip(planned.phases, measured):
         ratio = item.peak_bytes / truth
         print(f"{item.phase} step {item.step}: planned {item.peak_bytes}, measured {truth}, ratio {ratio:.4f}")
-        if abs(ratio - 1) > TOLERANCE:
+        if abs(ratio - 1) > tolerance:
             failures.append(f"{item.phase} step {item.step}: planned {item.peak_bytes} measured {truth}")
     return failures
 

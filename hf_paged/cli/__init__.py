@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from . import quiet
 from .config import Config, ConfigError
@@ -67,6 +68,24 @@ def _parser() -> argparse.ArgumentParser:
         "--method",
         choices=("full", "lora", "qlora"),
         help="what is trained (default: qlora if lora.quantize, else lora)",
+    )
+    plan.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        metavar="N",
+        help="plan one rank of N GPUs (with --strategy); the peaks are one rank's (default 1)",
+    )
+    plan.add_argument(
+        "--strategy",
+        metavar="NAME",
+        help="how the step is spread over the GPUs: ddp, fsdp2 (full shard) or fsdp2_offload (with CPU offload)",
+    )
+    plan.add_argument(
+        "--fewest-gpus",
+        action="store_true",
+        help="for each strategy (or --strategy), the fewest GPUs of --device-memory on which every rank fits, "
+        "without and with paging",
     )
     commands.add_parser("env", help="print versions, devices and their memory, and the optimizer names")
     return parser
@@ -149,9 +168,35 @@ def _plan(args: argparse.Namespace) -> int:
             raise ConfigError(str(error)) from None
     config = load_config(args.config, args.overrides)
     check_sources(config)
-    outcome = report(setup_from_config(config, args.method), args.device, _capacity(config, capacity, args.device))
+    setup = setup_from_config(config, args.method)
+    capacity = _capacity(config, capacity, args.device)
+    if args.fewest_gpus:
+        return _fewest_gpus(args, setup, capacity)
+    setup = setup.with_changes(world_size=args.gpus, strategy=args.strategy)
+    outcome = report(setup, args.device, capacity)
     print(format_report(outcome), flush=True)
     return 1 if outcome.fits is False else 0
+
+
+def _fewest_gpus(args: argparse.Namespace, setup: Any, capacity: int | None) -> int:
+    """``hf-paged plan --fewest-gpus``: exit status 1 when no strategy fits at any count."""
+    import time
+
+    from .plan import fewest_gpus, format_fewest_gpus
+
+    if capacity is None:
+        raise ConfigError("--fewest-gpus needs --device-memory (or memory.device_capacity, or a local GPU)")
+    if args.gpus != 1:
+        raise ConfigError("--fewest-gpus finds the count itself: leave --gpus out")
+    started = time.perf_counter()
+    strategies = None if args.strategy is None else [args.strategy]
+    try:
+        counts = fewest_gpus(setup, args.device, capacity, strategies)
+    except ValueError as error:  # an unknown strategy
+        raise ConfigError(f"--{error}") from None
+    print(format_fewest_gpus(setup, args.device, capacity, counts), flush=True)
+    print(f"planned in {time.perf_counter() - started:.1f} s", flush=True)
+    return 0 if any(count.gpus is not None or count.paged_gpus is not None for count in counts) else 1
 
 
 def _capacity(config: Config, given: int | None, device: str) -> int | None:

@@ -14,7 +14,7 @@ import contextlib
 import copy
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,12 +47,24 @@ class TrainingSetup:
     gradient_checkpointing: bool
     reentrant: bool = False
     """Reentrant checkpointing (``torch.utils.checkpoint`` with ``use_reentrant=True``); full and LoRA only."""
+    world_size: int = 1
+    """GPUs the step is spread over (with a ``strategy``); a plan gives one rank's memory."""
+    strategy: str | None = None
+    """One of :data:`hf_paged.sharding.STRATEGIES`, ``None`` for one device."""
 
     def __post_init__(self) -> None:
+        from ..sharding import STRATEGIES
+
         if self.method not in METHODS:
             raise ConfigError(f"method must be one of {', '.join(map(repr, METHODS))}, got {self.method!r}")
         if self.reentrant and self.method == "qlora":
             raise ConfigError("reentrant checkpointing is not available with QLoRA (prepare_qlora uses non-reentrant)")
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ConfigError(f"--gpus must be an integer >= 1, got {self.world_size!r}")
+        if self.strategy is not None and self.strategy not in STRATEGIES:
+            raise ConfigError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        if self.world_size > 1 and self.strategy is None:
+            raise ConfigError(f"--gpus {self.world_size} needs a --strategy (one of {', '.join(STRATEGIES)})")
 
     @property
     def batch_size(self) -> int:
@@ -76,10 +88,11 @@ class TrainingSetup:
         checkpointing = "off"
         if self.gradient_checkpointing:
             checkpointing = "reentrant" if self.reentrant else "on"
+        sharded = "" if self.strategy is None else f", {self.strategy} on {self.world_size} GPUs (one rank's memory)"
         return (
             f"{self.method}, batch {self.batch_size} x {self.sequence_length} tokens"
             f"{f' (x{self.accumulation} accumulation)' if self.accumulation > 1 else ''}, "
-            f"checkpointing {checkpointing}, {self.optimizer_name}"
+            f"checkpointing {checkpointing}, {self.optimizer_name}{sharded}"
         )
 
     def with_changes(
@@ -301,17 +314,20 @@ def make_batch(setup: TrainingSetup, vocab_size: int) -> dict[str, torch.Tensor]
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def build_optimizer(setup: TrainingSetup, model: nn.Module, device: str = "cpu") -> torch.optim.Optimizer:
+def build_optimizer(
+    setup: TrainingSetup, model: nn.Module, device: str = "cpu", training_args: Any = None
+) -> torch.optim.Optimizer:
     """The optimizer ``training.optim`` and ``training.optim_args`` name, over the trainable parameters, eager
     (hf-paged optimizers with ``compiled=False``); an automatic budget is planned as no limit; on CUDA,
-    ``torch.optim`` optimizers take their multi-tensor path as they would there."""
+    ``torch.optim`` optimizers take their multi-tensor path as they would there. ``training_args``: the config's
+    ``TrainingArguments``, if already made."""
     from transformers import Trainer
 
     from ..budget import AutoBudget
     from ..optim import PagedOptimizer
     from .train import training_arguments
 
-    args = training_arguments(setup.config)
+    args = training_args if training_args is not None else training_arguments(setup.config)
     try:
         optimizer_class, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     except (ValueError, TypeError) as error:
@@ -327,19 +343,34 @@ def build_optimizer(setup: TrainingSetup, model: nn.Module, device: str = "cpu")
     return optimizer_class(trainable, **kwargs)
 
 
-def plan_setup(setup: TrainingSetup, device: str = "cpu") -> MemoryPlan:
-    """Trace ``setup`` with :func:`hf_paged.planner.plan` for ``device`` (``cpu`` or ``cuda``); a model the
-    planner cannot trace is a :class:`ConfigError` naming ``model.name``."""
+def plan_setup(setup: TrainingSetup, device: str = "cpu", host_memory_apart: bool = False) -> MemoryPlan:
+    """Trace ``setup`` with :func:`hf_paged.planner.plan` for ``device`` (``cpu`` or ``cuda``), on one device or, with
+    a ``strategy``, as one rank of ``world_size`` under the Trainer (DDP and FSDP2 wrapped as the Trainer's accelerate
+    wraps them); a model the planner cannot trace is a :class:`ConfigError` naming ``model.name``.
+    ``host_memory_apart``: see :func:`hf_paged.planner.plan` (a CPU standing in for an accelerator)."""
     vocab_size = architecture(setup.config).vocab_size
     extra = quantization_state if setup.method == "qlora" else None
+    from .train import training_arguments
+
+    training_args = training_arguments(setup.config)  # before a fake world, whose process group it would see
+    wrap = None
+    if setup.strategy is not None:
+        from ..integrations.sharded_wraps import trainer_wrap
+        from ..sharding import strategy_named
+
+        wrap = trainer_wrap(strategy_named(setup.strategy), training_args)
     try:
         return plan(
             lambda: build_model(setup, device, shapes_only=True),
             lambda: make_batch(setup, vocab_size),
-            lambda model: build_optimizer(setup, model, device),
+            lambda model: build_optimizer(setup, model, device, training_args),
             device=device,
             accumulation=min(setup.accumulation, 2),
             extra_state=extra,
+            world_size=setup.world_size,
+            strategy=setup.strategy,
+            wrap=wrap,
+            host_memory_apart=host_memory_apart,
         )
     except PlanningError as error:
         raise ConfigError(f"model.name: {setup.config.model.name!r}: {error}") from None
@@ -450,6 +481,7 @@ KIND_LABELS = {
     "quantization_state": "4-bit quantization state",
     "gradients": "gradients",
     "optimizer_state": "optimizer state on device",
+    "communication": "communication buffers",
     "activations": "activations",
     "temporaries": "step temporaries",
 }
@@ -491,6 +523,14 @@ def _paged(setup: TrainingSetup) -> bool:
     return optimizer_class_for(setup.optimizer_name) is not None
 
 
+def _budget_applies(setup: TrainingSetup) -> bool:
+    """Whether ``setup`` pages optimizer state kept on the device, so that a ``device_budget`` limits it (not when a
+    strategy keeps the state and its step in host memory)."""
+    from ..sharding import strategy_named
+
+    return _paged(setup) and (setup.strategy is None or strategy_named(setup.strategy).budget_applies)
+
+
 def _page_size(setup: TrainingSetup) -> int:
     from ..integrations.trainer import split_optim_args
     from ..optim.base import DEFAULT_PAGE_SIZE
@@ -500,15 +540,22 @@ def _page_size(setup: TrainingSetup) -> int:
     return DEFAULT_PAGE_SIZE if page_size is None else parse_size(page_size, "page_size")
 
 
-def _with_budget(setup: TrainingSetup, budget: int) -> TrainingSetup:
+def _with_budget(setup: TrainingSetup, budget: int | None) -> TrainingSetup:
+    """``setup`` with ``optim_args``' ``device_budget`` set to ``budget`` bytes (``None``: removed, planned as no
+    limit)."""
     from ..integrations.trainer import split_optim_args
 
     arguments = split_optim_args(setup.config.training.get("optim_args"))
-    arguments["device_budget"] = str(budget)
-    return setup.with_changes(training={"optim_args": ",".join(f"{key}={value}" for key, value in arguments.items())})
+    arguments.pop("device_budget", None)
+    if budget is not None:
+        arguments["device_budget"] = str(budget)
+    optim_args = ",".join(f"{key}={value}" for key, value in arguments.items()) or None
+    return setup.with_changes(training={"optim_args": optim_args})
 
 
-def _largest_budget(setup: TrainingSetup, result: MemoryPlan, capacity: int, device: str) -> tuple[int, MemoryPlan]:
+def _largest_budget(
+    setup: TrainingSetup, result: MemoryPlan, capacity: int, device: str, host_memory_apart: bool = False
+) -> tuple[int, MemoryPlan]:
     """The largest device budget, in whole pages, whose re-planned peak fits ``capacity`` (at most all the state:
     that plan is ``result``); ``(0, result)`` if not even one page fits. Without state, each phase's peak drops by
     the state it held."""
@@ -518,10 +565,12 @@ def _largest_budget(setup: TrainingSetup, result: MemoryPlan, capacity: int, dev
     if result.paged_state_bytes is not None and budget >= result.paged_state_bytes and result.fits(capacity):
         return result.paged_state_bytes, result
     while budget >= page_size:
-        budgeted = plan_setup(_with_budget(setup, budget), device)
+        budgeted = plan_setup(_with_budget(setup, budget), device, host_memory_apart)
         if budgeted.fits(capacity):
             return budget, budgeted
-        budget -= page_size
+        # a smaller budget lowers a peak by at most what it takes away: none above budget - overshoot fits
+        overshoot = budgeted.peak_bytes - capacity
+        budget = min(budget - page_size, (budget - overshoot) // page_size * page_size)
     return 0, result
 
 
@@ -599,12 +648,159 @@ def report(setup: TrainingSetup, device: str = "cuda", capacity: int | None = No
     result = plan_setup(setup, device)
     outcome = PlanReport(setup=setup, device=device, plan=result, capacity=capacity)
     outcome.optimizer_states = optimizer_state_comparison(setup, result, device)
-    if capacity is not None and _paged(setup) and torch.device(device).type != "cpu":
+    if capacity is not None and _budget_applies(setup) and torch.device(device).type != "cpu":
         outcome.largest_budget = _largest_budget(setup, result, capacity, device)
     if capacity is not None and not result.fits(capacity):
         outcome.alternatives = _replan_alternatives(setup, device, capacity)
     outcome.seconds = time.perf_counter() - started
     return outcome
+
+
+GPU_LIMIT = 64
+"""The most GPUs :func:`fewest_gpus` tries by default (past a few dozen, FSDP2's padding of small tensors to the
+count outgrows what sharding saves of a small model, and each count is a trace)."""
+
+
+@dataclass
+class GpuCount:
+    """The fewest GPUs of one strategy on which every rank fits, with the paged optimizer's state all on the device
+    (no paging) and with paging (a device budget)."""
+
+    strategy: str
+    gpus: int | None
+    """Without paging; ``None`` when no count up to :data:`GPU_LIMIT` fits."""
+    plan: MemoryPlan
+    """At ``gpus``, or at the largest count tried when none fits (its peak says what that count lacks)."""
+    paged_gpus: int | None = None
+    """With paging; ``None`` when no count fits or paging does not apply (see :attr:`paging`)."""
+    budget: int | None = None
+    """The largest device budget, in bytes, that fits at ``paged_gpus``."""
+    paged_plan: MemoryPlan | None = None
+    """At ``paged_gpus`` with ``budget`` (or at the largest count tried)."""
+    paging: str | None = None
+    """Why paging does not apply, where it does not."""
+
+
+def _fewest(plan_at: Callable[[int], MemoryPlan], capacity: int, limit: int) -> tuple[int | None, MemoryPlan]:
+    """The fewest ``n`` in 1..``limit`` whose ``plan_at(n)`` fits ``capacity``, and its plan (``None`` and the plan at
+    ``limit`` when none does): counts double until one fits, then the gap is bisected, since a rank's peak does not
+    grow with the count."""
+    failing, count = 0, 1
+    while True:
+        planned = plan_at(count)
+        if planned.fits(capacity):
+            break
+        if count >= limit:
+            return None, planned
+        failing, count = count, min(2 * count, limit)
+    fitting, fitting_plan = count, planned
+    while fitting - failing > 1:
+        middle = (failing + fitting) // 2
+        planned = plan_at(middle)
+        if planned.fits(capacity):
+            fitting, fitting_plan = middle, planned
+        else:
+            failing = middle
+    return fitting, fitting_plan
+
+
+def fewest_gpus(
+    setup: TrainingSetup,
+    device: str,
+    capacity: int,
+    strategies: Iterable[str] | None = None,
+    limit: int = GPU_LIMIT,
+    host_memory_apart: bool = False,
+) -> list[GpuCount]:
+    """For each of ``strategies`` (default: every one of :data:`hf_paged.sharding.STRATEGIES`), the fewest GPUs of
+    ``capacity`` bytes on which every rank of ``setup`` fits: one count with the paged optimizer's state all on the
+    device (``device_budget`` removed), one with paging, whose device budget is one page while searching and then
+    the largest that fits at the count found. One GPU is the plan without a strategy (the Trainer wraps nothing for
+    one process) but for CPU offload, which applies on one GPU too. DDP's rank holds the same at any count, so two
+    GPUs answer for all. ``host_memory_apart``: see :func:`hf_paged.planner.plan`."""
+    from ..sharding import STRATEGIES, strategy_named
+
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ConfigError(f"limit must be an integer >= 1, got {limit!r}")
+    names = list(STRATEGIES) if strategies is None else [strategy_named(name).name for name in strategies]
+    page_size = _page_size(setup) if _paged(setup) else None
+    counts = []
+    for name in names:
+        strategy = STRATEGIES[name]
+
+        plans: dict[tuple[int, int | None], MemoryPlan] = {}
+
+        def at(count: int, budget: int | None, strategy=strategy, plans=plans) -> MemoryPlan:
+            if (count, budget) not in plans:
+                sharded = strategy.offload_parameters or count > 1
+                changed = _with_budget(setup, budget) if page_size is not None else setup
+                changed = changed.with_changes(world_size=count, strategy=strategy.name if sharded else None)
+                plans[count, budget] = plan_setup(changed, device, host_memory_apart)
+            return plans[count, budget]
+
+        most = min(limit, 2) if strategy.engine == "ddp" else limit
+        gpus, planned = _fewest(lambda count: at(count, None), capacity, most)
+        count = GpuCount(name, gpus, planned)
+        if page_size is None:
+            count.paging = f"{setup.optimizer_name} is not paged"
+        elif not strategy.budget_applies:
+            count.paging = "the optimizer state is in host memory"
+        else:
+            # one page of state on the device lowers every peak: paging needs at most the count without it
+            paged_most = most if gpus is None else gpus
+            count.paged_gpus, count.paged_plan = _fewest(lambda count: at(count, page_size), capacity, paged_most)
+            if count.paged_gpus is not None:
+                sharded = strategy.offload_parameters or count.paged_gpus > 1
+                at_count = _with_budget(setup, None).with_changes(
+                    world_size=count.paged_gpus, strategy=name if sharded else None
+                )
+                unlimited = planned if count.paged_gpus == gpus else plan_setup(at_count, device, host_memory_apart)
+                count.budget, count.paged_plan = _largest_budget(
+                    at_count, unlimited, capacity, device, host_memory_apart
+                )
+        counts.append(count)
+    return counts
+
+
+def format_fewest_gpus(setup: TrainingSetup, device: str, capacity: int, counts: list[GpuCount]) -> str:
+    """:func:`fewest_gpus`'s answer as a table: per strategy the count without and with paging, and the budget and
+    page size that get there, or what the largest count tried lacks."""
+    from ..sizes import format_size
+
+    lines = [
+        f"hf-paged plan --fewest-gpus: {setup.config.model.name}, {setup.describe()}, GPUs of {format_size(capacity)}",
+        "",
+        f"  {'strategy':<16}{'without paging':>20}{'with paging':>20}  device budget per GPU (page size)",
+    ]
+
+    def shown(gpus: int | None, planned: MemoryPlan | None) -> str:
+        if gpus is not None:
+            return str(gpus)
+        return "none" if planned is None else f"none (+{format_size(planned.peak_bytes - capacity)})"
+
+    page_size = _page_size(setup) if _paged(setup) else None
+    for count in counts:
+        if count.paging is not None:
+            paged, budget = "-", f"({count.paging})"
+        else:
+            paged = shown(count.paged_gpus, count.paged_plan)
+            budget = "" if count.budget is None else f"{format_size(count.budget)} ({format_size(page_size)})"
+            if (
+                count.paged_gpus is not None
+                and count.paged_plan is not None
+                and count.budget == (count.paged_plan.paged_state_bytes)
+            ):
+                budget = f"no limit needed ({format_size(page_size)} pages)"
+        lines.append(f"  {count.strategy:<16}{shown(count.gpus, count.plan):>20}{paged:>20}  {budget}")
+    lacking = [count for count in counts if count.gpus is None and count.paged_gpus is None]
+    for count in lacking:
+        at = count.paged_plan or count.plan
+        lines.append(
+            f"{count.strategy}: no count fits; on {at.world_size} GPU(s) a rank's peak is "
+            f"{format_size(at.peak_bytes)}, {format_size(at.peak_bytes - capacity)} more than a GPU has"
+        )
+    lines.append("(none (+X): at the largest count tried a rank needs X more; ddp's rank holds the same at any count)")
+    return "\n".join(lines)
 
 
 def format_report(outcome: PlanReport) -> str:
@@ -633,7 +829,11 @@ def format_report(outcome: PlanReport) -> str:
             f"  (optimizer state on device: pages device_budget keeps there or updates, and step counts; all of it: "
             f"{everything})"
         )
-    elif result.paged_state_bytes is not None and result.optimizer_state_bytes < step.by_kind["optimizer_state"]:
+    elif (
+        result.paged_state_bytes is not None
+        and torch.device(outcome.device).type == "cpu"
+        and result.optimizer_state_bytes < step.by_kind["optimizer_state"]
+    ):
         lines.append(
             f"  (optimizer state on device, the host here: all of it, {everything}, and copies of the pages "
             "device_budget keeps)"

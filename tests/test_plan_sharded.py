@@ -1,0 +1,310 @@
+"""The planner's per-rank peaks of a sharded step against real runs: DDP and FSDP2 through the Trainer, 2 and 4 gloo
+processes on the CPU (issue 39).
+
+Each case plans a small Llama as ``hf-paged plan --gpus N --strategy S`` plans it (a fake process group of N ranks
+in this process, rank 0's peaks) and launches ``tests/scripts/sharded_peaks.py`` with ``torchrun`` for N processes,
+which trains the same setup for two steps with ``transformers.Trainer`` and takes each rank's peak of each phase
+from an allocator that counts every CPU allocation of the process (``tests/device_memory.py``). Every rank's
+measured peak must be within 2% of the plan, and the run must show that the engine really took effect (accelerate
+drops FSDP on the CPU without a word unless the script enables it).
+
+The default run keeps one launch (FSDP2 on 2 ranks in bfloat16 with the paged 8-bit optimizer under a budget, about
+30 s) and the in-process tests of DDP and FSDP2; the other launches are marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_paged.cli import main
+from hf_paged.cli.config import load_config
+from hf_paged.cli.plan import fewest_gpus, format_fewest_gpus, plan_setup, setup_from_config
+from hf_paged.planner import FORWARD_BACKWARD, OPTIMIZER_STEP, plan
+
+import device_memory
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "tests" / "scripts" / "sharded_peaks.py"
+
+TOLERANCE = 0.02
+"""Largest relative difference between a planned and a measured per-rank peak (issue 39)."""
+
+SMALL_LLAMA = [
+    "model.tiny.hidden_size=128",
+    "model.tiny.intermediate_size=344",
+    "model.tiny.num_hidden_layers=2",
+    "model.tiny.num_attention_heads=4",
+    "model.tiny.num_key_value_heads=2",
+    "tokenizer.max_length=128",
+    "training.per_device_train_batch_size=2",
+    "lora.r=8",
+]
+"""The small Llama of tests/test_plan.py: peaks of a few MiB, most of them activations."""
+
+PAGED_8BIT = [
+    "training.optim=hf_paged_adamw_8bit",
+    "training.optim_args=page_size=64KiB,min_8bit_size=1024,device_budget=128KiB",
+]
+ADAMW = ["training.optim=adamw_torch", "training.optim_args=null"]
+BFLOAT16 = ["model.dtype=bfloat16", "lora.compute_dtype=bfloat16"]
+NO_CHECKPOINTING = ["lora.gradient_checkpointing=false"]
+
+CASES = {
+    "fsdp2-2-full-bfloat16-paged": ("fsdp2", 2, "full", [*BFLOAT16, *PAGED_8BIT, *NO_CHECKPOINTING]),
+    "ddp-2-full-float32": ("ddp", 2, "full", [*ADAMW, *NO_CHECKPOINTING]),
+    "ddp-4-full-bfloat16": ("ddp", 4, "full", [*BFLOAT16, *ADAMW, *NO_CHECKPOINTING]),
+    "ddp-2-lora-checkpointing": ("ddp", 2, "lora", ADAMW),
+    "ddp-2-full-float32-paged": ("ddp", 2, "full", [*PAGED_8BIT, *NO_CHECKPOINTING]),
+    "fsdp2-2-full-float32": ("fsdp2", 2, "full", [*ADAMW, *NO_CHECKPOINTING]),
+    "fsdp2-4-full-float32": ("fsdp2", 4, "full", [*ADAMW, *NO_CHECKPOINTING]),
+    "fsdp2-4-full-bfloat16-paged": ("fsdp2", 4, "full", [*BFLOAT16, *PAGED_8BIT, *NO_CHECKPOINTING]),
+    "fsdp2-2-lora-checkpointing": ("fsdp2", 2, "lora", ADAMW),
+    "fsdp2_offload-2-full-bfloat16": ("fsdp2_offload", 2, "full", [*BFLOAT16, *ADAMW, *NO_CHECKPOINTING]),
+    "fsdp2_offload-4-full-float32-paged": ("fsdp2_offload", 4, "full", [*PAGED_8BIT, *NO_CHECKPOINTING]),
+    "fsdp2_offload-2-lora-bfloat16": ("fsdp2_offload", 2, "lora", [*BFLOAT16, *ADAMW]),
+}
+DEFAULT_RUN = ("fsdp2-2-full-bfloat16-paged",)
+
+
+OUT_OF_MEMORY = "hf-paged test device: out of memory"
+
+
+def launch(
+    strategy: str, world_size: int, method: str, overrides: list[str], folder: Path, *options: str
+) -> list[dict] | None:
+    """Every rank's result of ``sharded_peaks.py`` under ``torchrun`` with ``world_size`` processes (``options``: more
+    of its arguments); ``None`` when a rank ran out of the pseudo-device's memory (``--cap``)."""
+    device_memory.build()  # once, before the ranks load it
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world_size),
+        str(SCRIPT), "--strategy", strategy, "--method", method, "--output", str(folder), *options,
+        *(item for override in overrides for item in ("--set", override)),
+    ]  # fmt: skip
+    environment = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    folder.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(
+        command, check=False, cwd=REPO, capture_output=True, text=True, env=environment, timeout=600
+    )
+    if result.returncode != 0 and OUT_OF_MEMORY in result.stderr:
+        return None
+    assert result.returncode == 0, result.stderr[-4000:]
+    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def check_engine(strategy: str, world_size: int, facts: dict) -> None:
+    """The engine really took effect on this rank."""
+    assert (facts["world_size"], facts["backend"]) == (world_size, "gloo"), facts
+    if strategy == "ddp":
+        assert facts["ddp"] and facts["distributed_type"] == "DistributedType.MULTI_CPU", facts
+        assert facts["sharded_params"] == 0, facts
+    else:
+        assert facts["distributed_type"] == "DistributedType.FSDP" and not facts["ddp"], facts
+        assert facts["fsdp_modules"] >= 3 and facts["sharded_params"] == facts["params"], facts
+        assert facts["offload"] == [strategy == "fsdp2_offload"], facts
+
+
+def _case(name: str):
+    marks = () if name in DEFAULT_RUN else (pytest.mark.slow,)
+    return pytest.param(name, id=name, marks=marks)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+@pytest.mark.parametrize("case", [_case(name) for name in CASES])
+def test_each_rank_peaks_as_planned(case: str, tmp_path: Path) -> None:
+    strategy, world_size, method, overrides = CASES[case]
+    setup = setup_from_config(load_config(None, [*SMALL_LLAMA, *overrides]), method)
+    planned = plan_setup(setup.with_changes(world_size=world_size, strategy=strategy), "cpu")
+    assert (planned.world_size, planned.strategy) == (world_size, strategy)
+    ranks = launch(strategy, world_size, method, [*SMALL_LLAMA, *overrides], tmp_path)
+    assert ranks is not None
+    failures = []
+    for rank, result in enumerate(ranks):
+        check_engine(strategy, world_size, result["facts"])
+        measured = [tuple(item) for item in result["peaks"]]
+        assert [(phase, step) for phase, step, _ in measured] == [(item.phase, item.step) for item in planned.phases]
+        for item, (_, _, truth) in zip(planned.phases, measured):
+            ratio = item.peak_bytes / truth
+            print(
+                f"rank {rank} {item.phase} step {item.step}: planned {item.peak_bytes}, measured {truth}, {ratio:.4f}"
+            )
+            if abs(ratio - 1) > TOLERANCE:
+                failures.append(
+                    f"rank {rank} {item.phase} step {item.step}: planned {item.peak_bytes}, measured {truth}"
+                )
+    assert not failures, failures
+
+
+class _SquaredMean(torch.nn.Module):
+    def __init__(self, layers: int = 4, width: int = 256) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            inputs = torch.relu(layer(inputs))
+        return inputs.pow(2).mean()
+
+
+def _plain_plan(**sharding):
+    return plan(
+        _SquaredMean,
+        lambda: torch.randn(32, 256),
+        lambda model: torch.optim.AdamW(model.parameters(), foreach=False),
+        loss=lambda model, inputs: model(inputs),
+        **sharding,
+    )
+
+
+def test_fsdp2_shards_weights_gradients_and_state_and_gathers_a_layer_at_a_time() -> None:
+    """Each rank of 4 holds a quarter of the weights, gradients and Adam state; forward and backward gather one
+    layer's weights at a time (two with the prefetch of the next), in buffers named communication."""
+    single = _plain_plan()
+    sharded = _plain_plan(strategy="fsdp2", world_size=4)
+    layer = (256 * 256 + 256) * 4
+    whole, quarter = single.peak(OPTIMIZER_STEP).by_kind, sharded.peak(OPTIMIZER_STEP).by_kind
+    assert whole["trainable_weights"] == 4 * layer
+    assert quarter["trainable_weights"] == quarter["gradients"] == layer
+    assert quarter["optimizer_state"] <= whole["optimizer_state"] / 4 + 64
+    gathered = sharded.peak(FORWARD_BACKWARD).by_kind
+    assert gathered["communication"] > 0
+    assert layer < gathered["trainable_weights"] <= layer + 2 * layer  # the shards and at most two gathered layers
+    assert not torch.distributed.is_initialized()  # the fake world is gone
+
+
+def test_ddp_keeps_a_bucket_for_every_gradient() -> None:
+    """DDP's buckets hold a copy of every gradient beside the gradients themselves (gradient_as_bucket_view off)."""
+    single = _plain_plan()
+    ddp = _plain_plan(strategy="ddp", world_size=8)
+    for phase in (FORWARD_BACKWARD, OPTIMIZER_STEP):
+        gradients = single.peak(OPTIMIZER_STEP).by_kind["gradients"]
+        assert ddp.peak(phase).by_kind["communication"] == gradients
+        assert ddp.peak(phase).peak_bytes == single.peak(phase).peak_bytes + gradients
+
+
+def test_cpu_offload_for_an_accelerator_keeps_shards_gradients_and_the_step_in_host_memory() -> None:
+    """Planned for CUDA, FSDP2's CPU offload leaves on the device only what a group gathers while it runs (and the
+    copies of its shards it gathers from): no shard, sharded gradient or optimizer state, and the optimizer step
+    allocates nothing there; without offload the shards, their gradients and the state are the device's."""
+    on_device = _plain_plan(strategy="fsdp2", world_size=4, device="cuda")
+    offloaded = _plain_plan(strategy="fsdp2_offload", world_size=4, device="cuda")
+    workspace = 32 * 2**20
+    step = offloaded.peak(OPTIMIZER_STEP).by_kind
+    assert step["trainable_weights"] == step["gradients"] == step["optimizer_state"] == 0
+    assert offloaded.optimizer_step_peak == workspace
+    kept = on_device.peak(OPTIMIZER_STEP).by_kind
+    assert kept["trainable_weights"] > 0 and kept["gradients"] > 0 and kept["optimizer_state"] > 0
+    layer = (256 * 256 + 256) * 4
+    gathered = offloaded.peak(FORWARD_BACKWARD).by_kind
+    assert 0 < gathered["trainable_weights"] <= 2 * layer + 2 * 512
+    assert offloaded.forward_backward_peak < on_device.forward_backward_peak
+
+
+def test_bad_sharding_arguments_are_named() -> None:
+    with pytest.raises(ValueError, match="strategy must be one of ddp, fsdp2, fsdp2_offload"):
+        _plain_plan(strategy="fsdp3", world_size=2)
+    with pytest.raises(ValueError, match="world_size > 1 and wrap need a strategy"):
+        _plain_plan(world_size=2)
+    with pytest.raises(ValueError, match="world_size must be an integer >= 1"):
+        _plain_plan(strategy="ddp", world_size=0)
+
+
+def test_a_process_with_a_process_group_is_refused(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="already has a default process group"):
+            _plain_plan(strategy="fsdp2", world_size=2)
+    finally:
+        dist.destroy_process_group()
+
+
+PARAMETER_HEAVY_LLAMA = [
+    "model.tiny.hidden_size=256",
+    "model.tiny.intermediate_size=688",
+    "model.tiny.num_hidden_layers=4",
+    "model.tiny.num_attention_heads=4",
+    "model.tiny.num_key_value_heads=2",
+    "tokenizer.max_length=32",
+    "training.per_device_train_batch_size=1",
+    "lora.gradient_checkpointing=false",
+    "training.optim=hf_paged_adamw_32bit",
+    "training.optim_args=page_size=64KiB",
+]
+"""A Llama of 3 million parameters trained on short sequences: its weights, gradients and fp32 Adam state (12, 12 and
+24 MB) outweigh its activations, so that where the state rests decides how many GPUs it needs."""
+
+CAP = 36_000_000
+"""The pseudo-device's memory in the fewest-GPUs check (bytes)."""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_the_fewest_gpus_are_the_fewest_processes_that_train_under_a_memory_cap(tmp_path: Path) -> None:
+    """``--fewest-gpus`` for FSDP2 on GPUs of 36 MB, planned for the CPU as a pseudo-device (host memory apart), is
+    3 without paging and 1 with paging; real runs through the Trainer with the counting allocator capped at 36 MB, a
+    paged optimizer's host pages apart, agree: without paging (no budget, and no recovery of an out-of-memory error
+    in the step by paging) 1 and 2 processes run out of memory and 3 train; with paging (the planned budget) one
+    process trains. The cap leaves 5% above the plan of 3 ranks: rank 0's first forward and backward measured up to
+    11% above it (34.3 MB planned 30.8; its other phases and the other ranks within 2%). (One GPU is one process that the Trainer wraps in nothing: planned without a strategy, launched as
+    DDP of one process, which accelerate leaves unwrapped.)"""
+    setup = setup_from_config(load_config(None, PARAMETER_HEAVY_LLAMA), "full")
+    (count,) = fewest_gpus(setup, "cpu", CAP, ["fsdp2"], limit=4, host_memory_apart=True)
+    print(format_fewest_gpus(setup, "cpu", CAP, [count]))
+    assert (count.gpus, count.paged_gpus) == (3, 1), (count.gpus, count.paged_gpus)
+    assert count.budget is not None and count.budget >= 64 * 1024
+
+    def trains(world_size: int, budget: int | None, name: str) -> bool:
+        strategy = "fsdp2" if world_size > 1 else "ddp"
+        optim_args = "page_size=64KiB" if budget is None else f"page_size=64KiB,device_budget={budget}"
+        overrides = [*PARAMETER_HEAVY_LLAMA, f"training.optim_args={optim_args}"]
+        options = ["--cap", str(CAP), "--host-apart", *(["--no-step-recovery"] if budget is None else [])]
+        ranks = launch(strategy, world_size, "full", overrides, tmp_path / name, *options)
+        if ranks is not None and world_size == 1:
+            assert not ranks[0]["facts"]["ddp"], ranks[0]["facts"]
+        elif ranks is not None:
+            check_engine(strategy, world_size, ranks[0]["facts"])
+        return ranks is not None
+
+    assert trains(1, count.budget, "paged-1")
+    assert [trains(world_size, None, f"unpaged-{world_size}") for world_size in (1, 2, 3)] == [False, False, True]
+
+
+def _cli(capsys, *arguments: str) -> tuple[int, str, str]:
+    status = main(["plan", "--device", "cpu", *arguments])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+@pytest.mark.slow  # the report traces six other optimizers' state too: about 40 s of CPU
+def test_the_command_plans_one_rank_by_kind(capsys) -> None:
+    """``hf-paged plan --gpus 2 --strategy ddp`` plans one rank: the description says so and DDP's gradient buckets
+    are a row of their own."""
+    overrides = [item for override in [*SMALL_LLAMA, *ADAMW, *NO_CHECKPOINTING] for item in ("--set", override)]
+    status, out, _ = _cli(capsys, *overrides, "--method", "full", "--gpus", "2", "--strategy", "ddp")
+    assert status == 0, out
+    assert "ddp on 2 GPUs (one rank's memory)" in out
+    assert "communication buffers" in out
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (("--gpus", "2"), "--gpus 2 needs a --strategy (one of ddp, fsdp2, fsdp2_offload)"),
+        (("--gpus", "0", "--strategy", "ddp"), "--gpus must be an integer >= 1, got 0"),
+        (("--gpus", "2", "--strategy", "zero4"), "--strategy must be one of ddp, fsdp2, fsdp2_offload, got 'zero4'"),
+        (("--fewest-gpus",), "--fewest-gpus needs --device-memory"),
+        (("--fewest-gpus", "--device-memory", "1GiB", "--gpus", "2"), "--fewest-gpus finds the count itself"),
+        (("--fewest-gpus", "--device-memory", "1GiB", "--strategy", "zero4"), "--strategy must be one of ddp"),
+    ],
+)
+def test_bad_command_arguments_are_named(capsys, arguments: tuple[str, ...], message: str) -> None:
+    status, _, err = _cli(capsys, *arguments)
+    assert status == 2 and message in err, err
