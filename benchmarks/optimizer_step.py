@@ -16,19 +16,28 @@ row is listed as skipped.
 
     PYTHONPATH=. python benchmarks/optimizer_step.py [--params 16M | --layout llama] [--dtype fp32|bf16|both]
         [--steps 10] [--warmup 3] [--page-size 1MiB 4MiB 16MiB] [--device cpu|cuda] [--interleaved] [--quick]
-        [--accelerator-layouts 1B 8B] [--accelerator-optimizers PagedAdamW8bit ...] [--accelerator-steps 1]
-        [--accelerator-kernels triton torch]
+        [--accelerator-layouts 1B/16 8B/16] [--accelerator-optimizers PagedAdamW8bit ...] [--accelerator-steps 3]
+        [--accelerator-kernels triton torch] [--accelerator-page-size 16KiB] [--accelerator-prefetch 2]
 
 ``--layout llama`` takes the parameters of a Llama of 291 tensors (hidden 512, 32 layers, vocabulary 32000, 133.5M
 parameters) instead of a stack of ``--params`` elements. Beside each optimizer's ratios the table gives the operators
 one step dispatches (ATen calls counted by a ``TorchDispatchMode``) and its kernel calls (calls of hf_paged's
 kernel objects, per segment or per batch, and of torch's fused AdamW).
 
-The accelerator table times the step that pages on an accelerator take, with the Triton kernels (one call per page
-batch, what CUDA takes where Triton runs) and with the PyTorch kernels (compiled, in chunks of ``page_size / 8``
-elements, the fallback), each kernel call replaced by a no-op, on Llama 3.2 1B- and Llama 3 8B-shaped layouts of fake
-tensors in 4 MiB pages: the host's work per step, its kernel calls and operators, beside the one kernel launch per
-tensor and step of bitsandbytes.
+The accelerator table times the host's work of a step as pages on an accelerator take it, on real tensors on the CPU:
+with the Triton kernels (what CUDA takes where Triton runs: the whole launch path, its tables written into host
+memory and copied to the "device", each launch of a compiled kernel a no-op; on the CPU Triton's interpreter runs the
+kernels' first-use self-check, so the script sets ``TRITON_INTERPRET=1`` where no GPU is present) and with the PyTorch
+kernels (compiled, in chunks of ``page_size / 8`` elements, the fallback; each call a no-op). The layouts are Llama
+3.2 1B's and Llama 3 8B's with every dimension divided by 16 (``1B/16``, ``8B/16``) in 16 KiB pages: the same number
+of pages, tensors and segments as the models in 4 MiB pages, 256 times fewer elements. Each row gives the step with
+every page resident and with half the state on the host (a budget of half the state's bytes: each step streams
+about half the pages through the device), its kernel launches against issue 36's bound (streamed pages / prefetch + 1,
+per state format) and the host's microseconds per streamed page, against a reference measured in the same run: one
+copy of a page of the full-size model (4 MiB: pinned host to device on CUDA, within host memory by one thread on the
+CPU), which the host's work per page has to stay under for a streamed step to run at the speed of its copies; beside
+them the one kernel launch per tensor and step of bitsandbytes. Issue 36's targets follow for the Triton rows of
+``8B/16``.
 
 ``--interleaved`` builds and warms up every optimizer first and then times rounds of one step of each, so that the
 load of a shared machine falls on all of them alike (``--steps`` rounds); use it for ratios on a busy machine.
@@ -61,13 +70,17 @@ import statistics
 import sys
 import time
 import traceback
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+
+if not torch.cuda.is_available():
+    # The accelerator path runs the Triton kernels' first-use self-check on the CPU, in Triton's interpreter, which
+    # Triton reads when it is first imported (below, by hf_paged's kernels or by torch.compile).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_paged
@@ -165,14 +178,34 @@ class LlamaShape:
     """Whether the output head is the embedding (no tensor of its own)."""
 
 
+def scaled(shape: LlamaShape, divisor: int) -> LlamaShape:
+    """``shape`` with every dimension divided by ``divisor``: its tensors hold ``divisor**2`` times fewer elements."""
+    return LlamaShape(
+        hidden=shape.hidden // divisor,
+        intermediate=shape.intermediate // divisor,
+        layers=shape.layers,
+        vocabulary=shape.vocabulary // divisor,
+        key_value=shape.key_value // divisor,
+        tied=shape.tied,
+    )
+
+
 LLAMA_LAYOUTS = {
     "llama-133M": LlamaShape(hidden=512, intermediate=1536, layers=32, vocabulary=32000, key_value=256, tied=False),
     "tiny": LlamaShape(hidden=64, intermediate=192, layers=2, vocabulary=1000, key_value=32, tied=False),
     "1B": LlamaShape(hidden=2048, intermediate=8192, layers=16, vocabulary=128256, key_value=512, tied=True),
     "8B": LlamaShape(hidden=4096, intermediate=14336, layers=32, vocabulary=128256, key_value=1024, tied=False),
 }
+LLAMA_LAYOUTS["1B/16"] = scaled(LLAMA_LAYOUTS["1B"], 16)
+LLAMA_LAYOUTS["8B/16"] = scaled(LLAMA_LAYOUTS["8B"], 16)
 """Llama layouts: ``llama-133M`` (291 tensors, 133,464,576 parameters; ``--layout llama``), Llama 3.2 1B and
-Llama 3 8B shapes (8 key-value heads of 64 and 128) for the accelerator path, and a tiny one for tests."""
+Llama 3 8B shapes (8 key-value heads of 64 and 128), the same with every dimension divided by 16 for the accelerator
+path (in 16 KiB pages, the models' page counts in 4 MiB pages), and a tiny one for tests."""
+
+ACCELERATOR_LAYOUTS = ("tiny", "1B/16", "8B/16")
+"""The layouts the accelerator path takes: real tensors on the CPU."""
+LAYOUT_DIVISORS = {"1B/16": 16, "8B/16": 16}
+"""By scaled layout: what its dimensions were divided by (its pages stand for pages this squared times larger)."""
 
 
 def llama_shapes(shape: LlamaShape) -> list[tuple[int, ...]]:
@@ -860,8 +893,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--accelerator-layouts",
         nargs="*",
-        choices=[name for name in LLAMA_LAYOUTS if name != "llama-133M"],
-        help="Llama layouts whose accelerator path is timed with its kernels stubbed (default 1B 8B; tiny with "
+        choices=ACCELERATOR_LAYOUTS,
+        help="Llama layouts whose accelerator path is timed with its kernels stubbed (default 1B/16 8B/16; tiny with "
         "--quick; none for no such table)",
     )
     parser.add_argument(
@@ -874,8 +907,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--accelerator-page-size",
         type=lambda text: parse_size(text, "--accelerator-page-size"),
-        default=4 * 2**20,
-        help="page size of the accelerator path (default 4MiB)",
+        default=16 * 2**10,
+        help="page size of the accelerator path (default 16KiB: the /16 layouts' pages are the models' at 4MiB)",
     )
     parser.add_argument(
         "--accelerator-kernels",
@@ -884,11 +917,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=["triton", "torch"],
         help="kernel families of the accelerator path (default both: triton where it imports, and torch)",
     )
-    parser.add_argument("--accelerator-steps", type=int, default=1, help="timed steps of the accelerator path")
+    parser.add_argument(
+        "--accelerator-steps", type=int, default=3, help="timed steps of the accelerator path, each way (default 3)"
+    )
+    parser.add_argument(
+        "--accelerator-prefetch", type=int, default=2, help="prefetch of the accelerator path's optimizers (default 2)"
+    )
     parser.add_argument("--quick", action="store_true", help="a small, short run to check that everything works")
     args = parser.parse_args(argv)
     if args.accelerator_layouts is None:
-        args.accelerator_layouts = ["tiny"] if args.quick else ["1B", "8B"]
+        args.accelerator_layouts = ["tiny"] if args.quick else ["1B/16", "8B/16"]
     if args.accelerator_steps < 1:
         parser.error(f"--accelerator-steps must be at least 1, got {args.accelerator_steps}")
     if args.page_size is None:
@@ -966,7 +1004,8 @@ def step_overheads(master: list[tuple[torch.Tensor, torch.Tensor]], args: argpar
 
 @dataclass
 class AcceleratorPath:
-    """One optimizer's step on the accelerator path over a Llama layout of fake tensors, its kernels stubbed."""
+    """One optimizer's steps on the accelerator path over a Llama layout, its kernels stubbed: with every page
+    resident, and with half the state on the host."""
 
     layout: str
     optimizer: str
@@ -976,81 +1015,198 @@ class AcceleratorPath:
     tensors: int
     pages: int
     kernel_calls: int
+    """Kernel calls per resident step: launches of the Triton kernels, calls of the PyTorch kernels."""
     operator_calls: int
     host_ms: float
-    """Median wall time of a step (kernels stubbed), under ``FakeTensorMode``."""
+    """The fastest resident step, CPU time, its kernels stubbed."""
+    streamed_pages: float
+    """Pages copied to the device per step with half the state on the host."""
+    streamed_kernel_calls: int
+    streamed_host_ms: float
+    """The fastest such step."""
+    formats: int
+    """State formats of the layout's pages (a launch takes pages of one)."""
+    prefetch: int
+    page_copy_us: float
+    """The reference measured in the same run: microseconds to copy one page of the full-size model (see
+    :func:`page_copy_microseconds`)."""
+
+    @property
+    def microseconds_per_streamed_page(self) -> float:
+        """Host microseconds of the streamed step per page it streams."""
+        return 1e3 * self.streamed_host_ms / self.streamed_pages if self.streamed_pages else float("nan")
+
+    @property
+    def launch_bound(self) -> float:
+        """Issue 36's most launches of a streamed step: streamed pages / prefetch + 1, per state format."""
+        return self.formats * (math.ceil(self.streamed_pages / max(1, self.prefetch)) + 1)
+
+
+def page_copy_microseconds(nbytes: int, device: torch.device, repeats: int = 20) -> float:
+    """The fastest of ``repeats`` copies of ``nbytes`` bytes to ``device``, in microseconds: from pinned memory
+    (timed with events) on CUDA, a copy within host memory by one thread on the CPU (the stand-in for a page's
+    copy there)."""
+    if device.type == "cuda":
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        target.copy_(host, non_blocking=True)
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            target.copy_(host, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        return min(times)
+    source, target = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread's copy: on a loaded machine a parallel copy waits for busy threads
+    try:
+        target.copy_(source)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            target.copy_(source)
+            times.append((time.perf_counter() - start) * 1e6)
+    finally:
+        torch.set_num_threads(threads)
+    return min(times)
+
+
+@contextlib.contextmanager
+def counted_triton_launches() -> Iterator[list[int]]:
+    """Inside :func:`~hf_paged.kernels.stubbed_triton_kernels`: count the launches of its no-op compiled kernels.
+    Yields a one-element list holding the count."""
+    module = importlib.import_module("hf_paged.kernels.triton_kernels")
+    count = [0]
+    names = ("_update_batch_kernel", "_gather_batch_kernel")
+    idle = {name: getattr(module, name) for name in names}
+
+    class Counted:
+        def __init__(self, kernel: Any) -> None:
+            self.kernel = kernel
+
+        def __getitem__(self, grid: Any) -> Callable[..., None]:
+            count[0] += 1
+            return self.kernel[grid]
+
+    for name in names:
+        setattr(module, name, Counted(idle[name]))
+    try:
+        yield count
+    finally:
+        for name in names:
+            setattr(module, name, idle[name])
+
+
+def fastest_steps(optimizer: torch.optim.Optimizer, steps: int) -> float:
+    """CPU seconds of this process in the fastest of ``steps`` steps of ``optimizer``: the host's work, which a shared
+    machine's other processes slow down but do not add to."""
+    seconds = []
+    for _ in range(steps):
+        start = time.process_time()
+        optimizer.step()
+        seconds.append(time.process_time() - start)
+    return min(seconds)
 
 
 def accelerator_path(layout: str, name: str, family: str, args: argparse.Namespace) -> AcceleratorPath:
-    """Step ``name`` (bf16 parameters, ``--accelerator-page-size`` pages, ``compiled=True``) on the Llama layout
-    ``layout`` as the pages of an accelerator take it with the kernel ``family``: ``triton``, one call per page
-    batch (its tables copied to the ``meta`` device, as to an accelerator's), or ``torch``, the PyTorch kernels
-    (host kernels off) in chunks of ``page_size / 8`` elements; each kernel call is replaced by a no-op, so that only
-    the host's Python and dispatch work is timed. Parameters, gradients and state are fake tensors (``FakeTensorMode``, as
-    :mod:`hf_paged.planner` traces a step): no memory, and each operator costs its dispatch through the fake mode
-    (slower than a device's dispatch, so the times bound the real ones from above). The first step lays the pages
-    out and is not timed; operators and kernel calls are counted in the timed steps."""
+    """Step ``name`` (bf16 parameters, ``--accelerator-page-size`` pages, ``--accelerator-prefetch``, ``compiled=True``)
+    on the Llama layout ``layout`` as the pages of an accelerator take it with the kernel ``family``: ``triton``, the
+    launch path of the Triton kernels on real tensors, each compiled kernel's launch a no-op
+    (:func:`~hf_paged.kernels.stubbed_triton_kernels`), or ``torch``, the PyTorch kernels (host kernels off) in
+    chunks of ``page_size / 8`` elements, each call a no-op. The first step lays the pages out and is not timed;
+    then the fastest of ``--accelerator-steps`` steps with every page resident, and after a budget of half the
+    state's bytes, one step to settle and the fastest of as many more, each streaming half the pages."""
     shapes = llama_shapes(LLAMA_LAYOUTS[layout])
 
     def skip(*args: Any, **kwargs: Any) -> None:
         return None
 
     print(f"{time.strftime('%H:%M:%S')} accelerator path {layout} {name} {family} ...", file=sys.stderr, flush=True)
-    with (
-        FakeTensorMode(),
-        host_kernels_disabled(),
-        stubbed_triton_kernels() if family == "triton" else contextlib.nullcontext(True) as available,
-        counted_kernel_calls(skip) as kernel_calls,
-        warnings.catch_warnings(),
-    ):
-        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-        if not available:
-            raise RuntimeError("Triton does not import here (or HF_PAGED_KERNELS=torch)")
+    steps = args.accelerator_steps
+    model_page = args.accelerator_page_size * LAYOUT_DIVISORS.get(layout, 1) ** 2
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(host_kernels_disabled())
+        if family == "triton":
+            if not stack.enter_context(stubbed_triton_kernels()):
+                raise RuntimeError("Triton does not import here (or HF_PAGED_KERNELS=torch)")
+            kernel_calls = stack.enter_context(counted_triton_launches())
+        else:
+            kernel_calls = stack.enter_context(counted_kernel_calls(skip))
         params = []
         for shape in shapes:
-            param = torch.nn.Parameter(torch.empty(shape, dtype=torch.bfloat16))
-            param.grad = torch.empty_like(param)
+            param = torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16))
+            param.grad = torch.zeros_like(param)
             params.append(param)
-        optimizer = getattr(hf_paged, name)(params, page_size=args.accelerator_page_size, compiled=True)
+        optimizer = getattr(hf_paged, name)(
+            params, page_size=args.accelerator_page_size, prefetch=args.accelerator_prefetch, compiled=True
+        )
         optimizer.step()
         kernel_calls[0] = 0
-        seconds = []
         with OperatorCounter() as operators:
-            for _ in range(args.accelerator_steps):
-                start = time.perf_counter()
-                optimizer.step()
-                seconds.append(time.perf_counter() - start)
-        pages = optimizer.paging_stats()["pages_total"]
-    steps = args.accelerator_steps
+            optimizer.step()
+        resident_calls = kernel_calls[0]
+        host_seconds = fastest_steps(optimizer, steps)
+        state = optimizer.paging_stats()
+        optimizer.set_device_budget(state["device_bytes"] // 2)
+        optimizer.step()
+        page_ins, kernel_calls[0] = optimizer.paging_stats()["page_ins"], 0
+        streamed_seconds = fastest_steps(optimizer, steps)
+        streamed_pages = (optimizer.paging_stats()["page_ins"] - page_ins) / steps
+        streamed_calls = kernel_calls[0] // steps
+        formats = len({id(page.format) for page in optimizer._store.pages})
     return AcceleratorPath(
         layout=layout,
         optimizer=name,
         kernels=family,
         params=sum(math.prod(shape) for shape in shapes),
         tensors=len(shapes),
-        pages=pages,
-        kernel_calls=kernel_calls[0] // steps,
-        operator_calls=operators.calls // steps,
-        host_ms=1e3 * statistics.median(seconds),
+        pages=state["pages_total"],
+        kernel_calls=resident_calls,
+        operator_calls=operators.calls,
+        host_ms=1e3 * host_seconds,
+        streamed_pages=streamed_pages,
+        streamed_kernel_calls=streamed_calls,
+        streamed_host_ms=1e3 * streamed_seconds,
+        formats=formats,
+        prefetch=args.accelerator_prefetch,
+        page_copy_us=page_copy_microseconds(model_page, args.device),
     )
 
 
-def accelerator_table(args: argparse.Namespace) -> str:
+ACCELERATOR_HEADER = [
+    "layout",
+    "parameters",
+    "tensors",
+    "optimizer",
+    "kernels",
+    "pages",
+    "kernel calls/step",
+    "operator calls/step",
+    "host ms/step (kernels stubbed)",
+    "half on host: pages streamed/step",
+    "kernel calls/step (streamed)",
+    "host ms/step (streamed)",
+    "host us/streamed page",
+    "launches/bound (streamed)",
+    "page copy us (reference)",
+    "host per page / page copy",
+    "bitsandbytes launches/step",
+]
+ACCELERATOR_TARGETS = {"PagedAdamW": 20.0}
+"""Issue 36's most host milliseconds of a resident step at 8B page counts, by optimizer (10 for the others)."""
+MICROSECONDS_PER_PAGE_TARGET = 25.0
+"""Issue 36's most host microseconds per streamed page."""
+
+
+def accelerator_table(args: argparse.Namespace) -> tuple[str, list[AcceleratorPath]]:
     """The accelerator path of each ``--accelerator-layouts`` layout and ``--accelerator-optimizers`` optimizer as a
-    markdown table, beside bitsandbytes' one kernel launch per tensor and step; a failed row says why."""
-    header = [
-        "layout",
-        "parameters",
-        "tensors",
-        "optimizer",
-        "kernels",
-        "pages",
-        "kernel calls/step",
-        "operator calls/step",
-        "host ms/step (kernels stubbed)",
-        "bitsandbytes launches/step",
-    ]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    markdown table, beside bitsandbytes' one kernel launch per tensor and step (a failed row says why), and the rows
+    measured."""
+    lines = ["| " + " | ".join(ACCELERATOR_HEADER) + " |", "|" + "---|" * len(ACCELERATOR_HEADER)]
+    rows = []
     for layout in args.accelerator_layouts:
         for name in args.accelerator_optimizers:
             for family in args.accelerator_kernels:
@@ -1058,22 +1214,13 @@ def accelerator_table(args: argparse.Namespace) -> str:
                     row = accelerator_path(layout, name, family, args)
                 except Exception as error:  # noqa: BLE001 (a benchmark reports failures and goes on)
                     tensors = len(llama_shapes(LLAMA_LAYOUTS[layout]))
-                    cells = [
-                        layout,
-                        "",
-                        str(tensors),
-                        name,
-                        family,
-                        "",
-                        "",
-                        "",
-                        f"failed: {failure(error)}",
-                        str(tensors),
-                    ]
+                    cells = [layout, "", str(tensors), name, family] + [""] * (len(ACCELERATOR_HEADER) - 7)
+                    cells += [f"failed: {failure(error)}", str(tensors)]
                     lines.append("| " + " | ".join(cells) + " |")
                     continue
+                rows.append(row)
                 lines.append("| " + " | ".join(accelerator_cells(row)) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines), rows
 
 
 def accelerator_cells(row: AcceleratorPath) -> list[str]:
@@ -1088,8 +1235,34 @@ def accelerator_cells(row: AcceleratorPath) -> list[str]:
         f"{row.kernel_calls:,}",
         f"{row.operator_calls:,}",
         f"{row.host_ms:.1f}",
+        f"{row.streamed_pages:,.0f}",
+        f"{row.streamed_kernel_calls:,}",
+        f"{row.streamed_host_ms:.1f}",
+        f"{row.microseconds_per_streamed_page:.1f}",
+        f"{row.streamed_kernel_calls:,} / {row.launch_bound:,.0f}",
+        f"{row.page_copy_us:.1f}",
+        f"{row.microseconds_per_streamed_page / row.page_copy_us:.2f}x",
         str(row.tensors),
     ]
+
+
+def accelerator_targets(rows: list[AcceleratorPath]) -> list[str]:
+    """Issue 36's targets for each Triton row of an 8B-sized layout: resident host ms, host us per streamed page,
+    launches of a streamed step against their bound."""
+    verdicts = []
+    for row in rows:
+        if row.kernels != "triton" or not row.layout.startswith("8B"):
+            continue
+        where = f"{row.layout} {row.optimizer}"
+        resident = ACCELERATOR_TARGETS.get(row.optimizer, 10.0)
+        verdicts += [
+            check(f"{where} resident host", row.host_ms, resident, " ms"),
+            check(
+                f"{where} streamed host", row.microseconds_per_streamed_page, MICROSECONDS_PER_PAGE_TARGET, " us/page"
+            ),
+            check(f"{where} streamed launches", row.streamed_kernel_calls, row.launch_bound, ""),
+        ]
+    return verdicts
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -1128,11 +1301,21 @@ def main(argv: list[str] | None = None) -> None:
     if args.accelerator_layouts and args.accelerator_optimizers:
         print(
             f"\n## Accelerator path: host time per step, kernels stubbed\n\n"
-            f"bf16 parameters, {format_size(args.accelerator_page_size)} pages, fake tensors; the Triton kernels "
-            "(one call per page batch) or the PyTorch kernels in chunks of page_size / 8 (compiled); median of "
-            f"{args.accelerator_steps} steps after the first. bitsandbytes launches one kernel per tensor and step.\n"
+            f"bf16 parameters, {format_size(args.accelerator_page_size)} pages, prefetch {args.accelerator_prefetch}, "
+            "real tensors on the CPU; the Triton kernels' launch path (tables in host memory, copied to the device; "
+            "one launch per page batch and state format) or the PyTorch kernels in chunks of page_size / 8 "
+            f"(compiled); the host's CPU time of the fastest of {args.accelerator_steps} steps, every page resident and "
+            "then half the state's bytes as the budget. Launches of a streamed step against issue 36's bound (streamed "
+            "pages / prefetch + 1, per state format); the reference, measured in this run: one copy of a page of the "
+            "full-size model (the layout's page size times 256 for the /16 layouts), "
+            + ("pinned host to device" if args.device.type == "cuda" else "within host memory")
+            + ", fastest of 20. bitsandbytes launches one kernel per tensor and step.\n"
         )
-        print(accelerator_table(args))
+        table, rows = accelerator_table(args)
+        print(table)
+        verdicts = accelerator_targets(rows)
+        if verdicts:
+            print("\nAccelerator targets:\n" + "\n".join(f"- {verdict}" for verdict in verdicts))
     print(f"\nAt the end: {load_average()}")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -73,6 +74,13 @@ ACCELERATOR_COLUMNS = [
     "kernel calls/step",
     "operator calls/step",
     "host ms/step (kernels stubbed)",
+    "half on host: pages streamed/step",
+    "kernel calls/step (streamed)",
+    "host ms/step (streamed)",
+    "host us/streamed page",
+    "launches/bound (streamed)",
+    "page copy us (reference)",
+    "host per page / page copy",
     "bitsandbytes launches/step",
 ]
 COUNTED_KERNELS = {
@@ -175,6 +183,44 @@ def test_optimizer_step_quick_accelerator_path(optimizer_step_output):
     assert int(rows["torch"]["kernel calls/step"]) >= int(rows["torch"]["tensors"])
     assert 1 <= int(rows["triton"]["kernel calls/step"]) <= int(rows["triton"]["pages"])
     assert int(rows["triton"]["kernel calls/step"]) < int(rows["triton"]["tensors"])
+    # Half the state on the host: about half the pages stream each step, the Triton kernels in a launch per
+    # prefetch window (issue 36's bound), the host's time per streamed page beside a page copy measured in the run.
+    for row in rows.values():
+        pages, streamed = int(row["pages"]), float(row["half on host: pages streamed/step"])
+        assert pages / 4 <= streamed <= pages, row
+        assert float(row["host ms/step (streamed)"]) > 0 and float(row["host us/streamed page"]) > 0
+        ratio = float(row["host us/streamed page"]) / float(row["page copy us (reference)"])
+        assert float(row["host per page / page copy"].removesuffix("x")) == pytest.approx(ratio, rel=0.1, abs=0.05)
+    launches, bound = (int(cell.replace(",", "")) for cell in rows["triton"]["launches/bound (streamed)"].split(" / "))
+    assert launches == int(rows["triton"]["kernel calls/step (streamed)"]) and 1 <= launches <= bound
+
+
+def test_accelerator_targets_and_launch_bound(monkeypatch):
+    """Issue 36's bound on a streamed step's launches (streamed pages / prefetch, rounded up, + 1, per state format) and
+    its targets, checked for the Triton rows of the 8B-sized layouts only."""
+    benchmark = load_benchmark(monkeypatch)
+    row = benchmark.AcceleratorPath(
+        layout="8B/16",
+        optimizer="PagedAdamW8bit",
+        kernels="triton",
+        params=1,
+        tensors=291,
+        pages=3962,
+        kernel_calls=2,
+        operator_calls=24,
+        streamed_kernel_calls=997,
+        host_ms=7.0,
+        streamed_pages=1981.0,
+        streamed_host_ms=99.05,
+        formats=1,
+        prefetch=2,
+        page_copy_us=300.0,
+    )
+    assert row.launch_bound == 992 and row.microseconds_per_streamed_page == pytest.approx(50.0)
+    verdicts = benchmark.accelerator_targets([row, dataclasses.replace(row, kernels="torch")])
+    assert [verdict.rsplit(" ", 1)[1] for verdict in verdicts] == ["PASS", "MISS", "MISS"]
+    assert verdicts[1].startswith("8B/16 PagedAdamW8bit streamed host 50.000 us/page (<= 25 us/page)")
+    assert benchmark.accelerator_targets([dataclasses.replace(row, layout="1B/16")]) == []
 
 
 def test_llama_layouts_have_the_models_tensors_and_parameters(monkeypatch):
