@@ -310,3 +310,32 @@ def test_the_command_plans_one_rank_by_kind(capsys) -> None:
 def test_bad_command_arguments_are_named(capsys, arguments: tuple[str, ...], message: str) -> None:
     status, _, err = _cli(capsys, *arguments)
     assert status == 2 and message in err, err
+
+
+class _Peak:
+    """What the search reads of a plan: whether it fits."""
+
+    def __init__(self, peak_bytes: int) -> None:
+        self.peak_bytes = peak_bytes
+
+    def fits(self, capacity: int) -> bool:
+        return self.peak_bytes <= capacity
+
+
+@pytest.mark.parametrize(("capacity", "expected"), [(100, 1), (60, 2), (47, 3), (40, 4), (33, 7), (30, 8), (29, None)])
+def test_the_search_finds_the_fewest_count_with_few_plans(capacity: int, expected: int | None) -> None:
+    """Counts double until one fits, then the gap is bisected: a rank holding 20 bytes plus 80 shared out fits
+    ``capacity`` from the count ``expected`` on, found with at most twice log2 of the count plans; none fits past the
+    limit (8), whose plan says by how much."""
+    from hf_paged.cli.plan import _fewest
+
+    tried: list[int] = []
+
+    def plan_at(count: int) -> _Peak:
+        tried.append(count)
+        return _Peak(20 + -(-80 // count))
+
+    found, planned = _fewest(plan_at, capacity, 8)
+    assert found == expected, tried
+    assert planned.peak_bytes == 20 + -(-80 // (8 if expected is None else expected))
+    assert len(tried) == len(set(tried)) <= 6, tried

@@ -799,7 +799,10 @@ def format_fewest_gpus(setup: TrainingSetup, device: str, capacity: int, counts:
             f"{count.strategy}: no count fits; on {at.world_size} GPU(s) a rank's peak is "
             f"{format_size(at.peak_bytes)}, {format_size(at.peak_bytes - capacity)} more than a GPU has"
         )
-    lines.append("(none (+X): at the largest count tried a rank needs X more; ddp's rank holds the same at any count)")
+    if any(count.gpus is None or (count.paging is None and count.paged_gpus is None) for count in counts):
+        lines.append(
+            "(none (+X): at the largest count tried a rank needs X more; ddp's rank holds the same at any count)"
+        )
     return "\n".join(lines)
 
 
