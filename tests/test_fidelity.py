@@ -1,12 +1,14 @@
 """``benchmarks/fidelity.py``: its quick run as a user runs it (table shape, the fp32 references, PagedAdamW4bit against
 torchao's AdamW4bit, AdEMAMix against bitsandbytes' reference, upper bounds on our figures), its grid of learning
-rates and weight decays, its data split and its report of an optimizer that cannot run."""
+rates and weight decays, its data split and its report of an optimizer that cannot run; README.md's table of the 4-bit
+comparison on the whole grid (its cells and verdicts; in the slow run, measured again)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -49,6 +51,19 @@ OURS_4BIT_QUICK_BOUNDS = {"mlp teacher": (2.2, 0.07), "tiny LM": (3.0, 0.05), "t
 when this test was written (1.71%, 0.0555; 2.40%, 0.0389; 0.02%, 0.0583; rank-1 on the MLP teacher: 1.75%, 0.0567)
 with about a quarter's slack, so a change that loses fidelity fails the test."""
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+GRID_COLUMNS = [
+    "task",
+    "lr",
+    "weight decay",
+    "loss gap: PagedAdamW4bit",
+    "loss gap: torchao AdamW4bit",
+    "deviation: PagedAdamW4bit",
+    "deviation: torchao AdamW4bit",
+    "rank-1: loss gap, deviation",
+    "PagedAdamW4bit closer on",
+]
+"""The columns of README.md's table of the 4-bit comparison on the whole grid."""
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +185,70 @@ def test_seed_sets_change_every_seed_and_the_table_gives_their_means_and_the_gap
     result = fidelity.summary([(1.0, 2.0, 0.25), (3.0, 6.0, 0.75)])
     assert result == fidelity.Result(loss=2.0, gap_percent=4.0, deviation=0.5, gap_range=(2.0, 6.0))
     assert fidelity.summary("skipped: why") == "skipped: why"
+
+
+def written(cell: fidelity.Cell) -> tuple[str, str, str]:
+    """A cell as the tables write it: task, lr (``3e-04``) and weight decay (``0.1``)."""
+    task, lr, weight_decay = cell
+    return task, f"{lr:.0e}", f"{weight_decay:g}"
+
+
+def readme_grid() -> dict[tuple[str, str, str], dict[str, str]]:
+    """README.md's table of the 4-bit comparison on the whole grid, by cell as :func:`written` gives it."""
+    section = README.split("\n### Fidelity\n", 1)[1].split("\n### ", 1)[0]
+    (table,) = [table for table in markdown_tables(section) if list(table[0]) == GRID_COLUMNS]
+    return {(row["task"], row["lr"], row["weight decay"]): row for row in table}
+
+
+def leading(cell: str) -> float:
+    """The first figure of a table cell (``"2.19% (1.97-2.41%)"``: 2.19)."""
+    return float(re.match(r"[\d.]+", cell).group())
+
+
+def test_the_readme_grid_has_every_cell_and_its_verdicts_follow_its_figures():
+    """Every cell of the grid once, each verdict what its figures say, and the counts the text gives."""
+    rows = readme_grid()
+    assert list(rows) == [written(cell) for cell in fidelity.cells(fidelity.LR_FACTORS, fidelity.WEIGHT_DECAYS)]
+    closer_gap = closer_deviation = 0
+    for row in rows.values():
+        gap = leading(row["loss gap: PagedAdamW4bit"]) <= leading(row["loss gap: torchao AdamW4bit"])
+        deviation = leading(row["deviation: PagedAdamW4bit"]) <= leading(row["deviation: torchao AdamW4bit"])
+        verdict = {(True, True): "both", (False, True): "deviation", (True, False): "loss gap"}.get((gap, deviation))
+        assert row["PagedAdamW4bit closer on"] == (verdict or "neither"), row
+        closer_gap += gap
+        closer_deviation += deviation
+    text = " ".join(README.split())
+    counts = re.search(r"in weight deviation in (\d+) of 18 cells and in loss gap in (\d+)", text)
+    assert counts and (int(counts.group(1)), int(counts.group(2))) == (closer_deviation, closer_gap)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TORCHAO, reason="torchao not importable")
+def test_the_whole_grid_measures_what_the_readme_says():
+    """``fidelity.py --only 4bit`` (200 steps, 18 cells, 3 seed sets; about 25 min of one core): every figure of
+    README.md's table to its printed digits, give or take one in the last (rounding), so that its verdicts, which the
+    test above holds to its figures, are what a run measures."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results = fidelity.measure(200, 3, names=fidelity.GROUPS["4bit"])
+    finally:
+        torch.set_num_threads(threads)
+    rows = readme_grid()
+    assert [written(cell) for cell in results] == list(rows)
+    for cell, row in zip(results, rows.values()):
+        ours, theirs = results[cell][fidelity.OURS_4BIT], results[cell][fidelity.THEIRS_4BIT]
+        figures = [
+            (ours.gap_percent, row["loss gap: PagedAdamW4bit"], 0.01),
+            (theirs.gap_percent, row["loss gap: torchao AdamW4bit"], 0.01),
+            (ours.deviation, row["deviation: PagedAdamW4bit"], 1e-4),
+            (theirs.deviation, row["deviation: torchao AdamW4bit"], 1e-4),
+        ]
+        rank1 = results[cell][fidelity.OURS_RANK1]
+        if cell[0] == "mlp teacher":
+            rank1_gap, rank1_deviation = row["rank-1: loss gap, deviation"].split(", ")
+            figures += [(rank1.gap_percent, rank1_gap, 0.01), (rank1.deviation, rank1_deviation, 1e-4)]
+        else:  # no matrix of the tiny Llama or its adapters takes rank-1 statistics: the rows are the same
+            assert rank1 == ours and row["rank-1: loss gap, deviation"] == "as block scales", cell
+        for measured, text, unit in figures:
+            assert abs(measured - leading(text)) <= unit * 1.01, (cell, measured, text)
