@@ -339,3 +339,18 @@ def test_the_search_finds_the_fewest_count_with_few_plans(capacity: int, expecte
     assert found == expected, tried
     assert planned.peak_bytes == 20 + -(-80 // (8 if expected is None else expected))
     assert len(tried) == len(set(tried)) <= 6, tried
+
+
+@pytest.mark.slow  # three plans of the embedded QLoRA run: about 35 s of CPU
+def test_a_strategy_that_cannot_be_planned_is_a_row_of_its_own() -> None:
+    """The embedded QLoRA run: 4-bit layers under FSDP2's CPU offload read tensor values (which fake tensors do not
+    have), so that strategy's row says it cannot be planned and why, and the others still get their counts."""
+    setup = setup_from_config(load_config(None, []))
+    counts = fewest_gpus(setup, "cpu", 2**30, ["ddp", "fsdp2_offload"], limit=2)
+    assert [(count.strategy, count.gpus, count.error is None) for count in counts] == [
+        ("ddp", 1, True),
+        ("fsdp2_offload", None, False),
+    ]
+    text = format_fewest_gpus(setup, "cpu", 2**30, counts)
+    assert "fsdp2_offload            cannot plan" in text
+    assert "fsdp2_offload: model.name: 'tiny': cannot plan the step" in text

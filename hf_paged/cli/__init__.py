@@ -188,12 +188,9 @@ def _fewest_gpus(args: argparse.Namespace, setup: Any, capacity: int | None) -> 
         raise ConfigError("--fewest-gpus needs --device-memory (or memory.device_capacity, or a local GPU)")
     if args.gpus != 1:
         raise ConfigError("--fewest-gpus finds the count itself: leave --gpus out")
+    setup.with_changes(strategy=args.strategy)  # checks --strategy
     started = time.perf_counter()
-    strategies = None if args.strategy is None else [args.strategy]
-    try:
-        counts = fewest_gpus(setup, args.device, capacity, strategies)
-    except ValueError as error:  # an unknown strategy
-        raise ConfigError(f"--{error}") from None
+    counts = fewest_gpus(setup, args.device, capacity, None if args.strategy is None else [args.strategy])
     print(format_fewest_gpus(setup, args.device, capacity, counts), flush=True)
     print(f"planned in {time.perf_counter() - started:.1f} s", flush=True)
     return 0 if any(count.gpus is not None or count.paged_gpus is not None for count in counts) else 1

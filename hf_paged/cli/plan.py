@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..planner import MemoryPlan, PlanningError, plan
+from ..sharding import Strategy
 from .config import Config, ConfigError
 from .train import IGNORE_INDEX, add_lora_adapters
 
@@ -668,9 +669,10 @@ class GpuCount:
 
     strategy: str
     gpus: int | None
-    """Without paging; ``None`` when no count up to :data:`GPU_LIMIT` fits."""
-    plan: MemoryPlan
-    """At ``gpus``, or at the largest count tried when none fits (its peak says what that count lacks)."""
+    """Without paging; ``None`` when no count up to :data:`GPU_LIMIT` fits or the step cannot be planned."""
+    plan: MemoryPlan | None
+    """At ``gpus``, or at the largest count tried when none fits (its peak says what that count lacks); ``None`` when
+    the step cannot be planned with this strategy (see :attr:`error`)."""
     paged_gpus: int | None = None
     """With paging; ``None`` when no count fits or paging does not apply (see :attr:`paging`)."""
     budget: int | None = None
@@ -679,6 +681,8 @@ class GpuCount:
     """At ``paged_gpus`` with ``budget`` (or at the largest count tried)."""
     paging: str | None = None
     """Why paging does not apply, where it does not."""
+    error: str | None = None
+    """Why the step cannot be planned with this strategy (the planner's error), where it cannot."""
 
 
 def _fewest(plan_at: Callable[[int], MemoryPlan], capacity: int, limit: int) -> tuple[int | None, MemoryPlan]:
@@ -739,27 +743,43 @@ def fewest_gpus(
             return plans[count, budget]
 
         most = min(limit, 2) if strategy.engine == "ddp" else limit
-        gpus, planned = _fewest(lambda count: at(count, None), capacity, most)
-        count = GpuCount(name, gpus, planned)
-        if page_size is None:
-            count.paging = f"{setup.optimizer_name} is not paged"
-        elif not strategy.budget_applies:
-            count.paging = "the optimizer state is in host memory"
-        else:
-            # one page of state on the device lowers every peak: paging needs at most the count without it
-            paged_most = most if gpus is None else gpus
-            count.paged_gpus, count.paged_plan = _fewest(lambda count: at(count, page_size), capacity, paged_most)
-            if count.paged_gpus is not None:
-                sharded = strategy.offload_parameters or count.paged_gpus > 1
-                at_count = _with_budget(setup, None).with_changes(
-                    world_size=count.paged_gpus, strategy=name if sharded else None
-                )
-                unlimited = planned if count.paged_gpus == gpus else plan_setup(at_count, device, host_memory_apart)
-                count.budget, count.paged_plan = _largest_budget(
-                    at_count, unlimited, capacity, device, host_memory_apart
-                )
-        counts.append(count)
+        try:
+            counts.append(_count(name, strategy, at, capacity, most, page_size, setup, device, host_memory_apart))
+        except ConfigError as error:  # e.g. QLoRA's 4-bit layers under FSDP2 read values
+            counts.append(GpuCount(name, None, None, paging="-", error=str(error)))
     return counts
+
+
+def _count(
+    name: str,
+    strategy: Strategy,
+    at: Callable[[int, int | None], MemoryPlan],
+    capacity: int,
+    most: int,
+    page_size: int | None,
+    setup: TrainingSetup,
+    device: str,
+    host_memory_apart: bool,
+) -> GpuCount:
+    """One strategy's :class:`GpuCount` (see :func:`fewest_gpus`); ``at(count, budget)`` plans a count."""
+    gpus, planned = _fewest(lambda count: at(count, None), capacity, most)
+    count = GpuCount(name, gpus, planned)
+    if page_size is None:
+        count.paging = f"{setup.optimizer_name} is not paged"
+    elif not strategy.budget_applies:
+        count.paging = "the optimizer state is in host memory"
+    else:
+        # one page of state on the device lowers every peak: paging needs at most the count without it
+        paged_most = most if gpus is None else gpus
+        count.paged_gpus, count.paged_plan = _fewest(lambda count: at(count, page_size), capacity, paged_most)
+        if count.paged_gpus is not None:
+            sharded = strategy.offload_parameters or count.paged_gpus > 1
+            at_count = _with_budget(setup, None).with_changes(
+                world_size=count.paged_gpus, strategy=name if sharded else None
+            )
+            unlimited = planned if count.paged_gpus == gpus else plan_setup(at_count, device, host_memory_apart)
+            count.budget, count.paged_plan = _largest_budget(at_count, unlimited, capacity, device, host_memory_apart)
+    return count
 
 
 def format_fewest_gpus(setup: TrainingSetup, device: str, capacity: int, counts: list[GpuCount]) -> str:
@@ -780,6 +800,9 @@ def format_fewest_gpus(setup: TrainingSetup, device: str, capacity: int, counts:
 
     page_size = _page_size(setup) if _paged(setup) else None
     for count in counts:
+        if count.error is not None:
+            lines.append(f"  {count.strategy:<16}{'cannot plan':>20}{'-':>20}  (see below)")
+            continue
         if count.paging is not None:
             paged, budget = "-", f"({count.paging})"
         else:
@@ -792,14 +815,20 @@ def format_fewest_gpus(setup: TrainingSetup, device: str, capacity: int, counts:
             ):
                 budget = f"no limit needed ({format_size(page_size)} pages)"
         lines.append(f"  {count.strategy:<16}{shown(count.gpus, count.plan):>20}{paged:>20}  {budget}")
-    lacking = [count for count in counts if count.gpus is None and count.paged_gpus is None]
+    for count in counts:
+        if count.error is not None:
+            lines.append(f"{count.strategy}: {count.error}")
+    lacking = [count for count in counts if count.plan is not None and count.gpus is None and count.paged_gpus is None]
     for count in lacking:
         at = count.paged_plan or count.plan
         lines.append(
             f"{count.strategy}: no count fits; on {at.world_size} GPU(s) a rank's peak is "
             f"{format_size(at.peak_bytes)}, {format_size(at.peak_bytes - capacity)} more than a GPU has"
         )
-    if any(count.gpus is None or (count.paging is None and count.paged_gpus is None) for count in counts):
+    if any(
+        count.error is None and (count.gpus is None or (count.paging is None and count.paged_gpus is None))
+        for count in counts
+    ):
         lines.append(
             "(none (+X): at the largest count tried a rank needs X more; ddp's rank holds the same at any count)"
         )
