@@ -28,9 +28,13 @@ class OperatorCalls(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
+        self.counts: dict[str, int] = {}
+        """Calls by operator name (``view``, ``as_strided``, ...)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.calls += 1
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
 
 
@@ -197,3 +201,34 @@ def test_a_tensor_given_new_memory_between_steps_is_updated_there():
 
     for swapped, kept in zip(run(swap=True), run(swap=False)):
         assert torch.equal(swapped, kept)
+
+
+def test_a_streamed_pages_fp32_state_views_take_one_view_each():
+    """fp32 PagedAdamW under a one-page budget: the pages not resident at a step's start are paged in, so their
+    state views are made again; a segment in rows (or a whole matrix) takes one ``as_strided`` per moment, not a slice
+    and a view of each: a step's ``view`` calls are its paged-in buffers' (one per buffer), and the result is bitwise
+    torch's fused AdamW."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(96, 32), (64,), (40, 32)]
+    params = [torch.randn(shape, generator=generator).requires_grad_() for shape in shapes]
+    reference_params = [param.detach().clone().requires_grad_() for param in params]
+    optimizer = hf_paged.PagedAdamW(params, lr=1e-3, page_size="16KiB", device_budget="16KiB", compiled=False)
+    reference = torch.optim.AdamW(reference_params, lr=1e-3, fused=True)
+    for step in range(3):
+        for param, reference_param in zip(params, reference_params):
+            grad = torch.randn(param.shape, generator=generator)
+            param.grad, reference_param.grad = grad.clone(), grad
+        reference.step()
+        if step < 2:
+            optimizer.step()
+            continue
+        with OperatorCalls() as counted:
+            optimizer.step()
+    shaped = [segment for param in params if param.dim() == 2 for _, segment in optimizer._layout[param].segments]
+    assert len(shaped) > 2 and all(segment.length % 32 == 0 for segment in shaped)  # rows of 32: cut at whole rows
+    pages = optimizer.paging_stats()["pages_total"]
+    assert optimizer.paging_stats()["page_ins"] == 2 * (pages - 1)  # two steps of all pages but the resident one
+    assert counted.counts.get("view", 0) <= 2 * pages, counted.counts  # each page's two buffers as fp32
+    assert 0 < counted.counts.get("as_strided", 0) <= 2 * len(shaped), counted.counts
+    for param, expected in zip(params, reference_params):
+        assert torch.equal(param, expected)

@@ -31,6 +31,15 @@ _EXACT_STEPS = 2.0**24
 """fp32 step counts are whole numbers that one more step advances by one below this."""
 
 
+def _shaped(arrays: tuple[torch.Tensor, ...], offset: int, shape: torch.Size) -> tuple[torch.Tensor, ...]:
+    """The fp32 values of a segment from element ``offset`` of a page's 1-D ``arrays``, in ``shape``: one view each (an
+    ``as_strided``, not a slice and a view: a streamed page's views are made again at each step)."""
+    strides = [1] * len(shape)
+    for dim in range(len(shape) - 1, 0, -1):
+        strides[dim - 1] = strides[dim] * shape[dim]
+    return tuple(array.as_strided(shape, strides, array.storage_offset() + offset) for array in arrays)
+
+
 def segment_slices(
     flat: torch.Tensor | StridedElements, segments: Sequence[Segment]
 ) -> list[torch.Tensor | StridedRange]:
@@ -277,13 +286,11 @@ class StepPlan:
         if cached is None or cached[0] != shape:
             arrays = page.format.arrays(page.device)
             selected = tuple(
-                codec.select(array, segment.offset, segment.length) for codec, array in zip(page.format.codecs, arrays)
+                _shaped(array, segment.offset, shape)
+                if shape is not None and isinstance(codec, Float32Codec)
+                else codec.select(array, segment.offset, segment.length)
+                for codec, array in zip(page.format.codecs, arrays)
             )
-            if shape is not None:
-                selected = tuple(
-                    tuple(view.view(shape) for view in encoded) if isinstance(codec, Float32Codec) else encoded
-                    for codec, encoded in zip(page.format.codecs, selected)
-                )
             cached = (shape, selected)
             views[id(segment)] = cached
         return cached[1]
