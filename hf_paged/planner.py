@@ -860,19 +860,24 @@ def _paged_state_bytes(optimizer: torch.optim.Optimizer) -> int | None:
     return sum(page.nbytes for page in optimizer._store.pages)
 
 
+def _statistics(optimizer: PagedOptimizer) -> list[torch.Tensor]:
+    """The rank-1 statistics of ``optimizer``'s tensors whose state is rank-1 normalized."""
+    return [
+        tensor
+        for pages in optimizer._layout.values()
+        if pages.statistics is not None
+        for tensor in pages.statistics.batch_entry()
+    ]
+
+
 def _optimizer_state_bytes(optimizer: torch.optim.Optimizer, rounding: int) -> int:
-    """Bytes of the tensors of ``optimizer.state``, of every page buffer and of rank-1 statistics, each rounded up to
-    ``rounding``."""
+    """Bytes of the tensors of ``optimizer.state``, of every page (one block of its buffers, as a backend allocates
+    it: :func:`~hf_paged.device.packing`) and of rank-1 statistics, each rounded up to ``rounding``."""
     storages = {id(tensor.untyped_storage()): tensor for tensor in _tensors(list(optimizer.state.values()))}
     sizes = [tensor.untyped_storage().nbytes() for tensor in storages.values()]
     if isinstance(optimizer, PagedOptimizer):
-        sizes += [numel * dtype.itemsize for page in optimizer._store.pages for numel, dtype in page.specs]
-        sizes += [
-            tensor.untyped_storage().nbytes()
-            for pages in optimizer._layout.values()
-            if pages.statistics is not None
-            for tensor in pages.statistics.batch_entry()
-        ]
+        sizes += [device_module.packing(page.specs)[1] for page in optimizer._store.pages]
+        sizes += [tensor.untyped_storage().nbytes() for tensor in _statistics(optimizer)]
     return sum(math.ceil(size / rounding) * rounding for size in sizes)
 
 
@@ -882,6 +887,7 @@ class _Classifier:
     def __init__(self, ledger: _Ledger) -> None:
         self._ledger = ledger
         self._optimizer_state: set[int] = set()
+        self._step_tables: set[int] = set()
         self._extra: dict[int, str] = {}
 
     def _serials(self, tensors: Iterable[torch.Tensor]) -> set[int]:
@@ -895,8 +901,10 @@ class _Classifier:
         extra: Mapping[str, Iterable[torch.Tensor]],
         after_step: bool,
     ) -> dict[int, str]:
-        """Serial to kind of the storages held now; after a step, what is new and held by nothing else is
-        optimizer state (``torch.optim``'s state, scalars the optimizer keeps); page buffers always are."""
+        """Serial to kind of the storages held now; page buffers and rank-1 statistics are always optimizer state.
+        After a step, what is new and held by nothing else is optimizer state (scalars a ``torch.optim`` optimizer
+        keeps), except for a paged optimizer, whose state is its pages, statistics and ``optimizer.state``: what else
+        its step keeps (the tables its launches keep on the device for the next step) is step temporaries."""
         for kind, tensors in extra.items():
             for serial in self._serials(tensors):
                 self._extra.setdefault(serial, kind)
@@ -907,16 +915,23 @@ class _Classifier:
             "gradients": self._serials(p.grad for p in params if p.grad is not None),
         }
         state = self._serials(_tensors(list(optimizer.state.values()))) | self._ledger.page_serials
+        if isinstance(optimizer, PagedOptimizer):
+            state |= self._serials(_statistics(optimizer))
         self._optimizer_state |= state
         kinds: dict[int, str] = {}
         for kind in ("optimizer_state", "gradients", "trainable_weights", "frozen_weights"):
             serials = self._optimizer_state if kind == "optimizer_state" else weights[kind]
             kinds.update(dict.fromkeys(serials, kind))
+        kinds.update(dict.fromkeys(self._step_tables, "temporaries"))
         kinds.update(self._extra)
         if after_step:
-            for serial in self._ledger.new_since_mark().difference(kinds, self._ledger.labels):
-                self._optimizer_state.add(serial)
-                kinds[serial] = "optimizer_state"
+            kept = self._ledger.new_since_mark().difference(kinds, self._ledger.labels)
+            if isinstance(optimizer, PagedOptimizer):
+                self._step_tables |= kept
+                kinds.update(dict.fromkeys(kept, "temporaries"))
+            else:
+                self._optimizer_state |= kept
+                kinds.update(dict.fromkeys(kept, "optimizer_state"))
         return kinds
 
 

@@ -25,16 +25,15 @@ GIB = 2**30
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of a real optimizer's state: the storages of ``optimizer.state`` and every page buffer."""
-    storages = {}
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                storages[id(value.untyped_storage())] = value.untyped_storage().nbytes()
-    pages = 0
+    """Bytes of a real optimizer's state: the storages of ``optimizer.state`` and of every page's buffers (one
+    block per page, shared by its buffers' views)."""
+    tensors = [
+        value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)
+    ]
     if isinstance(optimizer, PagedOptimizer):
-        pages = sum(numel * dtype.itemsize for page in optimizer._store.pages for numel, dtype in page.specs)
-    return sum(storages.values()) + pages
+        tensors += [buffer for page in optimizer._store.pages for buffer in (page.device or page.host)]
+    storages = {id(tensor.untyped_storage()): tensor.untyped_storage().nbytes() for tensor in tensors}
+    return sum(storages.values())
 
 
 def test_the_default_plan_gives_one_figure_for_all_the_optimizer_state() -> None:
