@@ -6,6 +6,7 @@ import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from hf_paged.optim import PagedOptimizer
 from hf_paged.planner import FORWARD_BACKWARD, OPTIMIZER_STEP, allocations_inside, default_loss
 
 TOLERANCE = 0.0025
@@ -102,3 +103,15 @@ def check_bfloat16_mlp() -> None:
 
     planned = plan(build, batch, optimizer, loss=loss)
     assert not check_plan(planned, measured_peaks(build, batch, optimizer, loss=loss))
+
+
+def held_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of a real optimizer's state: the storages of ``optimizer.state`` and of every page's buffers (one
+    block per page, shared by its buffers' views)."""
+    tensors = [
+        value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)
+    ]
+    if isinstance(optimizer, PagedOptimizer):
+        tensors += [buffer for page in optimizer._store.pages for buffer in (page.device or page.host)]
+    storages = {id(tensor.untyped_storage()): tensor.untyped_storage().nbytes() for tensor in tensors}
+    return sum(storages.values())

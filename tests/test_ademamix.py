@@ -23,6 +23,8 @@ import hf_paged
 from hf_paged.kernels.rules import ademamix_alpha, ademamix_beta3
 from hf_paged.rounding import ieee_sqrt
 
+from plan_utils import held_state_bytes
+
 ADEMAMIX = (hf_paged.PagedAdEMAMix, hf_paged.PagedAdEMAMix8bit, hf_paged.PagedAdEMAMix4bit)
 STATES = ("exp_avg", "exp_avg_slow", "exp_avg_sq")
 
@@ -201,9 +203,7 @@ def test_the_planner_counts_the_three_states(optimizer_class):
     for _ in range(2):
         real_model(torch.randn(8, 256)).square().mean().backward()
         optimizer.step()
-    stats = optimizer.paging_stats()
-    steps = sum(state["step"].untyped_storage().nbytes() for state in optimizer.state.values())
-    expected = stats["device_bytes"] + stats["host_bytes"] + steps
+    expected = held_state_bytes(optimizer)
     arguments = (model, lambda: torch.randn(8, 256), build)
     loss = {"loss": lambda module, batch: module(batch).square().mean()}
     assert plan(*arguments, **loss).optimizer_state_bytes == expected

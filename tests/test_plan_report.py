@@ -17,23 +17,12 @@ from hf_paged.cli.plan import (
     report,
     setup_from_config,
 )
-from hf_paged.optim import PagedOptimizer
 from hf_paged.planner import OPTIMIZER_STEP
 from hf_paged.sizes import format_size
 
+from plan_utils import held_state_bytes
+
 GIB = 2**30
-
-
-def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of a real optimizer's state: the storages of ``optimizer.state`` and of every page's buffers (one
-    block per page, shared by its buffers' views)."""
-    tensors = [
-        value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)
-    ]
-    if isinstance(optimizer, PagedOptimizer):
-        tensors += [buffer for page in optimizer._store.pages for buffer in (page.device or page.host)]
-    storages = {id(tensor.untyped_storage()): tensor.untyped_storage().nbytes() for tensor in tensors}
-    return sum(storages.values())
 
 
 def test_the_default_plan_gives_one_figure_for_all_the_optimizer_state() -> None:
@@ -100,5 +89,5 @@ def test_the_comparison_counts_the_state_real_optimizers_keep() -> None:
         other = setup.with_changes(training={"optim": name, "optim_args": _comparison_optim_args(setup, name)})
         optimizer = build_optimizer(other, model)
         _train_one_step(other, model, optimizer)
-        assert outcome.optimizer_states[name] == _state_bytes(optimizer), name
+        assert outcome.optimizer_states[name] == held_state_bytes(optimizer), name
         model.zero_grad(set_to_none=True)
