@@ -71,6 +71,7 @@ def test_adamw4bit_deviates_from_fp32_no_more_than_torchao(fp32_run, ours_run, m
     assert deviation(ours, reference) > 0
 
 
+@pytest.mark.slow  # about 20 s; tests/test_readme.py measures every class's bytes per parameter from real optimizers
 def test_adamw4bit_state_bytes_per_parameter_in_memory_and_saved():
     params = [torch.nn.Parameter(torch.zeros(1024, 1024)) for _ in range(4)]
     optimizer = hf_paged.PagedAdamW4bit(params)

@@ -339,6 +339,7 @@ def test_streaming_efficiency_by_hand():
     assert streaming.streaming_efficiency(0.030, 0.010, 200e6, 150e6, bandwidth) == pytest.approx(1.0)
 
 
+@pytest.mark.slow  # about 18 s of the default run
 def test_first_step_quick_table():
     output = run_benchmark("first_step.py", "--params", "4K", "--steps", "2", "--compile", "0")
     (table,) = markdown_tables(output)

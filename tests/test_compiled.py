@@ -53,6 +53,7 @@ def test_changing_scalars_do_not_recompile(optimizer_name):
     assert frames[-1] == frames[0]  # zero for the optimizers whose fp32 pages take a multi-tensor kernel
 
 
+@pytest.mark.slow  # about 13 s of Inductor compiles
 def test_kernel_compiled_for_a_short_first_segment_runs_long_ones_in_parallel():
     """Inductor sizes a CPU kernel's parallelism by the segment it compiles for; a short first segment (a bias)
     must not leave the kernel serial for every later segment, however long."""

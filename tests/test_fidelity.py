@@ -86,6 +86,7 @@ def figures(row: dict[str, str]) -> tuple[float, float, float]:
     )
 
 
+@pytest.mark.slow  # the quick run of benchmarks/fidelity.py, about 25 s
 @pytest.mark.parametrize("task", TASKS)
 def test_quick_table_has_the_fp32_references_and_labels_what_did_not_run(quick_rows, task):
     for reference in ("torch AdamW (fp32)", "bitsandbytes reference AdEMAMix (fp32)"):
@@ -104,6 +105,7 @@ def test_quick_table_has_the_fp32_references_and_labels_what_did_not_run(quick_r
         assert math.isfinite(loss) and 0 < deviation < 1 and quick_rows[task, name]["note"] == ""
 
 
+@pytest.mark.slow  # the quick run of benchmarks/fidelity.py, about 25 s
 @pytest.mark.parametrize("variant", ["hf-paged PagedAdamW4bit", "hf-paged PagedAdamW4bit (rank-1)"])
 @pytest.mark.parametrize("task", TASKS)
 def test_quick_4bit_is_closer_to_fp32_than_torchaos_and_holds_its_figures(quick_rows, task, variant):
@@ -119,6 +121,7 @@ def test_quick_4bit_is_closer_to_fp32_than_torchaos_and_holds_its_figures(quick_
         assert gap <= their_gap and deviation <= their_deviation
 
 
+@pytest.mark.slow  # the quick run of benchmarks/fidelity.py, about 25 s
 @pytest.mark.parametrize("task", TASKS)
 def test_quick_8bit_deviates_less_than_the_other_8bit_optimizers(quick_rows, task):
     _, gap, deviation = figures(quick_rows[task, "hf-paged PagedAdamW8bit"])
@@ -128,6 +131,7 @@ def test_quick_8bit_deviates_less_than_the_other_8bit_optimizers(quick_rows, tas
             assert deviation <= figures(quick_rows[task, name])[2]
 
 
+@pytest.mark.slow  # the quick run of benchmarks/fidelity.py, about 25 s
 @pytest.mark.parametrize("task", TASKS)
 def test_quick_ademamix_rows_follow_bitsandbytes_reference(quick_rows, task):
     """PagedAdEMAMix (fp32) trains as the reference to rounding; its 8-bit state deviates less than bitsandbytes'
