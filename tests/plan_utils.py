@@ -12,6 +12,18 @@ from hf_paged.planner import FORWARD_BACKWARD, OPTIMIZER_STEP, allocations_insid
 TOLERANCE = 0.0025
 """Largest relative difference allowed between a planned and a measured peak (the README's 0.25%)."""
 
+SMALL_LLAMA = [
+    "model.tiny.hidden_size=128",
+    "model.tiny.intermediate_size=344",
+    "model.tiny.num_hidden_layers=2",
+    "model.tiny.num_attention_heads=4",
+    "model.tiny.num_key_value_heads=2",
+    "tokenizer.max_length=128",
+    "training.per_device_train_batch_size=2",
+    "lora.r=8",
+]
+"""A small Llama and batch: peaks of a few MiB, dominated by activations as in real fine-tunes."""
+
 
 def fill_process_tables() -> None:
     """bitsandbytes keeps tables for the process from its first quantization on (the dynamic map, the NF4 codes

@@ -42,19 +42,7 @@ from hf_paged.planner import (
     plan,
 )
 
-from plan_utils import check_bfloat16_mlp, check_plan, measured_peaks
-
-SMALL_LLAMA = [
-    "model.tiny.hidden_size=128",
-    "model.tiny.intermediate_size=344",
-    "model.tiny.num_hidden_layers=2",
-    "model.tiny.num_attention_heads=4",
-    "model.tiny.num_key_value_heads=2",
-    "tokenizer.max_length=128",
-    "training.per_device_train_batch_size=2",
-    "lora.r=8",
-]
-"""A small Llama and batch: peaks of a few MiB, dominated by activations as in real fine-tunes."""
+from plan_utils import SMALL_LLAMA, check_bfloat16_mlp, check_plan, measured_peaks
 
 
 def _setup(method: str, *overrides: str, reentrant: bool = False, checkpointing: bool | None = None) -> TrainingSetup:

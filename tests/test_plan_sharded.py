@@ -30,24 +30,13 @@ from hf_paged.cli.plan import fewest_gpus, format_fewest_gpus, plan_setup, setup
 from hf_paged.planner import FORWARD_BACKWARD, OPTIMIZER_STEP, plan
 
 import device_memory
+from plan_utils import SMALL_LLAMA
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "scripts" / "sharded_peaks.py"
 
 TOLERANCE = 0.02
 """Largest relative difference between a planned and a measured per-rank peak (issue 39)."""
-
-SMALL_LLAMA = [
-    "model.tiny.hidden_size=128",
-    "model.tiny.intermediate_size=344",
-    "model.tiny.num_hidden_layers=2",
-    "model.tiny.num_attention_heads=4",
-    "model.tiny.num_key_value_heads=2",
-    "tokenizer.max_length=128",
-    "training.per_device_train_batch_size=2",
-    "lora.r=8",
-]
-"""The small Llama of tests/test_plan.py: peaks of a few MiB, most of them activations."""
 
 PAGED_8BIT = [
     "training.optim=hf_paged_adamw_8bit",
