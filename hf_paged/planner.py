@@ -59,6 +59,7 @@ from .sharded_trace import (
 )
 from .sharding import Strategy, Wrap, default_wrap, strategy_named
 from .sizes import format_size
+from .zero_model import ZeroModel
 
 FORWARD_BACKWARD = "forward_backward"
 OPTIMIZER_STEP = "optimizer_step"
@@ -1002,7 +1003,10 @@ def plan(
         world_size: ranks the step is spread over (with a ``strategy``).
         strategy: one of :data:`hf_paged.sharding.STRATEGIES` (``ddp``, ``fsdp2``, ``fsdp2_offload``...): the step
             is traced as rank 0 of ``world_size`` would run it, in a fake process group of that many ranks in this
-            process (see :mod:`hf_paged.sharded_trace`), and the peaks are rank 0's (no rank holds more).
+            process (see :mod:`hf_paged.sharded_trace`), and the peaks are rank 0's (no rank holds more). DeepSpeed
+            ZeRO (``zero2``, ``zero3``...) cannot be traced: the model's forward and backward and the optimizer's step
+            on rank 0's flat fp32 partitions are, and ZeRO's partitions, buckets and gathers are modelled in the same
+            trace (see :mod:`hf_paged.zero_model`).
         wrap: wraps the built model for the strategy (DDP or FSDP2), in the fake world; by default
             :func:`hf_paged.sharding.default_wrap`. As under the Trainer, the optimizer is built first, on the
             model's parameters, and each parameter the wrap replaces (FSDP2's sharded ones) takes the place of the one
@@ -1032,6 +1036,9 @@ def plan(
     if strategy is None and (world_size > 1 or wrap is not None):
         raise ValueError("world_size > 1 and wrap need a strategy (one of hf_paged.sharding.STRATEGIES)")
     sharding = None if strategy is None else strategy_named(strategy)
+    modelled = sharding is not None and sharding.engine == "zero"
+    if wrap is not None and modelled:
+        raise ValueError(f"wrap: strategy {sharding.name} is DeepSpeed ZeRO, which is modelled, not wrapped")
     if wrap is not None:
         _check_callable("wrap", wrap)
     elif sharding is not None:
@@ -1048,9 +1055,9 @@ def plan(
     scratch = _KernelScratch() if target.type == "cpu" else None
     phases: list[PhasePeak] = []
     with (
-        contextlib.nullcontext() if sharding is None else fake_world(world_size),
+        contextlib.nullcontext() if sharding is None or modelled else fake_world(world_size),
         _fake_mode() as mode,
-        contextlib.nullcontext() if sharding is None else traceable_engines(ledger, offloads_parameters),
+        contextlib.nullcontext() if sharding is None or modelled else traceable_engines(ledger, offloads_parameters),
         _page_backend(ledger, host_is_device=target.type == "cpu" and not host_memory_apart),
         contextlib.nullcontext("native") if target.type == "cpu" else _accelerator_kernels(ledger) as family,
         # host memory, so on the device only when the device is the host
@@ -1069,6 +1076,19 @@ def plan(
             if not isinstance(built_optimizer, torch.optim.Optimizer):
                 raise TypeError(f"optimizer must build a torch.optim.Optimizer, got {type(built_optimizer).__name__}")
             trained = built if wrap is None else _wrapped(built, wrap, built_optimizer, ledger, target.type != "cpu")
+            zero = None
+            if modelled:
+                zero = ZeroModel(
+                    built,
+                    built_optimizer,
+                    world_size,
+                    sharding.zero_stage,
+                    sharding.zero,
+                    ledger,
+                    offload_optimizer=sharding.offload_optimizer,
+                    offload_parameters=sharding.offload_parameters,
+                    host_apart=target.type != "cpu",
+                )
         for shard in offloaded_shards(built) if offloads_parameters else ():
             ledger.to_host(shard.untyped_storage())
         hooks = [] if sharding is None else label_parameters_in_use(built, ledger)
@@ -1089,13 +1109,18 @@ def plan(
                             inputs = batch()
                             value = loss(trained, inputs)
                             value.backward()
+                            if zero is not None:
+                                zero.after_backward()
                             del value, inputs
                     else:
                         with (
                             kernel_calls.installed() if step_temporaries else _idle_kernels(),
                             ledger.in_host_memory() if offloads_step else contextlib.nullcontext(),
                         ):
-                            built_optimizer.step()
+                            if zero is not None:
+                                zero.step()
+                            else:
+                                built_optimizer.step()
                         built_optimizer.zero_grad(set_to_none=True)
                 at_peak = ledger.live_at_peak()
                 held_after = classifier.kinds(built, built_optimizer, extra, phase == OPTIMIZER_STEP)
@@ -1112,6 +1137,8 @@ def plan(
                 phases.append(PhasePeak(phase, step, ledger.peak_bytes + added, by_kind))
         for handle in hooks:
             handle.remove()
+        if zero is not None:
+            zero.remove_hooks()
         params = list(built.parameters())
         trainable = sum(p.numel() for p in params if p.requires_grad)
         total = sum(p.numel() for p in params)

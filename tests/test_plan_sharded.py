@@ -288,9 +288,9 @@ def test_the_command_plans_one_rank_by_kind(capsys) -> None:
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
-        (("--gpus", "2"), "--gpus 2 needs a --strategy (one of ddp, fsdp2, fsdp2_offload)"),
+        (("--gpus", "2"), "--gpus 2 needs a --strategy (one of ddp, fsdp2, fsdp2_offload, zero2"),
         (("--gpus", "0", "--strategy", "ddp"), "--gpus must be an integer >= 1, got 0"),
-        (("--gpus", "2", "--strategy", "zero4"), "--strategy must be one of ddp, fsdp2, fsdp2_offload, got 'zero4'"),
+        (("--gpus", "2", "--strategy", "zero4"), "--strategy must be one of ddp, fsdp2, fsdp2_offload, zero2"),
         (("--fewest-gpus",), "--fewest-gpus needs --device-memory"),
         (("--fewest-gpus", "--device-memory", "1GiB", "--gpus", "2"), "--fewest-gpus finds the count itself"),
         (("--fewest-gpus", "--device-memory", "1GiB", "--strategy", "zero4"), "--strategy must be one of ddp"),

@@ -79,7 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--strategy",
         metavar="NAME",
-        help="how the step is spread over the GPUs: ddp, fsdp2 (full shard) or fsdp2_offload (with CPU offload)",
+        help="how the step is spread over the GPUs: ddp, fsdp2 (full shard), fsdp2_offload (with CPU offload), zero2, "
+        "zero2_offload, zero3, zero3_offload_optimizer or zero3_offload (DeepSpeed ZeRO, optimizer and parameter offload)",
     )
     plan.add_argument(
         "--fewest-gpus",

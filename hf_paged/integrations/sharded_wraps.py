@@ -91,8 +91,11 @@ def trainer_ddp(training_args: Any) -> Wrap:
     return wrap
 
 
-def trainer_wrap(strategy: Strategy, training_args: Any) -> Wrap:
-    """How the Trainer wraps a model for ``strategy`` (DDP or FSDP2)."""
+def trainer_wrap(strategy: Strategy, training_args: Any) -> Wrap | None:
+    """How the Trainer wraps a model for ``strategy`` (DDP or FSDP2); ``None`` for DeepSpeed ZeRO, which the planner
+    models instead (:mod:`hf_paged.zero_model`)."""
+    if strategy.engine == "zero":
+        return None
     if strategy.engine == "ddp":
         return trainer_ddp(training_args)
     return accelerate_fsdp2(strategy.offload_parameters)

@@ -1,0 +1,300 @@
+"""DeepSpeed ZeRO-2 and ZeRO-3, modelled inside the planner's trace (DeepSpeed itself cannot run on fake tensors).
+
+The planner traces the model's forward and backward (its activations and temporaries) and the client optimizer's step
+as it does on one device; :class:`ZeroModel` allocates, under the same trace and at the moments DeepSpeed 0.19 does,
+the buffers DeepSpeed's ZeRO optimizers keep (``deepspeed/runtime/zero/stage_1_and_2.py`` and ``stage3.py``), so that
+each phase's peak holds them:
+
+* ZeRO-2: each param group's trainable weights in one flat buffer, padded to a multiple of ``2 * world_size``
+  elements, the parameters views of it; this rank's fp32 master partition (a copy, even of fp32 weights), which the
+  client optimizer steps in place of the parameters, so that its state is that of one flat partition; the reduce
+  bucket of ``reduce_bucket_size`` elements from the first gradient of a backward to its end, each gradient copied
+  into it and freed; this rank's gradient partition (``partition_gradients``), which the step flattens into an fp32
+  gradient per group;
+* ZeRO-3: every parameter rests as this rank's partition (the trainable ones in one flat buffer per group) and is
+  gathered whole while its module runs, in forward and in backward (without DeepSpeed's prefetch of the next
+  modules); those of at most ``param_persistence_threshold`` elements are gathered for good at the end of the first
+  step; the fp32 master partitions (a copy), the gradient partitions and the reduce bucket are allocated when the
+  engine is built and live throughout. Not modelled: the prefetch of the next modules' parameters
+  (``stage3_prefetch_bucket_size``) and, after the first step, parameters kept gathered because they are used again
+  within ``stage3_max_reuse_distance`` elements (1e9 by default: below about that many parameters, later steps can
+  hold up to the whole weights gathered);
+* optimizer offload: the fp32 partitions, the gradient partitions and the client optimizer's state and step are in
+  host memory (planned for an accelerator); parameter offload (ZeRO-3): the partitions too, copied to the device
+  while gathered.
+
+Collectives are none: rank 0 holds what any rank holds (the partitions are padded to the same size).
+
+Only torch is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+REDUCE_BUCKET_SIZE = 500_000_000
+"""DeepSpeed's default ``zero_optimization.reduce_bucket_size`` (elements)."""
+
+PARAM_PERSISTENCE_THRESHOLD = 100_000
+"""DeepSpeed's default ``stage3_param_persistence_threshold`` (elements): smaller parameters are not partitioned."""
+
+ALIGNMENT = 2
+"""ZeRO-2 pads each group's flat buffer to a multiple of this many elements per rank (``nccl_start_alignment_factor``)."""
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """The DeepSpeed ``zero_optimization`` settings the model depends on, DeepSpeed's defaults unless given."""
+
+    reduce_bucket_size: int = REDUCE_BUCKET_SIZE
+    """Elements of the gradient reduce bucket."""
+    param_persistence_threshold: int = PARAM_PERSISTENCE_THRESHOLD
+    """ZeRO-3: parameters of at most this many elements stay whole on every rank."""
+
+    def __post_init__(self) -> None:
+        for name in ("reduce_bucket_size", "param_persistence_threshold"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0 (elements), got {value!r}")
+
+
+class Ledger(Protocol):
+    """What :class:`ZeroModel` needs of the planner's ledger."""
+
+    def labelling(self, kind: str) -> contextlib.AbstractContextManager[None]: ...
+
+    def allocating_on_host(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def resized(self, storage: torch.UntypedStorage) -> None: ...
+
+
+class ZeroModel:
+    """Rank 0's ZeRO buffers for ``model`` and ``optimizer`` (built on the model's parameters, as the Trainer builds its
+    client optimizer) over ``world_size`` ranks; see the module's docstring.
+
+    Args:
+        stage: 2 or 3.
+        offload_optimizer: fp32 partitions, gradient partitions and the optimizer state in host memory.
+        offload_parameters: ZeRO-3's parameter partitions in host memory.
+        host_apart: host memory is apart from the device (what is offloaded is not the device's).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        world_size: int,
+        stage: int,
+        settings: ZeroSettings,
+        ledger: Ledger,
+        offload_optimizer: bool = False,
+        offload_parameters: bool = False,
+        host_apart: bool = False,
+    ) -> None:
+        if stage not in (2, 3):
+            raise ValueError(f"stage must be 2 or 3, got {stage!r}")
+        self.world_size = world_size
+        self.stage = stage
+        self.settings = settings
+        self.ledger = ledger
+        self.optimizer = optimizer
+        self._optimizer_on_host = offload_optimizer and host_apart
+        self._parameters_on_host = offload_parameters and host_apart
+        self.groups = [[param for param in group["params"] if param.requires_grad] for group in optimizer.param_groups]
+        self.master: list[torch.Tensor] = []
+        """Each group's fp32 master partition, which the client optimizer steps."""
+        self._bucket: torch.Tensor | None = None
+        self._bucket_elements = 0
+        self._gradient_partition: torch.Tensor | None = None
+        self._hooks: list[Any] = []
+        self._flats: list[torch.Tensor] = []
+        if stage == 2:
+            self._build_stage2()
+        else:
+            self._build_stage3(model)
+        for group, master in zip(optimizer.param_groups, self.master):
+            group["params"] = [master]
+
+    @contextlib.contextmanager
+    def _on(self, host: bool, kind: str) -> Iterator[None]:
+        with self.ledger.labelling(kind), self.ledger.allocating_on_host() if host else contextlib.nullcontext():
+            yield
+
+    def partition_elements(self, group: list[torch.Tensor]) -> int:
+        """Elements of this rank's partition of ``group`` (ZeRO-2: of its padded flat buffer; ZeRO-3: the partitions of
+        its parameters, each padded to a multiple of the ranks)."""
+        if self.stage == 2:
+            alignment = ALIGNMENT * self.world_size
+            return math.ceil(sum(param.numel() for param in group) / alignment) * alignment // self.world_size
+        return sum(math.ceil(param.numel() / self.world_size) for param in group)
+
+    def _build_stage2(self) -> None:
+        for group in self.groups:
+            if not group:
+                self.master.append(torch.empty(0))
+                continue
+            size = self.partition_elements(group) * self.world_size
+            with torch.no_grad(), self._on(False, "trainable_weights"):
+                flat = torch.empty(size, dtype=group[0].dtype)
+                offset = 0
+                for param in group:
+                    flat.narrow(0, offset, param.numel()).copy_(param.reshape(-1))
+                    param.data = flat.narrow(0, offset, param.numel()).view_as(param)
+                    offset += param.numel()
+            with torch.no_grad(), self._on(self._optimizer_on_host, "trainable_weights"):
+                part = flat.narrow(0, 0, size // self.world_size).clone().to(torch.float32)
+            self.master.append(part.requires_grad_(True))
+            for param in group:
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._stage2_gradient))
+
+    def _stage2_gradient(self, param: torch.Tensor) -> None:
+        """A gradient is ready: the bucket is allocated at a backward's first; the gradient is copied into it and
+        freed; when the bucket is full, or the backward ends, it is reduced into this rank's gradient partition
+        (allocated at the first reduction)."""
+        if self._bucket is None:
+            with self._on(False, "communication"):
+                self._bucket = torch.empty(self.settings.reduce_bucket_size, dtype=param.dtype)
+            self._bucket_elements = 0
+        if self._bucket_elements + param.numel() > self.settings.reduce_bucket_size:
+            self._reduce(param.dtype)
+        self._bucket_elements += param.numel()
+        param.grad = None
+
+    def _reduce(self, dtype: torch.dtype) -> None:
+        """The bucket is reduced: this rank's gradients go to its gradient partition, allocated at the first."""
+        if self._gradient_partition is None:
+            elements = sum(self.partition_elements(group) for group in self.groups)
+            with self._on(self._optimizer_on_host, "gradients"):
+                self._gradient_partition = torch.empty(elements, dtype=dtype)
+        self._bucket_elements = 0
+
+    def _build_stage3(self, model: nn.Module) -> None:
+        self._model = model
+        trainable = [param for group in self.groups for param in group]
+        frozen = [p for p in model.parameters() if not p.requires_grad and p.is_floating_point()]
+        self._partitioned = {id(param) for param in (*trainable, *frozen)}
+        threshold = self.settings.param_persistence_threshold
+        self._persistent = {id(param) for param in (*trainable, *frozen) if param.numel() <= threshold}
+        self._persisting = False
+        with torch.no_grad(), self._on(self._parameters_on_host, "frozen_weights"):
+            self._frozen_partitions = [
+                torch.empty(math.ceil(p.numel() / self.world_size), dtype=p.dtype) for p in frozen
+            ]
+        for param in (*trainable, *frozen):
+            self._release(param)
+        for group in self.groups:
+            if not group:
+                self.master.append(torch.empty(0))
+                continue
+            with torch.no_grad(), self._on(self._parameters_on_host, "trainable_weights"):
+                flat = torch.empty(self.partition_elements(group), dtype=group[0].dtype)
+            with torch.no_grad(), self._on(self._optimizer_on_host, "trainable_weights"):
+                master = flat.to(torch.float32).clone()
+            self._flats.append(flat)
+            self.master.append(master.requires_grad_(True))
+        dtype = next((group[0].dtype for group in self.groups if group), torch.float32)
+        with self._on(False, "communication"):
+            self._bucket = torch.empty(self.settings.reduce_bucket_size, dtype=dtype)
+        elements = sum(self.partition_elements(group) for group in self.groups)
+        with self._on(self._optimizer_on_host, "gradients"):
+            self._gradient_partition = torch.zeros(elements, dtype=dtype)
+        for module in model.modules():
+            if self._own(module):
+                self._hooks.append(module.register_forward_pre_hook(self._gather_for_forward))
+                self._hooks.append(module.register_forward_hook(self._release_after_forward))
+        for param in trainable:
+            self._hooks.append(param.register_post_accumulate_grad_hook(self._stage3_gradient))
+
+    def _own(self, module: nn.Module) -> list[nn.Parameter]:
+        return [param for param in module.parameters(recurse=False) if id(param) in self._partitioned]
+
+    def _gather(self, param: torch.Tensor) -> None:
+        """Allocate ``param``'s whole tensor again (its storage, which autograd's saved tensors share)."""
+        storage = param.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(param.numel() * param.element_size())
+            self.ledger.resized(storage)
+
+    def _release(self, param: torch.Tensor, after_use: bool = False) -> None:
+        """Free ``param``'s whole tensor (its storage, also for the tensors autograd saved); ``after_use``: unless it
+        persists (a small parameter, after the first step)."""
+        storage = param.untyped_storage()
+        if storage.nbytes() and not (after_use and self._persisting and id(param) in self._persistent):
+            storage.resize_(0)
+            self.ledger.resized(storage)
+
+    def _gather_for_forward(self, module: nn.Module, args: Any) -> None:
+        for param in self._own(module):
+            self._gather(param)
+
+    def _release_after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Release the module's gathered parameters; gather them again when the gradient of its output arrives."""
+        params = self._own(module)
+        for param in params:
+            self._release(param, after_use=True)
+        outputs = [output] if isinstance(output, torch.Tensor) else list(output) if isinstance(output, tuple) else []
+        for tensor in outputs:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(lambda grad, params=params: self._gather_all(params))
+                break
+
+    def _gather_all(self, params: list[nn.Parameter]) -> None:
+        for param in params:
+            self._gather(param)
+
+    def _stage3_gradient(self, param: torch.Tensor) -> None:
+        """A gradient is ready: copied into the bucket, reduced into this rank's gradient partition and freed; the
+        parameter is released."""
+        param.grad = None
+        self._release(param, after_use=True)
+
+    def after_backward(self) -> None:
+        """The end of a backward: ZeRO-2 frees its bucket (the gradient partition stays for the step)."""
+        if self.stage == 2 and self._bucket is not None:
+            self._reduce(self._bucket.dtype)
+            self._bucket = None
+
+    def step(self) -> None:
+        """The ZeRO optimizer's step: (ZeRO-3) every parameter released; for each group, its fp32 gradient flattened
+        from the gradient partition, the client's step on the master partition, the gradient freed; (ZeRO-2) the
+        gradient partition freed, (ZeRO-3) the small parameters gathered for good."""
+        assert self._gradient_partition is not None
+        if self.stage == 3:
+            self._persisting = False
+            for param in self._model.parameters():
+                if id(param) in self._partitioned:
+                    self._release(param)
+        for index, master in enumerate(self.master):
+            if master.numel() == 0:
+                continue
+            with self._on(self._optimizer_on_host, "gradients"):
+                flat = torch.empty(master.numel(), dtype=self._gradient_partition.dtype)
+                grad = flat.to(torch.float32)
+                del flat
+            master.grad = grad
+            groups = self.optimizer.param_groups
+            self.optimizer.param_groups = [groups[index]]
+            try:
+                self.optimizer.step()
+            finally:
+                self.optimizer.param_groups = groups
+            master.grad = None
+            del grad
+        if self.stage == 2:
+            self._gradient_partition = None
+        else:
+            self._persisting = True
+            for param in self._model.parameters():
+                if id(param) in self._persistent:
+                    self._gather(param)
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
