@@ -15,10 +15,10 @@ each phase's peak holds them:
   gathered whole while its module runs, in forward and in backward (without DeepSpeed's prefetch of the next
   modules); those of at most ``param_persistence_threshold`` elements are gathered for good at the end of the first
   step; the fp32 master partitions (a copy), the gradient partitions and the reduce bucket are allocated when the
-  engine is built and live throughout. Not modelled: the prefetch of the next modules' parameters
-  (``stage3_prefetch_bucket_size``) and, after the first step, parameters kept gathered because they are used again
-  within ``stage3_max_reuse_distance`` elements (1e9 by default: below about that many parameters, later steps can
-  hold up to the whole weights gathered);
+  engine is built and live throughout. From the second step on (DeepSpeed has then recorded the order of the
+  modules), a module's parameters stay gathered from its forward to its backward when the modules in between gather
+  fewer than ``stage3_max_reuse_distance`` elements. Not modelled: the prefetch of the next modules' parameters
+  (``stage3_prefetch_bucket_size``);
 * optimizer offload: the fp32 partitions, the gradient partitions and the client optimizer's state and step are in
   host memory (planned for an accelerator); parameter offload (ZeRO-3): the partitions too, copied to the device
   while gathered.
@@ -45,6 +45,10 @@ REDUCE_BUCKET_SIZE = 500_000_000
 PARAM_PERSISTENCE_THRESHOLD = 100_000
 """DeepSpeed's default ``stage3_param_persistence_threshold`` (elements): smaller parameters are not partitioned."""
 
+MAX_REUSE_DISTANCE = 1_000_000_000
+"""DeepSpeed's default ``stage3_max_reuse_distance`` (elements): a parameter used again within this many elements of
+gathered parameters is not released."""
+
 ALIGNMENT = 2
 """ZeRO-2 pads each group's flat buffer to a multiple of this many elements per rank (``nccl_start_alignment_factor``)."""
 
@@ -56,10 +60,13 @@ class ZeroSettings:
     reduce_bucket_size: int = REDUCE_BUCKET_SIZE
     """Elements of the gradient reduce bucket."""
     param_persistence_threshold: int = PARAM_PERSISTENCE_THRESHOLD
-    """ZeRO-3: parameters of at most this many elements stay whole on every rank."""
+    """ZeRO-3: parameters of at most this many elements stay whole on every rank after the first step."""
+    max_reuse_distance: int = MAX_REUSE_DISTANCE
+    """ZeRO-3: after the first step, a module's parameters stay gathered from its forward to its backward when the
+    parameters of the modules in between (those after it, in forward and in backward) are fewer elements."""
 
     def __post_init__(self) -> None:
-        for name in ("reduce_bucket_size", "param_persistence_threshold"):
+        for name in ("reduce_bucket_size", "param_persistence_threshold", "max_reuse_distance"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0 (elements), got {value!r}")
@@ -183,6 +190,10 @@ class ZeroModel:
         threshold = self.settings.param_persistence_threshold
         self._persistent = {id(param) for param in (*trainable, *frozen) if param.numel() <= threshold}
         self._persisting = False
+        self._order: list[nn.Module] = []
+        """Modules with partitioned parameters in the order the first forward ran them."""
+        self._distance: dict[int, int] = {}
+        """From the second step: elements gathered between a module's forward and its backward."""
         with torch.no_grad(), self._on(self._parameters_on_host, "frozen_weights"):
             self._frozen_partitions = [
                 torch.empty(math.ceil(p.numel() / self.world_size), dtype=p.dtype) for p in frozen
@@ -231,14 +242,18 @@ class ZeroModel:
             self.ledger.resized(storage)
 
     def _gather_for_forward(self, module: nn.Module, args: Any) -> None:
+        if not self._distance and all(module is not seen for seen in self._order):
+            self._order.append(module)
         for param in self._own(module):
             self._gather(param)
 
     def _release_after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        """Release the module's gathered parameters; gather them again when the gradient of its output arrives."""
+        """Release the module's gathered parameters, unless it is used again soon (see :class:`ZeroSettings`); gather
+        them again when the gradient of its output arrives."""
         params = self._own(module)
-        for param in params:
-            self._release(param, after_use=True)
+        if self._distance.get(id(module), self.settings.max_reuse_distance) >= self.settings.max_reuse_distance:
+            for param in params:
+                self._release(param, after_use=True)
         outputs = [output] if isinstance(output, torch.Tensor) else list(output) if isinstance(output, tuple) else []
         for tensor in outputs:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
@@ -291,6 +306,10 @@ class ZeroModel:
             self._gradient_partition = None
         else:
             self._persisting = True
+            if not self._distance:
+                elements = [sum(param.numel() for param in self._own(module)) for module in self._order]
+                for index, module in enumerate(self._order):
+                    self._distance[id(module)] = 2 * sum(elements[index + 1 :])
             for param in self._model.parameters():
                 if id(param) in self._persistent:
                     self._gather(param)
