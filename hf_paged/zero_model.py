@@ -15,10 +15,11 @@ each phase's peak holds them:
   gathered whole while its module runs, in forward and in backward (without DeepSpeed's prefetch of the next
   modules); those of at most ``param_persistence_threshold`` elements are gathered for good at the end of the first
   step; the fp32 master partitions (a copy), the gradient partitions and the reduce bucket are allocated when the
-  engine is built and live throughout. From the second step on (DeepSpeed has then recorded the order of the
-  modules), a module's parameters stay gathered from its forward to its backward when the modules in between gather
-  fewer than ``stage3_max_reuse_distance`` elements. Not modelled: the prefetch of the next modules' parameters
-  (``stage3_prefetch_bucket_size``);
+  engine is built and live throughout. After the first forward and backward (DeepSpeed has then recorded the order
+  of the modules), a module gathers ahead the parameters of the next ones (``stage3_prefetch_bucket_size``
+  elements), and its parameters stay gathered from its forward to its backward when the modules in between gather
+  fewer than ``stage3_max_reuse_distance`` elements (``stage3_max_live_parameters``, which caps the prefetch, is
+  not modelled);
 * optimizer offload: the fp32 partitions, the gradient partitions and the client optimizer's state and step are in
   host memory (planned for an accelerator); parameter offload (ZeRO-3): the partitions too, copied to the device
   while gathered.
@@ -42,6 +43,9 @@ from torch import nn
 REDUCE_BUCKET_SIZE = 500_000_000
 """DeepSpeed's default ``zero_optimization.reduce_bucket_size`` (elements)."""
 
+PREFETCH_BUCKET_SIZE = 50_000_000
+"""DeepSpeed's default ``stage3_prefetch_bucket_size`` (elements)."""
+
 PARAM_PERSISTENCE_THRESHOLD = 100_000
 """DeepSpeed's default ``stage3_param_persistence_threshold`` (elements): smaller parameters are not partitioned."""
 
@@ -61,12 +65,15 @@ class ZeroSettings:
     """Elements of the gradient reduce bucket."""
     param_persistence_threshold: int = PARAM_PERSISTENCE_THRESHOLD
     """ZeRO-3: parameters of at most this many elements stay whole on every rank after the first step."""
+    prefetch_bucket_size: int = PREFETCH_BUCKET_SIZE
+    """ZeRO-3: after the first forward and backward, each module gathers ahead this many elements of the next ones'
+    parameters."""
     max_reuse_distance: int = MAX_REUSE_DISTANCE
     """ZeRO-3: after the first step, a module's parameters stay gathered from its forward to its backward when the
     parameters of the modules in between (those after it, in forward and in backward) are fewer elements."""
 
     def __post_init__(self) -> None:
-        for name in ("reduce_bucket_size", "param_persistence_threshold", "max_reuse_distance"):
+        for name in ("reduce_bucket_size", "param_persistence_threshold", "prefetch_bucket_size", "max_reuse_distance"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0 (elements), got {value!r}")
@@ -193,7 +200,15 @@ class ZeroModel:
         self._order: list[nn.Module] = []
         """Modules with partitioned parameters in the order the first forward ran them."""
         self._distance: dict[int, int] = {}
-        """From the second step: elements gathered between a module's forward and its backward."""
+        """After the first forward and backward: elements gathered between a module's forward and its backward."""
+        self._trace: list[nn.Module] = []
+        """Modules with partitioned parameters in the order the first forward and backward ran them."""
+        self._position = -1
+        """Where the forward and backward under way is in :attr:`_trace`."""
+        self._next = 0
+        """The next position of :attr:`_trace` to gather ahead."""
+        self._prefetched_for: dict[int, int] = {}
+        """Parameter to the position it was gathered ahead for."""
         with torch.no_grad(), self._on(self._parameters_on_host, "frozen_weights"):
             self._frozen_partitions = [
                 torch.empty(math.ceil(p.numel() / self.world_size), dtype=p.dtype) for p in frozen
@@ -241,40 +256,69 @@ class ZeroModel:
             storage.resize_(0)
             self.ledger.resized(storage)
 
-    def _gather_for_forward(self, module: nn.Module, args: Any) -> None:
-        if not self._distance and all(module is not seen for seen in self._order):
-            self._order.append(module)
+    def _fetch(self, module: nn.Module) -> None:
+        """``module`` runs (forward, or backward when the gradient of its output arrives): its parameters are gathered;
+        the first forward and backward record the order of the modules; later ones gather ahead, as DeepSpeed's
+        prefetch does, the parameters of the next modules in that order that are not gathered, until at least
+        ``prefetch_bucket_size`` elements are gathered ahead; a parameter of a module passed so, gathered or not, is
+        not released before that module's use."""
+        if not self._distance:
+            self._trace.append(module)
+            if all(module is not seen for seen in self._order):
+                self._order.append(module)
+        else:
+            self._position += 1
+            self._next = max(self._next, self._position + 1)
         for param in self._own(module):
             self._gather(param)
+        ahead = 0
+        while self._distance and self._next < len(self._trace) and ahead < self.settings.prefetch_bucket_size:
+            for param in self._own(self._trace[self._next]):
+                if param.untyped_storage().nbytes() == 0:
+                    self._gather(param)
+                    ahead += param.numel()
+                self._prefetched_for[id(param)] = max(self._prefetched_for.get(id(param), -1), self._next)
+            self._next += 1
+
+    def _gather_for_forward(self, module: nn.Module, args: Any) -> None:
+        self._fetch(module)
+
+    def _release_used(self, params: list[nn.Parameter]) -> None:
+        """Release ``params`` after their module ran, but those gathered ahead for a later use."""
+        for param in params:
+            if self._prefetched_for.get(id(param), -1) <= self._position:
+                self._release(param, after_use=True)
 
     def _release_after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         """Release the module's gathered parameters, unless it is used again soon (see :class:`ZeroSettings`); gather
         them again when the gradient of its output arrives."""
-        params = self._own(module)
         if self._distance.get(id(module), self.settings.max_reuse_distance) >= self.settings.max_reuse_distance:
-            for param in params:
-                self._release(param, after_use=True)
+            self._release_used(self._own(module))
         outputs = [output] if isinstance(output, torch.Tensor) else list(output) if isinstance(output, tuple) else []
         for tensor in outputs:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(lambda grad, params=params: self._gather_all(params))
+                tensor.register_hook(lambda grad, module=module: self._fetch(module))
                 break
-
-    def _gather_all(self, params: list[nn.Parameter]) -> None:
-        for param in params:
-            self._gather(param)
 
     def _stage3_gradient(self, param: torch.Tensor) -> None:
         """A gradient is ready: copied into the bucket, reduced into this rank's gradient partition and freed; the
         parameter is released."""
         param.grad = None
-        self._release(param, after_use=True)
+        self._release_used([param])
 
     def after_backward(self) -> None:
-        """The end of a backward: ZeRO-2 frees its bucket (the gradient partition stays for the step)."""
+        """The end of a backward: ZeRO-2 frees its bucket (the gradient partition stays for the step); ZeRO-3's first
+        has recorded the order of the modules, from which the reuse distances follow."""
         if self.stage == 2 and self._bucket is not None:
             self._reduce(self._bucket.dtype)
             self._bucket = None
+        if self.stage == 3:
+            if not self._distance:
+                elements = [sum(param.numel() for param in self._own(module)) for module in self._order]
+                for index, module in enumerate(self._order):
+                    self._distance[id(module)] = 2 * sum(elements[index + 1 :])
+            self._position, self._next = -1, 0
+            self._prefetched_for = {}
 
     def step(self) -> None:
         """The ZeRO optimizer's step: (ZeRO-3) every parameter released; for each group, its fp32 gradient flattened
@@ -306,10 +350,6 @@ class ZeroModel:
             self._gradient_partition = None
         else:
             self._persisting = True
-            if not self._distance:
-                elements = [sum(param.numel() for param in self._own(module)) for module in self._order]
-                for index, module in enumerate(self._order):
-                    self._distance[id(module)] = 2 * sum(elements[index + 1 :])
             for param in self._model.parameters():
                 if id(param) in self._persistent:
                     self._gather(param)
