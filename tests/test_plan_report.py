@@ -3,12 +3,14 @@ figure counts what its line says."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hf_paged.cli.config import load_config
 from hf_paged.cli.plan import (
     COMPARED_OPTIMIZERS,
     _comparison_optim_args,
+    _state_bytes,
     build_model,
     build_optimizer,
     format_report,
@@ -17,7 +19,7 @@ from hf_paged.cli.plan import (
     report,
     setup_from_config,
 )
-from hf_paged.planner import OPTIMIZER_STEP
+from hf_paged.planner import CUDA_ALLOCATION_ROUNDING, OPTIMIZER_STEP, plan
 from hf_paged.sizes import format_size
 
 from plan_utils import held_state_bytes
@@ -91,3 +93,55 @@ def test_the_comparison_counts_the_state_real_optimizers_keep() -> None:
         _train_one_step(other, model, optimizer)
         assert outcome.optimizer_states[name] == held_state_bytes(optimizer), name
         model.zero_grad(set_to_none=True)
+
+
+class _Summed(torch.nn.Module):
+    """Parameters of given shapes whose output, their sum, gives each a gradient (what the comparison once traced)."""
+
+    def __init__(self, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> None:
+        super().__init__()
+        self.params = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.empty(shape, dtype=dtype)) for shape, dtype in shapes
+        )
+
+    def forward(self) -> torch.Tensor:
+        return torch.stack([param.sum() for param in self.params]).sum()
+
+
+ADAPTERS = [((8, 128), torch.float32), ((344, 8), torch.float32), ((64, 96), torch.float32), ((50,), torch.float32)]
+"""LoRA-like fp32 adapters, one 2-D tensor that takes rank-1 state at 16-element blocks and one below every minimum."""
+
+FULL = [((260, 128), torch.bfloat16), ((128,), torch.bfloat16), ((344, 128), torch.bfloat16), ((5000,), torch.float32)]
+"""A full fine-tune's bf16 weights (an embedding-sized matrix, a norm, a projection) and an fp32 tensor."""
+
+
+@pytest.mark.parametrize(
+    ("shapes", "optim", "optim_args", "device"),
+    [
+        (ADAPTERS, "hf_paged_adamw_8bit", "page_size=16KiB,min_8bit_size=1024,block_size=64", "cuda"),
+        (ADAPTERS, "hf_paged_adamw_4bit", "page_size=4KiB,block_size=16,min_4bit_size=100,normalization=rank1", "cpu"),
+        (FULL, "adamw_torch", None, "cuda"),
+        (FULL, "hf_paged_lion_8bit", "page_size=8KiB,min_8bit_size=4096,fp32_embeddings=false", "cpu"),
+    ],
+)
+def test_the_comparison_gives_the_state_a_traced_step_leaves(shapes, optim, optim_args, device) -> None:
+    """Each row of the comparison, computed without a step, is the optimizer state bytes of a plan of one step of
+    the same parameters (what the comparison traced before), for any page size, block size, size minimum, rank-1
+    state and allocator rounding."""
+    overrides = [f"training.optim={optim}", f"training.optim_args={'null' if optim_args is None else optim_args}"]
+    setup = setup_from_config(load_config(None, overrides))
+    rounding = CUDA_ALLOCATION_ROUNDING if device == "cuda" else 1
+    for name in COMPARED_OPTIMIZERS:
+        if name == "adamw_bnb_8bit":
+            continue  # its state is computed from bitsandbytes' layout: its optimizer cannot be traced
+        other = setup.with_changes(training={"optim": name, "optim_args": _comparison_optim_args(setup, name)})
+        traced = plan(
+            lambda: _Summed(shapes),
+            lambda: None,
+            lambda model, other=other: build_optimizer(other, model, device),
+            loss=lambda model, _: model(),
+            steps=1,
+            device=device,
+            step_temporaries=False,
+        )
+        assert _state_bytes(other, shapes, device, rounding) == traced.optimizer_state_bytes, name

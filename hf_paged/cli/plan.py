@@ -389,25 +389,14 @@ COMPARED_OPTIMIZERS = (
 """Optimizers whose state the report sets beside the chosen one's."""
 
 COMPARISON_LIMIT = 500_000_000
-"""Trainable parameters above which the comparison is not traced (a paged step traces about 0.1 s per 2**18
-parameters of state)."""
+"""Trainable parameters above which the report leaves the comparison out (each paged optimizer lays out all its pages,
+about 50 us per page: 6 s for the 32-bit state of 2**28 parameters in 16 KiB pages)."""
 
 BNB_MIN_8BIT_SIZE = 4096
 """bitsandbytes' 8-bit optimizers keep 32-bit state for parameters with fewer elements."""
 
 BNB_BLOCK = 256
 """Elements per absmax of bitsandbytes' blockwise 8-bit state."""
-
-
-class _Trainable(nn.Module):
-    """Stand-in holding parameters of given shapes; its output, their sum, gives each a gradient."""
-
-    def __init__(self, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> None:
-        super().__init__()
-        self.params = nn.ParameterList(nn.Parameter(torch.empty(shape, dtype=dtype)) for shape, dtype in shapes)
-
-    def forward(self) -> torch.Tensor:
-        return torch.stack([param.sum() for param in self.params]).sum()
 
 
 def _bitsandbytes_8bit_state(shapes: list[tuple[tuple[int, ...], torch.dtype]], rounding: int) -> int:
@@ -444,35 +433,52 @@ def _comparison_optim_args(setup: TrainingSetup, name: str) -> str | None:
     return ",".join(f"{key}={value}" for key, value in kept.items()) or None
 
 
+def _state_bytes(
+    setup: TrainingSetup, shapes: list[tuple[tuple[int, ...], torch.dtype]], device: str, rounding: int
+) -> int:
+    """Bytes of all the state that the optimizer of ``setup`` keeps for trainable parameters of ``shapes`` once each has
+    taken a step, each allocation rounded up to ``rounding``, as a plan's
+    :attr:`~hf_paged.planner.MemoryPlan.optimizer_state_bytes` counts it, without tracing a step: on fake tensors, a
+    paged optimizer lays out the pages of every tensor (one block each, rank-1 statistics beside them), and each tensor
+    adds its step count (a 0-d fp32 tensor); another optimizer steps once on zero gradients."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..optim import PagedOptimizer
+    from ..planner import _optimizer_state_bytes
+
+    with FakeTensorMode():
+        params = nn.ParameterList(nn.Parameter(torch.empty(shape, dtype=dtype)) for shape, dtype in shapes)
+        optimizer = build_optimizer(setup, params, device)
+        step_counts = 0
+        if isinstance(optimizer, PagedOptimizer):
+            optimizer._place([(param, group) for group in optimizer.param_groups for param in group["params"]])
+            step_counts = len(params) * math.ceil(torch.float32.itemsize / rounding) * rounding
+        else:
+            for param in params:
+                param.grad = torch.zeros_like(param)
+            optimizer.step()
+        return _optimizer_state_bytes(optimizer, rounding) + step_counts
+
+
 def optimizer_state_comparison(setup: TrainingSetup, result: MemoryPlan, device: str = "cpu") -> dict[str, int] | None:
     """All the optimizer state of ``result``'s trainable parameters under each of :data:`COMPARED_OPTIMIZERS`, in
     bytes as :attr:`~hf_paged.planner.MemoryPlan.optimizer_state_bytes` counts it (the chosen optimizer's is
-    ``result``'s own; the others traced with the chosen ``optim_args`` they take; bitsandbytes' from its layout);
-    ``None`` above :data:`COMPARISON_LIMIT` trainable parameters."""
+    ``result``'s own; the others by :func:`_state_bytes` with the chosen ``optim_args`` they take; bitsandbytes' from
+    its layout); ``None`` above :data:`COMPARISON_LIMIT` trainable parameters."""
     if result.trainable_params > COMPARISON_LIMIT:
         return None
-    from .. import planner
+    from ..planner import CUDA_ALLOCATION_ROUNDING
 
-    rounding = planner.CUDA_ALLOCATION_ROUNDING if torch.device(device).type == "cuda" else 1
+    rounding = CUDA_ALLOCATION_ROUNDING if torch.device(device).type == "cuda" else 1
     states = {}
     for name in COMPARED_OPTIMIZERS:
         if name == setup.optimizer_name:
             states[name] = result.optimizer_state_bytes
-            continue
-        if name == "adamw_bnb_8bit":
+        elif name == "adamw_bnb_8bit":
             states[name] = _bitsandbytes_8bit_state(result.trainable_shapes, rounding)
-            continue
-        other = setup.with_changes(training={"optim": name, "optim_args": _comparison_optim_args(setup, name)})
-        traced = planner.plan(
-            lambda: _Trainable(result.trainable_shapes),
-            lambda: None,
-            lambda model, other=other: build_optimizer(other, model, device),
-            loss=lambda model, _: model(),
-            steps=1,
-            device=device,
-            step_temporaries=False,
-        )
-        states[name] = traced.optimizer_state_bytes
+        else:
+            other = setup.with_changes(training={"optim": name, "optim_args": _comparison_optim_args(setup, name)})
+            states[name] = _state_bytes(other, result.trainable_shapes, device, rounding)
     return states
 
 
