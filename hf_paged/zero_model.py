@@ -18,8 +18,8 @@ each phase's peak holds them:
   engine is built and live throughout. After the first forward and backward (DeepSpeed has then recorded the order
   of the modules), a module gathers ahead the parameters of the next ones (``stage3_prefetch_bucket_size``
   elements), and its parameters stay gathered from its forward to its backward when the modules in between gather
-  fewer than ``stage3_max_reuse_distance`` elements (``stage3_max_live_parameters``, which caps the prefetch, is
-  not modelled);
+  fewer than ``stage3_max_reuse_distance`` elements; the prefetch stops where ``stage3_max_live_parameters``
+  elements are gathered;
 * optimizer offload: the fp32 partitions, the gradient partitions and the client optimizer's state and step are in
   host memory (planned for an accelerator); parameter offload (ZeRO-3): the partitions too, copied to the device
   while gathered.
@@ -49,6 +49,9 @@ PREFETCH_BUCKET_SIZE = 50_000_000
 PARAM_PERSISTENCE_THRESHOLD = 100_000
 """DeepSpeed's default ``stage3_param_persistence_threshold`` (elements): smaller parameters are not partitioned."""
 
+MAX_LIVE_PARAMETERS = 1_000_000_000
+"""DeepSpeed's default ``stage3_max_live_parameters`` (elements): the prefetch stops where this many are gathered."""
+
 MAX_REUSE_DISTANCE = 1_000_000_000
 """DeepSpeed's default ``stage3_max_reuse_distance`` (elements): a parameter used again within this many elements of
 gathered parameters is not released."""
@@ -68,12 +71,20 @@ class ZeroSettings:
     prefetch_bucket_size: int = PREFETCH_BUCKET_SIZE
     """ZeRO-3: after the first forward and backward, each module gathers ahead this many elements of the next ones'
     parameters."""
+    max_live_parameters: int = MAX_LIVE_PARAMETERS
+    """ZeRO-3: the prefetch gathers ahead while fewer elements than this are gathered."""
     max_reuse_distance: int = MAX_REUSE_DISTANCE
     """ZeRO-3: after the first step, a module's parameters stay gathered from its forward to its backward when the
     parameters of the modules in between (those after it, in forward and in backward) are fewer elements."""
 
     def __post_init__(self) -> None:
-        for name in ("reduce_bucket_size", "param_persistence_threshold", "prefetch_bucket_size", "max_reuse_distance"):
+        for name in (
+            "reduce_bucket_size",
+            "param_persistence_threshold",
+            "prefetch_bucket_size",
+            "max_live_parameters",
+            "max_reuse_distance",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0 (elements), got {value!r}")
@@ -197,6 +208,8 @@ class ZeroModel:
         threshold = self.settings.param_persistence_threshold
         self._persistent = {id(param) for param in (*trainable, *frozen) if param.numel() <= threshold}
         self._persisting = False
+        self._available = sum(param.numel() for param in (*trainable, *frozen))
+        """Elements of the parameters gathered whole (all, until they are released below)."""
         self._order: list[nn.Module] = []
         """Modules with partitioned parameters in the order the first forward ran them."""
         self._distance: dict[int, int] = {}
@@ -247,6 +260,7 @@ class ZeroModel:
         if storage.nbytes() == 0:
             storage.resize_(param.numel() * param.element_size())
             self.ledger.resized(storage)
+            self._available += param.numel()
 
     def _release(self, param: torch.Tensor, after_use: bool = False) -> None:
         """Free ``param``'s whole tensor (its storage, also for the tensors autograd saved); ``after_use``: unless it
@@ -255,13 +269,14 @@ class ZeroModel:
         if storage.nbytes() and not (after_use and self._persisting and id(param) in self._persistent):
             storage.resize_(0)
             self.ledger.resized(storage)
+            self._available -= param.numel()
 
     def _fetch(self, module: nn.Module) -> None:
         """``module`` runs (forward, or backward when the gradient of its output arrives): its parameters are gathered;
         the first forward and backward record the order of the modules; later ones gather ahead, as DeepSpeed's
         prefetch does, the parameters of the next modules in that order that are not gathered, until at least
-        ``prefetch_bucket_size`` elements are gathered ahead; a parameter of a module passed so, gathered or not, is
-        not released before that module's use."""
+        ``prefetch_bucket_size`` elements are gathered ahead, or ``max_live_parameters`` elements in all; a parameter
+        of a module passed so, gathered or not, is not released before that module's use."""
         if not self._distance:
             self._trace.append(module)
             if all(module is not seen for seen in self._order):
@@ -272,7 +287,8 @@ class ZeroModel:
         for param in self._own(module):
             self._gather(param)
         ahead = 0
-        while self._distance and self._next < len(self._trace) and ahead < self.settings.prefetch_bucket_size:
+        limit = min(self.settings.prefetch_bucket_size, self.settings.max_live_parameters - self._available)
+        while self._distance and self._next < len(self._trace) and ahead < limit:
             for param in self._own(self._trace[self._next]):
                 if param.untyped_storage().nbytes() == 0:
                     self._gather(param)
