@@ -63,7 +63,12 @@ class TrainingSetup:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise ConfigError(f"--gpus must be an integer >= 1, got {self.world_size!r}")
         if self.strategy is not None and self.strategy not in STRATEGIES:
-            raise ConfigError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+            from ..sharding import strategy_named
+
+            try:
+                strategy_named(self.strategy)
+            except ValueError as error:
+                raise ConfigError(f"--{error}") from None
         if self.world_size > 1 and self.strategy is None:
             raise ConfigError(f"--gpus {self.world_size} needs a --strategy (one of {', '.join(STRATEGIES)})")
 
@@ -353,13 +358,18 @@ def plan_setup(setup: TrainingSetup, device: str = "cpu", host_memory_apart: boo
     extra = quantization_state if setup.method == "qlora" else None
     from .train import training_arguments
 
-    training_args = training_arguments(setup.config)  # before a fake world, whose process group it would see
+    # before a fake world, whose process group it would see; without DeepSpeed, which would start one
+    training_args = training_arguments(setup.with_changes(training={"deepspeed": None}).config)
     wrap = None
+    strategy = None
     if setup.strategy is not None:
         from ..integrations.sharded_wraps import trainer_wrap
         from ..sharding import strategy_named
 
-        wrap = trainer_wrap(strategy_named(setup.strategy), training_args)
+        strategy = strategy_named(setup.strategy)
+        if strategy.engine == "zero":
+            strategy = dataclasses.replace(strategy, zero=zero_settings(setup))
+        wrap = trainer_wrap(strategy, training_args)
     try:
         return plan(
             lambda: build_model(setup, device, shapes_only=True),
@@ -369,12 +379,68 @@ def plan_setup(setup: TrainingSetup, device: str = "cpu", host_memory_apart: boo
             accumulation=min(setup.accumulation, 2),
             extra_state=extra,
             world_size=setup.world_size,
-            strategy=setup.strategy,
+            strategy=strategy,
             wrap=wrap,
             host_memory_apart=host_memory_apart,
         )
     except PlanningError as error:
         raise ConfigError(f"model.name: {setup.config.model.name!r}: {error}") from None
+
+
+def deepspeed_config(setup: TrainingSetup) -> dict[str, Any]:
+    """The DeepSpeed config ``training.deepspeed`` gives (a mapping or a JSON file's path), ``{}`` without one."""
+    import json
+
+    value = setup.config.training.get("deepspeed")
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        return value
+    try:
+        with open(value) as file:
+            loaded = json.load(file)
+    except (OSError, TypeError, ValueError) as error:
+        raise ConfigError(f"training.deepspeed: cannot read a DeepSpeed config from {value!r}: {error}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"training.deepspeed: {value!r} holds no JSON object")
+    return loaded
+
+
+_ZERO_KEYS = {
+    "reduce_bucket_size": "reduce_bucket_size",
+    "stage3_param_persistence_threshold": "param_persistence_threshold",
+    "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+    "stage3_max_live_parameters": "max_live_parameters",
+    "stage3_max_reuse_distance": "max_reuse_distance",
+}
+"""``zero_optimization`` keys of a DeepSpeed config and the :class:`~hf_paged.zero_model.ZeroSettings` field of each."""
+
+
+def zero_settings(setup: TrainingSetup) -> Any:
+    """The :class:`~hf_paged.zero_model.ZeroSettings` of ``training.deepspeed``'s ``zero_optimization``: DeepSpeed's
+    defaults for keys it leaves out, and for ``auto`` what the Trainer fills in from the model's hidden size (a
+    reduce bucket of hidden_size², a prefetch bucket of 0.9 hidden_size², a persistence threshold of 10
+    hidden_size)."""
+    from ..zero_model import ZeroSettings
+
+    zero = deepspeed_config(setup).get("zero_optimization") or {}
+    values: dict[str, int] = {}
+    for key, field_name in _ZERO_KEYS.items():
+        value = zero.get(key)
+        if value is None:
+            continue
+        if value == "auto":
+            hidden = architecture(setup.config).hidden_size
+            value = {"reduce_bucket_size": hidden * hidden, "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden)}
+            value = value.get(key, 10 * hidden)
+        try:
+            values[field_name] = int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"training.deepspeed: zero_optimization.{key} must be a number or 'auto', got {value!r}")
+    try:
+        return ZeroSettings(**values)
+    except ValueError as error:
+        raise ConfigError(f"training.deepspeed: {error}") from None
 
 
 COMPARED_OPTIMIZERS = (
@@ -726,8 +792,8 @@ def fewest_gpus(
     ``capacity`` bytes on which every rank of ``setup`` fits: one count with the paged optimizer's state all on the
     device (``device_budget`` removed), one with paging, whose device budget is one page while searching and then
     the largest that fits at the count found. One GPU is the plan without a strategy (the Trainer wraps nothing for
-    one process) but for CPU offload, which applies on one GPU too. DDP's rank holds the same at any count, so two
-    GPUs answer for all. ``host_memory_apart``: see :func:`hf_paged.planner.plan`."""
+    one process) but for CPU offload and DeepSpeed ZeRO, which apply on one GPU too. DDP's rank holds the same at any
+    count, so two GPUs answer for all. ``host_memory_apart``: see :func:`hf_paged.planner.plan`."""
     from ..sharding import STRATEGIES, strategy_named
 
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
@@ -742,7 +808,7 @@ def fewest_gpus(
 
         def at(count: int, budget: int | None, strategy=strategy, plans=plans) -> MemoryPlan:
             if (count, budget) not in plans:
-                sharded = strategy.offload_parameters or count > 1
+                sharded = strategy.offload_parameters or strategy.engine == "zero" or count > 1
                 changed = _with_budget(setup, budget) if page_size is not None else setup
                 changed = changed.with_changes(world_size=count, strategy=strategy.name if sharded else None)
                 plans[count, budget] = plan_setup(changed, device, host_memory_apart)
@@ -779,7 +845,7 @@ def _count(
         paged_most = most if gpus is None else gpus
         count.paged_gpus, count.paged_plan = _fewest(lambda count: at(count, page_size), capacity, paged_most)
         if count.paged_gpus is not None:
-            sharded = strategy.offload_parameters or count.paged_gpus > 1
+            sharded = strategy.offload_parameters or strategy.engine == "zero" or count.paged_gpus > 1
             at_count = _with_budget(setup, None).with_changes(
                 world_size=count.paged_gpus, strategy=name if sharded else None
             )

@@ -10,7 +10,9 @@ Every batch is :func:`hf_paged.cli.plan.make_batch`'s, the batch the planner tra
 
 ``--strategy``: ``ddp`` (accelerate wraps the model in ``DistributedDataParallel``; with one process it wraps
 nothing), ``fsdp2`` or ``fsdp2_offload`` (accelerate's FSDP2, enabled on the CPU as ``tests/scripts/fsdp2_trainer.py``
-enables it, with ``--fsdp_offload_params true``'s ``CPUOffloadPolicy`` for the latter). Each rank writes
+enables it, with ``--fsdp_offload_params true``'s ``CPUOffloadPolicy`` for the latter), or a ZeRO strategy of
+:data:`ZERO_CONFIGS` (the Trainer's DeepSpeed integration with a config of :func:`zero_config`; accelerate's
+``backward`` runs the engine's step, so forward and backward end where the engine's step begins). Each rank writes
 ``rank<R>.json`` into ``--output``: its peaks and what shows that the engine was in effect (the wrapper, the world size
 and backend, the sharded parameters, the offload flags).
 
@@ -40,7 +42,7 @@ from transformers import Trainer, TrainerCallback
 
 from hf_paged import device as device_module
 from hf_paged.cli.config import load_config
-from hf_paged.cli.plan import architecture, build_model, make_batch, setup_from_config
+from hf_paged.cli.plan import architecture, build_model, deepspeed_config, make_batch, setup_from_config
 from hf_paged.cli.train import training_arguments
 from hf_paged.planner import FORWARD_BACKWARD, OPTIMIZER_STEP
 from hf_paged.process_exit import end_distributed_run
@@ -54,11 +56,30 @@ class PhasePeaks(TrainerCallback):
 
     def __init__(self) -> None:
         self.peaks: list[tuple[str, int, int]] = []
+        self.engine_steps = False
+        self.trainer: Trainer | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        """Under DeepSpeed, accelerate's ``backward`` runs the engine's step too: forward and backward end there."""
+        engine = self.trainer.model_wrapped
+        if not hasattr(engine, "zero_optimization_stage"):
+            return
+        self.engine_steps = True
+        step = engine.step
+
+        def step_after_backward(*step_args, **step_kwargs):
+            self.peaks.append((FORWARD_BACKWARD, state.global_step + 1, device_memory.peak()))
+            device_memory.reset_peak()
+            return step(*step_args, **step_kwargs)
+
+        engine.step = step_after_backward
 
     def on_step_begin(self, args, state, control, **kwargs):
         device_memory.reset_peak()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.engine_steps:
+            return
         self.peaks.append((FORWARD_BACKWARD, state.global_step + 1, device_memory.peak()))
         device_memory.reset_peak()
 
@@ -83,6 +104,15 @@ def engine_facts(trainer: Trainer, strategy: str) -> dict:
         "sharded_params": sum(isinstance(param, DTensor) for param in params),
         "params": len(params),
     }
+    if strategy in ZERO_CONFIGS:
+        engine = trainer.model_wrapped
+        facts["zero"] = [
+            int(engine.zero_optimization_stage()),
+            bool(engine.zero_cpu_offload()),
+            engine.zero_offload_param() is not None,
+            type(engine.optimizer).__name__,
+            type(engine.optimizer.optimizer).__name__,
+        ]
     if strategy.startswith("fsdp2"):
         facts["offload"] = sorted(
             {
@@ -96,6 +126,36 @@ def engine_facts(trainer: Trainer, strategy: str) -> dict:
     return facts
 
 
+ZERO_CONFIGS = {
+    "zero2": (2, False, False),
+    "zero2_offload": (2, True, False),
+    "zero3": (3, False, False),
+    "zero3_offload_optimizer": (3, True, False),
+    "zero3_offload": (3, True, True),
+}
+"""ZeRO strategy: (stage, optimizer offloaded to the CPU, parameters offloaded to the CPU)."""
+
+
+def zero_config(strategy: str, settings: dict) -> dict:
+    """The DeepSpeed config of a ZeRO strategy, without an optimizer section (the Trainer's optimizer is DeepSpeed's
+    client), with the ``zero_optimization`` ``settings`` of the hf-paged config's ``training.deepspeed`` and
+    DeepSpeed's defaults for everything else, as ``configs/accelerate/zero*.yaml`` build it."""
+    stage, offload_optimizer, offload_parameters = ZERO_CONFIGS[strategy]
+    zero: dict = {**settings, "stage": stage}
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    if offload_parameters:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": zero,
+        "zero_force_ds_cpu_optimizer": False,
+    }
+
+
 class _HostApartBackend(device_module.SyncBackend):
     """The CPU page store's backend, whose host pages are host memory beside the pseudo-device."""
 
@@ -106,7 +166,7 @@ class _HostApartBackend(device_module.SyncBackend):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategy", choices=("ddp", "fsdp2", "fsdp2_offload"), required=True)
+    parser.add_argument("--strategy", choices=("ddp", "fsdp2", "fsdp2_offload", *ZERO_CONFIGS), required=True)
     parser.add_argument("--method", choices=("full", "lora", "qlora"), required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--steps", type=int, default=2)
@@ -130,10 +190,16 @@ def main() -> None:
 
         os.environ.update(FSDP2_ENVIRONMENT, FSDP_OFFLOAD_PARAMS=str(args.strategy == "fsdp2_offload").lower())
         enable_fsdp_on_cpu()
+    if args.strategy in ZERO_CONFIGS:
+        os.environ.setdefault("HF_PAGED_COMPILE", "0")
+        import deepspeed.ops
+
+        # no JIT build of its shared-memory op (as tests/scripts/deepspeed_train.py)
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     dist.init_process_group("gloo", timeout=timedelta(minutes=2))
     setup = setup_from_config(load_config(None, args.overrides), args.method)
     vocab_size = architecture(setup.config).vocab_size
-    training = training_arguments(setup.config)
+    training = training_arguments(setup.with_changes(training={"deepspeed": None}).config)
     overrides = {
         "output_dir": os.path.join(args.output, "trainer"),
         "max_steps": args.steps,
@@ -145,6 +211,8 @@ def main() -> None:
         "dataloader_num_workers": 0,
         "seed": 0,
     }
+    if args.strategy in ZERO_CONFIGS:
+        overrides["deepspeed"] = zero_config(args.strategy, deepspeed_config(setup).get("zero_optimization", {}))
     training = dataclasses.replace(training, **overrides)
     examples = [
         {"index": index} for index in range(args.steps * setup.batch_size * setup.accumulation * dist.get_world_size())
@@ -162,6 +230,7 @@ def main() -> None:
             data_collator=lambda features: make_batch(setup, vocab_size),
             callbacks=[phases],
         )
+        phases.trainer = trainer
         trainer.train()
     except torch.OutOfMemoryError as error:
         with open(result_file, "w") as file:

@@ -1,0 +1,194 @@
+"""The planner's DeepSpeed ZeRO strategies (issue 39) against DeepSpeed's own estimators, and their bad input.
+
+DeepSpeed's ``estimate_zero2_model_states_mem_needs`` and ``estimate_zero3_model_states_mem_needs`` (what the
+``..._all_live`` estimators print for a model) count one GPU's model states of a 16-bit model trained with fp32 Adam:
+ZeRO-2 ``2P + 18P/N`` bytes for P parameters on N GPUs (16-bit weights; 16-bit and fp32 gradient partitions, fp32
+master partition, two fp32 moments), ``2P`` with the optimizer offloaded; ZeRO-3 ``4L + 18P/N`` (L: the largest
+layer's parameters, gathered with its gradient), ``4L + 2P/N`` with the optimizer offloaded, ``4L`` with the
+parameters too. The plan's model states at its optimizer-step peak (weights, gradients, optimizer state) are the same
+for ZeRO-2. For ZeRO-3 they differ by what the two count differently: the plan holds DeepSpeed's 16-bit gradient
+partition beside its 16-bit parameter partition (``stage3.py`` allocates both; the estimator counts one 16-bit
+partition), and no gathered layer at the step (DeepSpeed releases every parameter before it); so the plan is the
+estimator's figure less ``4L``, plus ``2P/N`` without offload. The real runs are in ``tests/test_plan_sharded.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+
+from hf_paged.cli.config import ConfigError, load_config
+from hf_paged.cli.plan import TrainingSetup, setup_from_config, zero_settings
+from hf_paged.planner import OPTIMIZER_STEP, plan
+from hf_paged.sharding import Strategy
+from hf_paged.zero_model import REDUCE_BUCKET_SIZE, ZeroSettings
+
+WIDTH, LAYERS, GPUS = 512, 4, 4
+"""An MLP whose weights (262,144 elements each) are above DeepSpeed's persistence threshold, on 4 GPUs."""
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS))).to(torch.bfloat16)
+
+
+def _plan(strategy: str | Strategy, device: str = "cpu"):
+    return plan(
+        _mlp,
+        lambda: torch.randn(8, WIDTH, dtype=torch.bfloat16),
+        lambda model: torch.optim.AdamW(model.parameters(), foreach=False),
+        loss=lambda model, inputs: model(inputs).float().pow(2).mean(),
+        strategy=strategy,
+        world_size=GPUS,
+        device=device,
+    )
+
+
+def _model_states(planned) -> int:
+    """Weights, gradients and optimizer state at the optimizer step's peak (bytes)."""
+    kinds = planned.peak(OPTIMIZER_STEP).by_kind
+    return kinds["trainable_weights"] + kinds["gradients"] + kinds["optimizer_state"]
+
+
+PARAMS = LAYERS * (WIDTH * WIDTH + WIDTH)
+LARGEST = WIDTH * WIDTH + WIDTH
+
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+
+
+@needs_deepspeed
+@pytest.mark.parametrize(("strategy", "device", "offload"), [("zero2", "cpu", False), ("zero2_offload", "cuda", True)])
+def test_zero2_model_states_are_deepspeeds_estimate(strategy: str, device: str, offload: bool) -> None:
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    _, estimate = estimate_zero2_model_states_mem_needs(PARAMS, num_gpus_per_node=GPUS, cpu_offload=offload)
+    planned = _model_states(_plan(strategy, device))
+    print(f"{strategy}: planned {planned}, DeepSpeed's estimate {estimate}")
+    assert abs(planned / estimate - 1) < 0.005
+
+
+@needs_deepspeed
+@pytest.mark.parametrize(
+    ("strategy", "device", "offload", "offload_params"),
+    [
+        ("zero3", "cpu", False, False),
+        ("zero3_offload_optimizer", "cuda", True, False),
+        ("zero3_offload", "cuda", True, True),
+    ],
+)
+def test_zero3_model_states_are_deepspeeds_estimate_but_for_what_they_count_differently(
+    strategy: str, device: str, offload: bool, offload_params: bool
+) -> None:
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    _, estimate, largest_layer = estimate_zero3_model_states_mem_needs(
+        PARAMS, LARGEST, num_gpus_per_node=GPUS, cpu_offload=offload, cpu_offload_params=offload_params
+    )
+    expected = estimate - largest_layer + (0 if offload else 2 * PARAMS // GPUS)
+    planned = _model_states(_plan(strategy, device))
+    print(f"{strategy}: planned {planned}, DeepSpeed's estimate {estimate} ({largest_layer} of a gathered layer)")
+    assert abs(planned - expected) <= max(0.005 * expected, 4096)
+
+
+def test_the_reduce_bucket_is_a_communication_buffer_of_deepspeeds_default_size() -> None:
+    """ZeRO-2's reduce bucket lives through backward only; ZeRO-3's from the engine's start; at the step each rank
+    holds the whole 16-bit weights and its fp32 master partition under ZeRO-2, its partition of both under ZeRO-3."""
+    zero2, zero3 = _plan("zero2"), _plan("zero3")
+    bucket = REDUCE_BUCKET_SIZE * 2  # bf16
+    assert zero2.peak("forward_backward").by_kind["communication"] == bucket
+    assert zero2.peak(OPTIMIZER_STEP).by_kind["communication"] == 0
+    assert zero3.peak(OPTIMIZER_STEP).by_kind["communication"] == bucket
+    whole = PARAMS * 2
+    partitions = 6 * PARAMS // GPUS  # 2 bytes of bf16, 4 of fp32 master
+    assert (
+        whole + 4 * PARAMS // GPUS
+        <= zero2.peak(OPTIMIZER_STEP).by_kind["trainable_weights"]
+        <= whole + 4 * PARAMS // GPUS + 64
+    )
+    assert partitions <= zero3.peak(OPTIMIZER_STEP).by_kind["trainable_weights"] <= partitions + 64
+
+
+def _gathered_in_second_backward(**settings: int) -> int:
+    """Elements of the MLP's weights gathered whole at the second forward and backward's peak under ZeRO-3 on 4 GPUs,
+    with ``settings`` (its partitions and fp32 master partitions aside)."""
+    import dataclasses
+
+    from hf_paged.sharding import STRATEGIES
+
+    strategy = dataclasses.replace(STRATEGIES["zero3"], zero=ZeroSettings(param_persistence_threshold=0, **settings))
+    planned = _plan(strategy)
+    second = next(item for item in planned.phases if item.phase == "forward_backward" and item.step == 2)
+    return (second.by_kind["trainable_weights"] - 6 * PARAMS // GPUS) // 2
+
+
+def test_zero3_gathers_ahead_and_keeps_what_is_reused_soon_as_deepspeed() -> None:
+    """At the start of the second backward the last layer is gathered; a layer stays gathered from its forward when the
+    layers after it, in forward and backward, hold fewer than ``max_reuse_distance`` elements (the last two for twice a
+    layer and one more; all for DeepSpeed's default, 1e9); each module gathers the next ones ahead, up to
+    ``prefetch_bucket_size`` elements at a time and ``max_live_parameters`` in all."""
+    layer = WIDTH * WIDTH + WIDTH
+    alone = _gathered_in_second_backward(max_reuse_distance=0, prefetch_bucket_size=0)
+    kept = _gathered_in_second_backward(max_reuse_distance=2 * layer + 1, prefetch_bucket_size=0)
+    ahead = _gathered_in_second_backward(
+        max_reuse_distance=0, prefetch_bucket_size=layer, max_live_parameters=2 * layer
+    )
+    defaults = _gathered_in_second_backward()
+    assert (alone, kept, ahead, defaults) == (layer, 2 * layer, 2 * layer, LAYERS * layer), (
+        alone,
+        kept,
+        ahead,
+        defaults,
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("ddp_offload", "strategy: ddp has no 'offload'; the strategies with offload are fsdp2_offload, zero2_offload"),
+        ("zero4", "strategy must be one of ddp, fsdp2, fsdp2_offload, zero2, zero2_offload, zero3"),
+    ],
+)
+def test_bad_strategies_are_named(name: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _plan(name)
+
+
+def test_zero_is_modelled_not_wrapped() -> None:
+    with pytest.raises(ValueError, match="wrap: strategy zero2 is DeepSpeed ZeRO, which is modelled, not wrapped"):
+        plan(_mlp, lambda: torch.randn(8, WIDTH), torch.optim.AdamW, strategy="zero2", world_size=2, wrap=lambda m: m)
+
+
+@needs_deepspeed
+def test_the_defaults_are_deepspeeds() -> None:
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    defaults = DeepSpeedZeroConfig()
+    assert ZeroSettings() == ZeroSettings(
+        reduce_bucket_size=defaults.reduce_bucket_size, param_persistence_threshold=defaults.param_persistence_threshold
+    )
+
+
+def test_bad_zero_settings_are_named() -> None:
+    with pytest.raises(ValueError, match="reduce_bucket_size must be an integer >= 0"):
+        ZeroSettings(reduce_bucket_size=-1)
+
+
+def _setup(deepspeed: object) -> TrainingSetup:
+    return setup_from_config(load_config(None, ["model.tiny.hidden_size=64"]), "full").with_changes(
+        training={"deepspeed": deepspeed}
+    )
+
+
+def test_zero_settings_come_from_the_deepspeed_config() -> None:
+    """DeepSpeed's defaults where the config leaves a key out; ``auto`` as the Trainer fills it from the hidden size."""
+    assert zero_settings(_setup(None)) == ZeroSettings()
+    settings = zero_settings(
+        _setup({"zero_optimization": {"reduce_bucket_size": "auto", "stage3_param_persistence_threshold": 1e3}})
+    )
+    assert settings == ZeroSettings(reduce_bucket_size=64 * 64, param_persistence_threshold=1000)
+    with pytest.raises(ConfigError, match="zero_optimization.reduce_bucket_size must be a number or 'auto'"):
+        zero_settings(_setup({"zero_optimization": {"reduce_bucket_size": "big"}}))
+    with pytest.raises(ConfigError, match="training.deepspeed: cannot read a DeepSpeed config"):
+        zero_settings(_setup("/nonexistent/ds.json"))
