@@ -57,7 +57,8 @@ MAX_REUSE_DISTANCE = 1_000_000_000
 gathered parameters is not released."""
 
 ALIGNMENT = 2
-"""ZeRO-2 pads each group's flat buffer to a multiple of this many elements per rank (``nccl_start_alignment_factor``)."""
+"""ZeRO-2 pads each group's flat buffer to a multiple of this many elements per rank (DeepSpeed's
+``nccl_start_alignment_factor``)."""
 
 
 @dataclass(frozen=True)
@@ -192,10 +193,23 @@ class ZeroModel:
         self._bucket_elements += param.numel()
         param.grad = None
 
+    def _gradients_in_partition(self) -> int:
+        """Elements of ZeRO-2's gradient partition on rank 0: every gradient of a parameter that begins in the rank's
+        partition of its group's flat buffer, whole (DeepSpeed's ``grads_in_partition``: a parameter across the
+        partition's end counts in full)."""
+        elements = 0
+        for group in self.groups:
+            end, offset = self.partition_elements(group), 0
+            for param in group:
+                if offset < end:
+                    elements += param.numel()
+                offset += param.numel()
+        return elements
+
     def _reduce(self, dtype: torch.dtype) -> None:
         """The bucket is reduced: this rank's gradients go to its gradient partition, allocated at the first."""
         if self._gradient_partition is None:
-            elements = sum(self.partition_elements(group) for group in self.groups)
+            elements = self._gradients_in_partition()
             with self._on(self._optimizer_on_host, "gradients"):
                 self._gradient_partition = torch.empty(elements, dtype=dtype)
         self._bucket_elements = 0

@@ -88,20 +88,14 @@ CASES = {
 }
 DEFAULT_RUN = ("fsdp2-2-full-float32-paged",)
 
-CASE_TOLERANCE = {
-    "zero2-2-full-float32-paged": 0.03,
-    "zero3-2-full-float32-paged": 0.08,
-    "zero3-2-full-float32-paged-prefetched": 0.08,
-}
+CASE_TOLERANCE = {"zero3-2-full-float32-paged": 0.08, "zero3-2-full-float32-paged-prefetched": 0.08}
 """Cases that miss :data:`TOLERANCE`, by what they measured. Gloo's all-gather allocates a copy of its output while
 the collective is in flight (measured: 2 MB for 2 MB of output, as a list or into one tensor); ZeRO-3 gathers many
 parameters at once, asynchronously, at the end of each step (the persistent ones) and in a prefetch, so that on the
 CPU it holds up to about the gathered parameters again: the steps of ``zero3-2-full-float32-paged`` (where that gather
 is the step's peak: with ``adamw_torch`` the peak is the client's update, and within 0.1%) are 6.9% above the plan,
 the second forward and backward of ``...-prefetched`` 7.4%. NCCL's all-gather writes into its output, so on GPUs
-these are not allocated; the plan leaves them out. The step of ``zero2-2-full-float32-paged`` is 2.3% above the plan
-on rank 0 (1.6% on rank 1): about 110 KB more are live when DeepSpeed calls the paged client's step than the model
-holds (not identified; with ``adamw_torch`` within 0.1%). Every other phase of these cases is within 0.3%."""
+these are not allocated; the plan leaves them out. Every other phase of these cases is within 0.3%."""
 
 
 OUT_OF_MEMORY = "hf-paged test device: out of memory"
