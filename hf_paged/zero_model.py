@@ -236,6 +236,8 @@ class ZeroModel:
         """The next position of :attr:`_trace` to gather ahead."""
         self._prefetched_for: dict[int, int] = {}
         """Parameter to the position it was gathered ahead for."""
+        self._frozen_in_backward: list[nn.Parameter] = []
+        """The frozen parameters of the module whose backward runs."""
         with torch.no_grad(), self._on(self._parameters_on_host, "frozen_weights"):
             self._frozen_partitions = [
                 torch.empty(math.ceil(p.numel() / self.world_size), dtype=p.dtype) for p in frozen
@@ -320,15 +322,27 @@ class ZeroModel:
                 self._release(param, after_use=True)
 
     def _release_after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        """Release the module's gathered parameters, unless it is used again soon (see :class:`ZeroSettings`); gather
+        """Release the module's gathered parameters, unless it is used again soon (see :class:`ZeroSettings`) or it runs
+        again inside backward (gradient checkpointing's recomputation: they are released after its backward); gather
         them again when the gradient of its output arrives."""
-        if self._distance.get(id(module), self.settings.max_reuse_distance) >= self.settings.max_reuse_distance:
+        recomputed = torch._C._current_graph_task_id() != -1
+        if (
+            not recomputed
+            and self._distance.get(id(module), self.settings.max_reuse_distance) >= self.settings.max_reuse_distance
+        ):
             self._release_used(self._own(module))
         outputs = [output] if isinstance(output, torch.Tensor) else list(output) if isinstance(output, tuple) else []
         for tensor in outputs:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(lambda grad, module=module: self._fetch(module))
+                tensor.register_hook(lambda grad, module=module: self._fetch_for_backward(module))
                 break
+
+    def _fetch_for_backward(self, module: nn.Module) -> None:
+        """``module``'s backward begins: the previous module's backward has ended, so its frozen parameters are released
+        (trainable ones are released after their gradients)."""
+        self._release_used(self._frozen_in_backward)
+        self._fetch(module)
+        self._frozen_in_backward = [param for param in self._own(module) if not param.requires_grad]
 
     def _stage3_gradient(self, param: torch.Tensor) -> None:
         """A gradient is ready: copied into the bucket, reduced into this rank's gradient partition and freed; the
@@ -343,6 +357,8 @@ class ZeroModel:
             self._reduce(self._bucket.dtype)
             self._bucket = None
         if self.stage == 3:
+            self._release_used(self._frozen_in_backward)
+            self._frozen_in_backward = []
             if not self._distance:
                 elements = [sum(param.numel() for param in self._own(module)) for module in self._order]
                 for index, module in enumerate(self._order):

@@ -50,6 +50,9 @@ PAGED_8BIT = [
 ADAMW = ["training.optim=adamw_torch", "training.optim_args=null"]
 BFLOAT16 = ["model.dtype=bfloat16", "lora.compute_dtype=bfloat16"]
 NO_CHECKPOINTING = ["lora.gradient_checkpointing=false"]
+BF16_TRAINING = ["training.bf16=true", "training.use_cpu=true"]
+"""The Trainer in bf16, which DeepSpeed's ``bf16: auto`` follows (``use_cpu`` as the launched ranks set it, so that the
+plan's ``TrainingArguments`` accept bf16 on a machine without a GPU)."""
 SMALL_BUCKET = "training.deepspeed={zero_optimization: {reduce_bucket_size: 100000}}"
 """DeepSpeed's reduce bucket of 100,000 elements (its default, 5e8, would outweigh everything else of a small Llama)."""
 GATHERED = (
@@ -85,6 +88,14 @@ CASES = {
     "zero3-2-full-float32-paged": ("zero3", 2, "full", [*PAGED_8BIT, *NO_CHECKPOINTING, SMALL_BUCKET]),
     "zero3-2-full-float32-paged-gathered": ("zero3", 2, "full", [*PAGED_8BIT, *NO_CHECKPOINTING, GATHERED]),
     "zero3-2-full-float32-paged-prefetched": ("zero3", 2, "full", [*PAGED_8BIT, *NO_CHECKPOINTING, PREFETCHED]),
+    "zero3-2-full-float32-checkpointing-gathered": ("zero3", 2, "full", [*ADAMW, GATHERED]),
+    "zero2-2-full-bfloat16": ("zero2", 2, "full", [*BFLOAT16, *BF16_TRAINING, *ADAMW, *NO_CHECKPOINTING, SMALL_BUCKET]),
+    "zero3-2-full-bfloat16-paged-gathered": (
+        "zero3",
+        2,
+        "full",
+        [*BFLOAT16, *BF16_TRAINING, *PAGED_8BIT, *NO_CHECKPOINTING, GATHERED],
+    ),
 }
 DEFAULT_RUN = ("fsdp2-2-full-float32-paged",)
 
