@@ -49,6 +49,10 @@ PREFETCH_BUCKET_SIZE = 50_000_000
 PARAM_PERSISTENCE_THRESHOLD = 100_000
 """DeepSpeed's default ``stage3_param_persistence_threshold`` (elements): smaller parameters are not partitioned."""
 
+SUB_GROUP_SIZE = 1_000_000_000
+"""DeepSpeed's default ``sub_group_size`` (elements): ZeRO-3 steps a rank's partition of a param group in sub-groups of
+about this many elements."""
+
 MAX_LIVE_PARAMETERS = 1_000_000_000
 """DeepSpeed's default ``stage3_max_live_parameters`` (elements): the prefetch stops where this many are gathered."""
 
@@ -72,6 +76,9 @@ class ZeroSettings:
     prefetch_bucket_size: int = PREFETCH_BUCKET_SIZE
     """ZeRO-3: after the first forward and backward, each module gathers ahead this many elements of the next ones'
     parameters."""
+    sub_group_size: int = SUB_GROUP_SIZE
+    """ZeRO-3: a param group's partition is stepped in sub-groups of parameters whose partitions reach this many
+    elements, each with its own fp32 master partition and fp32 gradient."""
     max_live_parameters: int = MAX_LIVE_PARAMETERS
     """ZeRO-3: the prefetch gathers ahead while fewer elements than this are gathered."""
     max_reuse_distance: int = MAX_REUSE_DISTANCE
@@ -83,6 +90,7 @@ class ZeroSettings:
             "reduce_bucket_size",
             "param_persistence_threshold",
             "prefetch_bucket_size",
+            "sub_group_size",
             "max_live_parameters",
             "max_reuse_distance",
         ):
@@ -141,12 +149,14 @@ class ZeroModel:
         self._gradient_partition: torch.Tensor | None = None
         self._hooks: list[Any] = []
         self._flats: list[torch.Tensor] = []
+        self._group_of: list[int] = []
+        """The optimizer's param group of each of :attr:`master`."""
         if stage == 2:
             self._build_stage2()
         else:
             self._build_stage3(model)
-        for group, master in zip(optimizer.param_groups, self.master):
-            group["params"] = [master]
+        for index, group in enumerate(optimizer.param_groups):
+            group["params"] = [master for master, owner in zip(self.master, self._group_of) if owner == index]
 
     @contextlib.contextmanager
     def _on(self, host: bool, kind: str) -> Iterator[None]:
@@ -165,6 +175,7 @@ class ZeroModel:
         for group in self.groups:
             if not group:
                 self.master.append(torch.empty(0))
+                self._group_of.append(len(self.master) - 1)
                 continue
             size = self.partition_elements(group) * self.world_size
             with torch.no_grad(), self._on(False, "trainable_weights"):
@@ -177,6 +188,7 @@ class ZeroModel:
             with torch.no_grad(), self._on(self._optimizer_on_host, "trainable_weights"):
                 part = flat.narrow(0, 0, size // self.world_size).clone().to(torch.float32)
             self.master.append(part.requires_grad_(True))
+            self._group_of.append(len(self.master) - 1)
             for param in group:
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._stage2_gradient))
 
@@ -244,16 +256,15 @@ class ZeroModel:
             ]
         for param in (*trainable, *frozen):
             self._release(param)
-        for group in self.groups:
-            if not group:
-                self.master.append(torch.empty(0))
-                continue
-            with torch.no_grad(), self._on(self._parameters_on_host, "trainable_weights"):
-                flat = torch.empty(self.partition_elements(group), dtype=group[0].dtype)
-            with torch.no_grad(), self._on(self._optimizer_on_host, "trainable_weights"):
-                master = flat.to(torch.float32).clone()
-            self._flats.append(flat)
-            self.master.append(master.requires_grad_(True))
+        for index, group in enumerate(self.groups):
+            for sub_group in self._sub_groups(group):
+                with torch.no_grad(), self._on(self._parameters_on_host, "trainable_weights"):
+                    flat = torch.empty(self.partition_elements(sub_group), dtype=sub_group[0].dtype)
+                with torch.no_grad(), self._on(self._optimizer_on_host, "trainable_weights"):
+                    master = flat.to(torch.float32).clone()
+                self._flats.append(flat)
+                self.master.append(master.requires_grad_(True))
+                self._group_of.append(index)
         dtype = next((group[0].dtype for group in self.groups if group), torch.float32)
         with self._on(False, "communication"):
             self._bucket = torch.empty(self.settings.reduce_bucket_size, dtype=dtype)
@@ -266,6 +277,18 @@ class ZeroModel:
                 self._hooks.append(module.register_forward_hook(self._release_after_forward))
         for param in trainable:
             self._hooks.append(param.register_post_accumulate_grad_hook(self._stage3_gradient))
+
+    def _sub_groups(self, group: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """DeepSpeed's sub-groups of ``group``: parameters in order until their partitions reach ``sub_group_size``
+        elements."""
+        sub_groups: list[list[torch.Tensor]] = []
+        current: list[torch.Tensor] = []
+        for param in group:
+            current.append(param)
+            if self.partition_elements(current) >= self.settings.sub_group_size:
+                sub_groups.append(current)
+                current = []
+        return sub_groups + ([current] if current else [])
 
     def _own(self, module: nn.Module) -> list[nn.Parameter]:
         return [param for param in module.parameters(recurse=False) if id(param) in self._partitioned]
@@ -376,22 +399,24 @@ class ZeroModel:
             for param in self._model.parameters():
                 if id(param) in self._partitioned:
                     self._release(param)
-        for index, master in enumerate(self.master):
-            if master.numel() == 0:
-                continue
-            with self._on(self._optimizer_on_host, "gradients"):
-                flat = torch.empty(master.numel(), dtype=self._gradient_partition.dtype)
-                grad = flat.to(torch.float32)
-                del flat
-            master.grad = grad
-            groups = self.optimizer.param_groups
-            self.optimizer.param_groups = [groups[index]]
-            try:
-                self.optimizer.step()
-            finally:
-                self.optimizer.param_groups = groups
-            master.grad = None
-            del grad
+        groups = self.optimizer.param_groups
+        listed = [group["params"] for group in groups]
+        try:
+            for master, index in zip(self.master, self._group_of):
+                if master.numel() == 0:
+                    continue
+                with self._on(self._optimizer_on_host, "gradients"):
+                    flat = torch.empty(master.numel(), dtype=self._gradient_partition.dtype)
+                    grad = flat.to(torch.float32)
+                    del flat
+                master.grad = grad
+                self._client_step(index, master)
+                master.grad = None
+                del grad
+        finally:
+            self.optimizer.param_groups = groups
+            for group, params in zip(groups, listed):
+                group["params"] = params
         if self.stage == 2:
             self._gradient_partition = None
         else:
@@ -399,6 +424,33 @@ class ZeroModel:
             for param in self._model.parameters():
                 if id(param) in self._persistent:
                     self._gather(param)
+
+    def _client_step(self, index: int, master: torch.Tensor) -> None:
+        """The client optimizer's step on ``master`` alone, as DeepSpeed calls it: ZeRO-2 narrows ``param_groups`` to
+        group ``index``; ZeRO-3 lists ``master`` in group ``index`` and nothing in the others.
+
+        Raises:
+            PlanningError: the client cannot step ZeRO-3's sub-groups (their masters take turns at one position).
+        """
+        if self.stage == 2:
+            self.optimizer.param_groups = [self.optimizer.param_groups[index]]
+            self.optimizer.step()
+            return
+        for position, group in enumerate(self.optimizer.param_groups):
+            group["params"] = [master] if position == index else []
+        try:
+            self.optimizer.step()
+        except RuntimeError as error:
+            if self._group_of.count(index) < 2:
+                raise
+            from .planner import PlanningError
+
+            elements = sum(other.numel() for other, owner in zip(self.master, self._group_of) if owner == index)
+            raise PlanningError(
+                f"{type(self.optimizer).__name__} cannot step DeepSpeed ZeRO-3's sub-groups of param group {index} "
+                f"({error}); a rank's partition of it is {elements} elements, above zero_optimization.sub_group_size "
+                f"({self.settings.sub_group_size}): set that above it"
+            ) from None
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:

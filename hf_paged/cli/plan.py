@@ -410,6 +410,7 @@ _ZERO_KEYS = {
     "reduce_bucket_size": "reduce_bucket_size",
     "stage3_param_persistence_threshold": "param_persistence_threshold",
     "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+    "sub_group_size": "sub_group_size",
     "stage3_max_live_parameters": "max_live_parameters",
     "stage3_max_reuse_distance": "max_reuse_distance",
 }
