@@ -19,7 +19,8 @@ each phase's peak holds them:
   of the modules), a module gathers ahead the parameters of the next ones (``stage3_prefetch_bucket_size``
   elements), and its parameters stay gathered from its forward to its backward when the modules in between gather
   fewer than ``stage3_max_reuse_distance`` elements; the prefetch stops where ``stage3_max_live_parameters``
-  elements are gathered;
+  elements are gathered. The step goes by DeepSpeed's sub-groups (``sub_group_size``), each with its own fp32
+  master partition and flattened fp32 gradient;
 * optimizer offload: the fp32 partitions, the gradient partitions and the client optimizer's state and step are in
   host memory (planned for an accelerator); parameter offload (ZeRO-3): the partitions too, copied to the device
   while gathered.

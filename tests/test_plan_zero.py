@@ -143,6 +143,34 @@ def test_zero3_gathers_ahead_and_keeps_what_is_reused_soon_as_deepspeed() -> Non
     )
 
 
+def test_zero3_steps_sub_groups_and_a_paged_client_cannot_yet() -> None:
+    """Sub-groups of about one layer each: the step flattens one sub-group's fp32 gradient at a time, not the whole
+    partition's; hf-paged's optimizers refuse a new tensor of another shape where a stepped one stood, as DeepSpeed's
+    sub-groups take turns in one position (a real run fails so too), so such a plan says to raise ``sub_group_size``."""
+    import dataclasses
+
+    import hf_paged
+    from hf_paged.planner import PlanningError
+    from hf_paged.sharding import STRATEGIES
+
+    layer = WIDTH * WIDTH + WIDTH
+    one_layer = dataclasses.replace(STRATEGIES["zero3"], zero=ZeroSettings(sub_group_size=layer // GPUS + 1))
+    whole, split = _plan("zero3"), _plan(one_layer)
+    saved = 4 * (PARAMS - 2 * layer) // GPUS
+    assert whole.optimizer_step_peak - split.optimizer_step_peak >= saved
+    with pytest.raises(
+        PlanningError, match="PagedAdamW8bit cannot step DeepSpeed ZeRO-3's sub-groups of param group 0"
+    ):
+        plan(
+            _mlp,
+            lambda: torch.randn(8, WIDTH, dtype=torch.bfloat16),
+            lambda model: hf_paged.PagedAdamW8bit(model.parameters(), compiled=False),
+            loss=lambda model, inputs: model(inputs).float().pow(2).mean(),
+            strategy=one_layer,
+            world_size=GPUS,
+        )
+
+
 @pytest.mark.parametrize(
     ("name", "message"),
     [
