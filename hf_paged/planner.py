@@ -1088,6 +1088,7 @@ def plan(
                     offload_optimizer=sharding.offload_optimizer,
                     offload_parameters=sharding.offload_parameters,
                     host_apart=target.type != "cpu",
+                    gloo_copies=target.type == "cpu",
                 )
         for shard in offloaded_shards(built) if offloads_parameters else ():
             ledger.to_host(shard.untyped_storage())
@@ -1121,7 +1122,7 @@ def plan(
                                 zero.step()
                             else:
                                 built_optimizer.step()
-                        built_optimizer.zero_grad(set_to_none=True)
+                        (zero or built_optimizer).zero_grad(set_to_none=True)
                 at_peak = ledger.live_at_peak()
                 held_after = classifier.kinds(built, built_optimizer, extra, phase == OPTIMIZER_STEP)
                 kinds = {

@@ -119,6 +119,8 @@ class ZeroModel:
         offload_optimizer: fp32 partitions, gradient partitions and the optimizer state in host memory.
         offload_parameters: ZeRO-3's parameter partitions in host memory.
         host_apart: host memory is apart from the device (what is offloaded is not the device's).
+        gloo_copies: ZeRO-2's all-gather of the weights at the end of a step allocates a copy of its output while in
+            flight, as gloo's does (on the CPU; NCCL's writes into its output).
     """
 
     def __init__(
@@ -132,6 +134,7 @@ class ZeroModel:
         offload_optimizer: bool = False,
         offload_parameters: bool = False,
         host_apart: bool = False,
+        gloo_copies: bool = False,
     ) -> None:
         if stage not in (2, 3):
             raise ValueError(f"stage must be 2 or 3, got {stage!r}")
@@ -140,6 +143,8 @@ class ZeroModel:
         self.settings = settings
         self.ledger = ledger
         self.optimizer = optimizer
+        self._offload_optimizer = offload_optimizer
+        self._gloo_copies = gloo_copies
         self._optimizer_on_host = offload_optimizer and host_apart
         self._parameters_on_host = offload_parameters and host_apart
         self.groups = [[param for param in group["params"] if param.requires_grad] for group in optimizer.param_groups]
@@ -190,8 +195,20 @@ class ZeroModel:
                 part = flat.narrow(0, 0, size // self.world_size).clone().to(torch.float32)
             self.master.append(part.requires_grad_(True))
             self._group_of.append(len(self.master) - 1)
+            if self._offload_optimizer:
+                with self._on(self._optimizer_on_host, "trainable_weights"):
+                    self._flats.append(torch.empty(part.numel(), dtype=flat.dtype))
+                with self._on(self._optimizer_on_host, "gradients"):
+                    part.grad = torch.zeros(part.numel(), dtype=torch.float32)
             for param in group:
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._stage2_gradient))
+        if self._offload_optimizer:
+            largest = max((param.numel() for group in self.groups for param in group), default=0)
+            dtype = next((group[0].dtype for group in self.groups if group), torch.float32)
+            with self._on(self._optimizer_on_host, "gradients"):
+                self._flats.append(torch.zeros(largest, dtype=dtype))
+            with self._on(False, "gradients"):
+                self._flats.append(torch.zeros(largest, dtype=dtype))
 
     def _stage2_gradient(self, param: torch.Tensor) -> None:
         """A gradient is ready: the bucket is allocated at a backward's first; the gradient is copied into it and
@@ -220,8 +237,9 @@ class ZeroModel:
         return elements
 
     def _reduce(self, dtype: torch.dtype) -> None:
-        """The bucket is reduced: this rank's gradients go to its gradient partition, allocated at the first."""
-        if self._gradient_partition is None:
+        """The bucket is reduced: this rank's gradients go to its gradient partition, allocated at the first (with
+        optimizer offload, to the fp32 gradients of the master partitions)."""
+        if self._gradient_partition is None and not self._offload_optimizer:
             elements = self._gradients_in_partition()
             with self._on(self._optimizer_on_host, "gradients"):
                 self._gradient_partition = torch.empty(elements, dtype=dtype)
@@ -393,8 +411,7 @@ class ZeroModel:
     def step(self) -> None:
         """The ZeRO optimizer's step: (ZeRO-3) every parameter released; for each group, its fp32 gradient flattened
         from the gradient partition, the client's step on the master partition, the gradient freed; (ZeRO-2) the
-        gradient partition freed, (ZeRO-3) the small parameters gathered for good."""
-        assert self._gradient_partition is not None
+        gradient partition freed and the weights all-gathered, (ZeRO-3) the small parameters gathered for good."""
         if self.stage == 3:
             self._persisting = False
             for param in self._model.parameters():
@@ -406,6 +423,10 @@ class ZeroModel:
             for master, index in zip(self.master, self._group_of):
                 if master.numel() == 0:
                     continue
+                if self.stage == 2 and self._offload_optimizer:
+                    self._client_step(index, master)
+                    continue
+                assert self._gradient_partition is not None
                 with self._on(self._optimizer_on_host, "gradients"):
                     flat = torch.empty(master.numel(), dtype=self._gradient_partition.dtype)
                     grad = flat.to(torch.float32)
@@ -420,11 +441,21 @@ class ZeroModel:
                 group["params"] = params
         if self.stage == 2:
             self._gradient_partition = None
+            for group in self.groups if self._gloo_copies else ():
+                if group:
+                    copy = torch.empty(self.partition_elements(group) * self.world_size, dtype=group[0].dtype)
+                    del copy
         else:
             self._persisting = True
             for param in self._model.parameters():
                 if id(param) in self._persistent:
                     self._gather(param)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The engine's ``zero_grad``: the model's gradients, not those the offloaded master partitions keep."""
+        for group in self.groups:
+            for param in group:
+                param.grad = None
 
     def _client_step(self, index: int, master: torch.Tensor) -> None:
         """The client optimizer's step on ``master`` alone, as DeepSpeed calls it: ZeRO-2 narrows ``param_groups`` to
@@ -434,8 +465,12 @@ class ZeroModel:
             PlanningError: the client cannot step ZeRO-3's sub-groups (their masters take turns at one position).
         """
         if self.stage == 2:
-            self.optimizer.param_groups = [self.optimizer.param_groups[index]]
-            self.optimizer.step()
+            groups = self.optimizer.param_groups
+            self.optimizer.param_groups = [groups[index]]
+            try:
+                self.optimizer.step()
+            finally:
+                self.optimizer.param_groups = groups
             return
         for position, group in enumerate(self.optimizer.param_groups):
             group["params"] = [master] if position == index else []

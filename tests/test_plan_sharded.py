@@ -89,6 +89,7 @@ CASES = {
     "zero3-2-full-float32-paged-gathered": ("zero3", 2, "full", [*PAGED_8BIT, *NO_CHECKPOINTING, GATHERED]),
     "zero3-2-full-float32-paged-prefetched": ("zero3", 2, "full", [*PAGED_8BIT, *NO_CHECKPOINTING, PREFETCHED]),
     "zero3-2-full-float32-checkpointing-gathered": ("zero3", 2, "full", [*ADAMW, GATHERED]),
+    "zero2_offload-2-full-float32-paged": ("zero2_offload", 2, "full", [*PAGED_8BIT, *NO_CHECKPOINTING, SMALL_BUCKET]),
     "zero2-2-full-bfloat16": ("zero2", 2, "full", [*BFLOAT16, *BF16_TRAINING, *ADAMW, *NO_CHECKPOINTING, SMALL_BUCKET]),
     "zero3-2-full-bfloat16-paged-gathered": (
         "zero3",
