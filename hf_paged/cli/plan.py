@@ -852,6 +852,8 @@ def _count(
             )
             unlimited = planned if count.paged_gpus == gpus else plan_setup(at_count, device, host_memory_apart)
             count.budget, count.paged_plan = _largest_budget(at_count, unlimited, capacity, device, host_memory_apart)
+            if not count.budget:  # one page fits, as searched, where the peaks without paging leave less room
+                count.budget, count.paged_plan = page_size, at(count.paged_gpus, page_size)
     return count
 
 
