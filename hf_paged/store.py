@@ -17,6 +17,14 @@ The store keeps ``device_bytes`` at or below the device budget at every transiti
 is made (by writing back least recently used pages) before its device buffer is allocated.
 ``host_bytes`` counts what the backend really holds (pinned blocks are rounded up by the allocator).
 
+Slots: while a step streams pages, the device block of a page written back and the host block of a page brought
+in are kept, by buffer layout, for the next page of that layout to go the other way, so that a streamed step
+allocates a few blocks rather than two per page. A kept device slot counts in ``device_bytes``, under the budget,
+and is released where room for another layout is needed, where the budget is lowered, on :meth:`PageStore.evict`,
+and when the step ends; a kept host block counts in ``host_bytes`` and is dropped when the step ends. A host block
+is reused only as the destination of a write-back, which its device-to-host stream orders after the compute stream,
+itself ordered after the page-in that read the block.
+
 Ordering: a page-in runs on the backend's host-to-device stream and the compute stream is ordered after
 it (no host wait) before the page becomes ``RESIDENT``; a write-back runs on the device-to-host stream
 after the compute work queued before it. The host waits only where host memory is reused or read, or
@@ -34,7 +42,7 @@ from typing import Any
 
 import torch
 
-from .device import Buffers, Event, SyncBackend, zero_buffers
+from .device import Buffers, BufferSpec, Event, SyncBackend, zero_buffers
 
 
 class PageState(enum.Enum):
@@ -51,6 +59,11 @@ class PageState(enum.Enum):
         self.label = label
         self.on_device = on_device
         self.on_host = on_host
+
+
+EMPTY, HOST, PAGING_IN, RESIDENT, PAGING_OUT = PageState
+"""The states by plain names: a member read through its enum class costs a descriptor call, and the store reads them
+several times per page and step."""
 
 
 @dataclass(eq=False)
@@ -164,6 +177,12 @@ class PageStore:
         self._pinned: set[int] = set()
         """Indices of the pages a step still has to update: never evicted."""
         self._observers: dict[str, list[Callable[[str, Page], None]]] = {operation: [] for operation in OPERATIONS}
+        self._slots: dict[tuple[BufferSpec, ...], list[Buffers]] = {}
+        """Free device blocks kept for reuse while a step streams, by buffer layout (counted in ``device_bytes``)."""
+        self._host_slots: dict[tuple[BufferSpec, ...], list[Buffers]] = {}
+        """Free host blocks kept for write-backs while a step streams, by buffer layout (counted in ``host_bytes``)."""
+        self._keeping = False
+        """Whether freed blocks are kept in :attr:`_slots` and :attr:`_host_slots` (while a step streams)."""
 
     def add_page(self, format: Any, capacity: int) -> Page:
         """Append an empty page of ``capacity`` elements laid out by ``format`` and return it."""
@@ -182,7 +201,7 @@ class PageStore:
         return max((page.nbytes for page in self.pages), default=0)
 
     def pages_resident(self) -> int:
-        return sum(page.state is PageState.RESIDENT for page in self.pages)
+        return sum(page.state is RESIDENT for page in self.pages)
 
     # Budget and eviction ---------------------------------------------------------------------------
 
@@ -196,6 +215,7 @@ class PageStore:
 
         Returns the number of device bytes freed. Waits for the write-backs to complete.
         """
+        self._release_slots()
         before = self.device_bytes
         target = 0 if nbytes is None else before - nbytes
         victims = []
@@ -208,6 +228,7 @@ class PageStore:
         for page in victims:
             self._page_out(page)
         self._drain_outgoing()
+        self._release_slots()
         return before - self.device_bytes
 
     def _outgoing_bytes(self) -> int:
@@ -217,17 +238,29 @@ class PageStore:
     def _fits(self, nbytes: int) -> bool:
         return self.device_budget is None or self.device_bytes + nbytes <= self.device_budget
 
-    def _make_room(self, nbytes: int, blocking: bool) -> bool:
-        """Free device bytes until ``nbytes`` more fit in the budget, never evicting a page a step still has to
-        update.
+    def _room(self, nbytes: int, specs: tuple[BufferSpec, ...] | None) -> bool:
+        """Whether a device slot of layout ``specs`` (``nbytes`` bytes; ``None``: any ``nbytes`` more) can be had
+        within the budget: a kept one, or a new one once the kept slots, none of that layout, are released."""
+        if specs is not None and self._slots.get(specs):
+            return True
+        if self._fits(nbytes):
+            return True
+        if not self._slots:
+            return False
+        self._release_slots()
+        return self._fits(nbytes)
+
+    def _make_room(self, nbytes: int, blocking: bool, specs: tuple[BufferSpec, ...] | None = None) -> bool:
+        """Free device bytes until a slot of layout ``specs`` (``nbytes`` bytes; ``None``: ``nbytes`` more) fits in
+        the budget (see :meth:`_room`), never evicting a page a step still has to update.
 
         Write-backs are started for as many least recently used pages as needed; when ``blocking``, the host then
-        waits for them. Returns whether the bytes fit. Constant time per page written back: the pages are taken from
+        waits for them. Returns whether the slot fits. Constant time per page written back: the pages are taken from
         the front of the least recently used order, where a step's pages are not (each is moved to the end when it
         is handed out for its update).
         """
         self._release_completed()
-        if self._fits(nbytes):
+        if self._room(nbytes, specs):
             return True
         projected = self.device_bytes - self._outgoing_bytes() + nbytes
         victims = []
@@ -241,13 +274,14 @@ class PageStore:
             self._page_out(page)
         if victims:
             self._release_completed()
-        while blocking and not self._fits(nbytes) and self._outgoing:
+        while blocking and not self._room(nbytes, specs) and self._outgoing:
             self._finish_page_out(self._outgoing[0], wait=True)
-        return self._fits(nbytes)
+        return self._room(nbytes, specs)
 
     def clear(self) -> None:
         """Free every page (device and host buffers, copies in flight finished first) and forget them all."""
         self._drain_outgoing()
+        self._release_slots()
         for page in self.pages:
             self._free(page)
         self.pages.clear()
@@ -272,21 +306,18 @@ class PageStore:
 
     def _free(self, page: Page) -> None:
         """Release the buffers of ``page`` (a write-back in flight finished first); it is empty afterwards."""
-        if page.state is PageState.PAGING_OUT:
+        if page.state is PAGING_OUT:
             self._finish_page_out(page, wait=True)
-        if page.state in (PageState.PAGING_IN, PageState.RESIDENT):
+        if page.state in (PAGING_IN, RESIDENT):
             self._finish_page_in(page)
             self.backend.release(page.device)
         page.device, page.host, page.event = None, None, None
-        self._set_state(page, PageState.EMPTY)
+        self._set_state(page, EMPTY)
 
     # Transitions -----------------------------------------------------------------------------------
 
-    def _notify(self, operation: str, page: Page) -> None:
-        for observer in self._observers[operation]:
-            observer(operation, page)
-
     def _set_state(self, page: Page, state: PageState) -> None:
+        """Move ``page`` to ``state``, its bytes to where that state holds buffers."""
         on_device = state.on_device - page.state.on_device
         if on_device:
             self.device_bytes += page.nbytes * on_device
@@ -295,58 +326,106 @@ class PageStore:
             if page.host_nbytes is None:
                 page.host_nbytes = self.backend.host_nbytes(page.specs)
             self.host_bytes += page.host_nbytes * on_host
+        previous = page.state
         page.state = state
         self.generation += 1
-        if state is PageState.RESIDENT:
+        if state is RESIDENT:  # from a state off the least recently used order: it goes to its end
             self._lru[page.index] = page
-            self._lru.move_to_end(page.index)
-        else:
-            self._lru.pop(page.index, None)
+        elif previous is RESIDENT:
+            del self._lru[page.index]
+
+    def _slot(self, page: Page) -> Buffers:
+        """A device block for ``page``: a kept slot of its layout, else a new one (room for it made)."""
+        free = self._slots.get(page.specs)
+        if not free:
+            return self.backend.empty_device(page.specs)
+        slot = free.pop()
+        if not free:
+            del self._slots[page.specs]
+        self.device_bytes -= page.nbytes  # counted again as the page's
+        return slot
+
+    def _host_slot(self, page: Page) -> Buffers:
+        """A host block for ``page``'s write-back: a kept one of its layout, else a new one."""
+        free = self._host_slots.get(page.specs)
+        if not free:
+            return self.backend.empty_host(page.specs)
+        self.host_bytes -= page.host_nbytes  # counted again as the page's
+        return free.pop()
+
+    def _release_slots(self) -> None:
+        """Release the kept device slots and drop the kept host blocks."""
+        for specs, free in self._slots.items():
+            nbytes = sum(numel * dtype.itemsize for numel, dtype in specs)
+            for slot in free:
+                self.backend.release(slot)
+                self.device_bytes -= nbytes
+        self._slots.clear()
+        for specs, free in self._host_slots.items():
+            self.host_bytes -= self.backend.host_nbytes(specs) * len(free)
+        self._host_slots.clear()
 
     def _page_in(self, page: Page) -> None:
         """Start bringing ``page`` to the device; room for it must already have been made."""
-        if page.state is PageState.EMPTY:
-            page.device = self.backend.empty_device(page.specs)
+        if page.state is EMPTY:
+            page.device = self._slot(page)
             zero_buffers(page.device)
-            self._set_state(page, PageState.RESIDENT)
-        elif page.state is PageState.HOST:
-            page.device = self.backend.empty_device(page.specs)
+            self._set_state(page, RESIDENT)
+        elif page.state is HOST:
+            page.device = self._slot(page)
             page.event = self.backend.copy_to_device(page.device, page.host)
-            self._set_state(page, PageState.PAGING_IN)
+            self._set_state(page, PAGING_IN)
             self.stats.bytes_to_device += page.nbytes
             self.stats.page_ins += 1
-        elif page.state is PageState.PAGING_OUT:
+        elif page.state is PAGING_OUT:
             self._outgoing.remove(page)
-            self._set_state(page, PageState.PAGING_IN)
-        self._notify("page_in", page)
+            self._set_state(page, PAGING_IN)
+        for observer in self._observers["page_in"]:
+            observer("page_in", page)
 
     def _finish_page_in(self, page: Page) -> None:
         """Order the compute stream after ``page``'s copy (the host does not wait) and drop its host copy."""
-        if page.state is PageState.PAGING_IN:
+        if page.state is PAGING_IN:
             self.backend.order_after(page.event)
+            host = page.host
             page.host, page.event = None, None
-            self._set_state(page, PageState.RESIDENT)
-            self._notify("resident", page)
-        self._lru.move_to_end(page.index)
+            self._set_state(page, RESIDENT)
+            kept = self._host_slots.setdefault(page.specs, []) if self._keeping else None
+            if kept is not None and len(kept) <= max(1, self.prefetch):  # a copy window's write-backs take them
+                kept.append(host)
+                self.host_bytes += page.host_nbytes
+            for observer in self._observers["resident"]:
+                observer("resident", page)
+        else:
+            self._lru.move_to_end(page.index)
 
     def _page_out(self, page: Page) -> None:
         """Start writing ``page`` back to host memory."""
-        page.host = self.backend.empty_host(page.specs)
+        if page.host_nbytes is None:
+            page.host_nbytes = self.backend.host_nbytes(page.specs)
+        page.host = self._host_slot(page)
         page.event = self.backend.copy_to_host(page.host, page.device)
-        self._set_state(page, PageState.PAGING_OUT)
+        self._set_state(page, PAGING_OUT)
         self._outgoing.append(page)
         self.stats.bytes_to_host += page.nbytes
         self.stats.page_outs += 1
-        self._notify("page_out", page)
+        for observer in self._observers["page_out"]:
+            observer("page_out", page)
 
     def _finish_page_out(self, page: Page, wait: bool) -> None:
         if wait:
             self.stats.stall_seconds += self.backend.wait(page.event)
         self._outgoing.remove(page)
-        self.backend.release(page.device)
+        slot = page.device
         page.device, page.event = None, None
-        self._set_state(page, PageState.HOST)
-        self._notify("released", page)
+        self._set_state(page, HOST)
+        if self._keeping:
+            self._slots.setdefault(page.specs, []).append(slot)
+            self.device_bytes += page.nbytes
+        else:
+            self.backend.release(slot)
+        for observer in self._observers["released"]:
+            observer("released", page)
 
     def _release_completed(self) -> None:
         """Release the pages whose write-backs have completed: those at the front of the queue (a copy stream
@@ -372,11 +451,12 @@ class PageStore:
         batch. The store's work is constant time per page.
         """
         self._make_room(0, blocking=True)
-        resident = [page for page in pages if page.state is PageState.RESIDENT]
-        streamed = [page for page in pages if page.state is not PageState.RESIDENT]
+        resident = [page for page in pages if page.state is RESIDENT]
+        streamed = [page for page in pages if page.state is not RESIDENT]
         window = max(1, self.prefetch)
         ahead = window if self.prefetch else 0
         self._pinned = {page.index for page in pages}
+        self._keeping = True
         position = 0
         try:
             batch = resident
@@ -395,9 +475,11 @@ class PageStore:
             # A step that stops early (an error, or the caller leaving) leaves no page in flight: pages fetched
             # ahead become resident, where eviction and the budget reach them.
             for page in streamed:
-                if page.state is PageState.PAGING_IN:
+                if page.state is PAGING_IN:
                     self._finish_page_in(page)
             self._pinned = set()
+            self._keeping = False
+            self._release_slots()
         self._make_room(0, blocking=True)
 
     def _start_copies(self, pages: list[Page], first: int, count: int, wait_for_room: bool) -> list[Page]:
@@ -409,7 +491,7 @@ class PageStore:
         copies = 0
         for position in range(first, len(pages)):
             page = pages[position]
-            copies += page.state is not PageState.EMPTY
+            copies += page.state is not EMPTY
             if copies > count or not self._fetch(page, blocking=wait_for_room and not started):
                 break
             started.append(page)
@@ -417,7 +499,7 @@ class PageStore:
 
     def _fetch(self, page: Page, blocking: bool) -> bool:
         """Start bringing ``page`` to the device if room can be made; return whether it was started."""
-        if page.state is not PageState.PAGING_OUT and not self._make_room(page.nbytes, blocking):
+        if page.state is not PAGING_OUT and not self._make_room(page.nbytes, blocking, page.specs):
             if blocking:
                 raise RuntimeError(
                     f"a page of {page.nbytes} bytes does not fit in the device budget of {self.device_budget} bytes"
@@ -430,11 +512,11 @@ class PageStore:
 
     def read(self, page: Page) -> Buffers | None:
         """Return CPU copies of the newest buffers of ``page``, or ``None`` for an empty (all-zero) page."""
-        if page.state is PageState.EMPTY:
+        if page.state is EMPTY:
             return None
-        if page.state is PageState.PAGING_OUT:
+        if page.state is PAGING_OUT:
             self._finish_page_out(page, wait=True)
-        if page.state is PageState.HOST:
+        if page.state is HOST:
             return tuple(buffer.clone() for buffer in page.host)
         self._finish_page_in(page)
         return tuple(buffer.to("cpu", copy=True) for buffer in page.device)
@@ -444,20 +526,21 @@ class PageStore:
 
         The page rests in host memory afterwards (or is empty); the next step brings it in.
         """
-        if page.state is PageState.PAGING_OUT:
+        if page.state is PAGING_OUT:
             self._finish_page_out(page, wait=True)
-        if page.state in (PageState.PAGING_IN, PageState.RESIDENT):
+        if page.state in (PAGING_IN, RESIDENT):
             self._finish_page_in(page)
             self.backend.release(page.device)
             page.device = None
-            self._set_state(page, PageState.EMPTY)
+            self._set_state(page, EMPTY)
         if data is None:
             page.host = None
-            self._set_state(page, PageState.EMPTY)
+            self._set_state(page, EMPTY)
             return
         if page.host is None:
             page.host = self.backend.empty_host(page.specs)
         for buffer, source in zip(page.host, data):
             buffer.copy_(source)
-        self._set_state(page, PageState.HOST)
-        self._notify("written", page)
+        self._set_state(page, HOST)
+        for observer in self._observers["written"]:
+            observer("written", page)

@@ -131,6 +131,42 @@ def test_host_bytes_report_the_rounded_pinned_blocks_really_held():
         assert sum(held.values()) > sum(page.nbytes for page in store.pages if page.host is not None)
 
 
+def test_a_streamed_step_reuses_its_blocks_rather_than_allocating_two_per_page(monkeypatch):
+    """Issue 36: a step that streams tens of pages through a budget of a few keeps the device block of each page it
+    writes back for the next page it brings in, and the host block of each page brought in for the next write-back:
+    a few allocations per step, not one of each per page streamed. What it kept it gives back at its end: the store
+    holds its pages' blocks only, as the backend counts them, under the budget."""
+    budget = 4 * PAGE_SIZE
+    batches = regression_batches(4)
+    with simulated_streams() as backends:
+        model = make_mlp(hidden=256)
+        optimizer = OPTIMIZERS["PagedAdamW8bit"](
+            decay_groups(model), **optimizer_kwargs("PagedAdamW8bit", device_budget=budget, prefetch=2)
+        )
+        train(model, optimizer, batches[:2])
+        (backend,) = backends
+        made: list[str] = []
+        for name in ("empty_device", "empty_host"):
+            monkeypatch.setattr(backend, name, _counted(getattr(backend, name), name, made))
+        page_ins = optimizer.paging_stats()["page_ins"]
+        train(model, optimizer, batches[2:])
+        streamed = (optimizer.paging_stats()["page_ins"] - page_ins) / 2
+        assert streamed >= 20
+        assert made.count("empty_device") / 2 <= 4 and made.count("empty_host") / 2 <= 6, (made, streamed)
+        stats = optimizer.paging_stats()
+        assert backend.device_bytes == stats["device_bytes"] <= budget
+        assert stats["host_bytes"] == sum(page.host_nbytes for page in optimizer._store.pages if page.host is not None)
+    assert backend.hazards == []
+
+
+def _counted(allocate, name: str, made: list[str]):
+    def counted(specs):
+        made.append(name)
+        return allocate(specs)
+
+    return counted
+
+
 # Broken stores: each breaks one ordering rule CUDA needs, and the invariance check catches it. ---------
 
 
