@@ -118,7 +118,7 @@ class PageBuffers(Sequence[torch.Tensor]):
 def copy_buffers(dst: Buffers, src: Buffers, non_blocking: bool = False) -> None:
     """Copy ``src`` into ``dst``: one copy of their blocks where both are :class:`PageBuffers` of one layout, else
     buffer by buffer."""
-    if isinstance(dst, PageBuffers) and dst.same_layout(src):
+    if isinstance(dst, PageBuffers) and isinstance(src, PageBuffers) and dst.specs == src.specs:
         dst.block.copy_(src.block, non_blocking=non_blocking)
         return
     for target, source in zip(dst, src, strict=True):
@@ -191,15 +191,18 @@ class SyncBackend:
         caching host allocator keeps pinned memory until the copies that read it have run)."""
         return host.to(self.device, copy=True)
 
+    def copy_into(self, device: torch.Tensor, host: torch.Tensor) -> None:
+        """Copy ``host``, a tensor of :meth:`pinned_tensor` or :meth:`pinned_empty`, into ``device``, a tensor on the
+        device of as many elements, on the compute stream, as :meth:`to_device` copies."""
+        device.copy_(host)
+
     def copy_to_device(self, dst: Buffers, src: Buffers) -> Event:
         """Copy host ``src`` into device ``dst`` after the compute work queued so far; return its event."""
-        return self._copy(dst, src)
+        copy_buffers(dst, src)
+        return None
 
     def copy_to_host(self, dst: Buffers, src: Buffers) -> Event:
         """Copy device ``src`` into host ``dst`` after the compute work queued so far; return its event."""
-        return self._copy(dst, src)
-
-    def _copy(self, dst: Buffers, src: Buffers) -> Event:
         copy_buffers(dst, src)
         return None
 
@@ -266,6 +269,9 @@ class StreamBackend(SyncBackend):
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         return host.to(self.device, non_blocking=True)
+
+    def copy_into(self, device: torch.Tensor, host: torch.Tensor) -> None:
+        device.copy_(host, non_blocking=True)
 
     def copy_to_device(self, dst: Buffers, src: Buffers) -> Event:
         return self._copy_on(self._to_device_stream, dst, src)

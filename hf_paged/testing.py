@@ -177,6 +177,15 @@ class SimulatedStreamBackend(SyncBackend):
             self.pageable_copies.append(f"to_device from pageable memory: {host.dtype} of shape {tuple(host.shape)}")
         return self._follow(host.clone(), self._device_storages)
 
+    def copy_into(self, device: torch.Tensor, host: torch.Tensor) -> None:
+        """Copy ``host`` into ``device`` (this backend's device memory); a copy from pageable memory is listed in
+        :attr:`pageable_copies`."""
+        if not self.is_pinned(host):
+            self.pageable_copies.append(f"copy_into from pageable memory: {host.dtype} of shape {tuple(host.shape)}")
+        if not self.holds(device):
+            raise ValueError("copy_into: the destination is not this backend's device memory")
+        device.copy_(host)
+
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is in host memory this backend pinned."""
         return tensor.untyped_storage().data_ptr() in self._pinned

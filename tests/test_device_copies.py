@@ -21,12 +21,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import regression_batches, train
+from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
 from test_rank1 import build as build_rank1
 from test_triton_kernels import TRITON_KERNELS, build
 from triton_cases import CASES
 
 from hf_paged.device import StreamBackend, SyncBackend
+from hf_paged.kernels import stubbed_triton_kernels
 from hf_paged.testing import simulated_streams
 
 BUDGETS = {"no budget": None, "one page": 4096, "three pages": 3 * 4096}
@@ -129,6 +130,44 @@ def test_every_pointer_a_launch_passes_is_16_byte_aligned(monkeypatch):
     assert misaligned == []
 
 
+def test_a_streamed_batch_copies_only_its_pages_addresses(monkeypatch):
+    """Issue 36: every page's segment rows reach the device once, at the first launch. A batch of pages that follow
+    one another, as a streamed batch does, takes its rows as a slice of them and copies to the device only its pages'
+    buffer addresses, into their place in a table kept there: a streamed step makes no table per batch (launches
+    stubbed: what is counted is what reaches the device)."""
+    monkeypatch.setenv("HF_PAGED_KERNELS", "triton")
+    name = "PagedAdamW8bit"
+    with stubbed_triton_kernels(), simulated_streams(delay=0) as backends:
+        model = make_mlp(hidden=256)
+        kwargs = optimizer_kwargs(name, device_budget=4 * 4096, prefetch=2)
+        optimizer = OPTIMIZERS[name](decay_groups(model), compiled=False, **kwargs)
+        batches = regression_batches(3)
+        train(model, optimizer, batches[:2])
+        (backend,) = backends
+        made: list[torch.Tensor] = []
+        copied: list[torch.Tensor] = []
+        monkeypatch.setattr(backend, "to_device", _recording(backend.to_device, made))
+        monkeypatch.setattr(backend, "copy_into", _recording(backend.copy_into, copied))
+        page_ins = optimizer.paging_stats()["page_ins"]
+        train(model, optimizer, batches[2:])
+        streamed = optimizer.paging_stats()["page_ins"] - page_ins
+        formats = len({id(page.format) for page in optimizer._store.pages})
+    assert streamed >= 20
+    assert len(made) <= 3 * formats, [tuple(host.shape) for host in made]
+    buffers = max(len(page.specs) for page in optimizer._store.pages)
+    streamed_batches = [host for host in copied if host.numel() <= 2 * buffers]  # two pages' buffer addresses
+    assert len(streamed_batches) >= streamed / 2 and len(copied) - len(streamed_batches) <= formats
+    assert backend.pageable_copies == [] and backend.hazards == []
+
+
+def _recording(copy, hosts: list[torch.Tensor]):
+    def recorded(*tensors: torch.Tensor):
+        hosts.append(tensors[-1])
+        return copy(*tensors)
+
+    return recorded
+
+
 def test_the_stream_backend_copies_from_pinned_memory_without_waiting(monkeypatch):
     """On a device with streams the backend's tables are pinned and copied with ``non_blocking=True`` (the simulated
     device above checks what reaches the backend; this checks what the backend asks of PyTorch)."""
@@ -148,6 +187,9 @@ def test_the_stream_backend_copies_from_pinned_memory_without_waiting(monkeypatc
     assert made == [True, True]
     host = SimpleNamespace(to=lambda device, **kwargs: (device, kwargs))
     assert StreamBackend.to_device(backend, host) == (torch.device("cuda", 0), {"non_blocking": True})
+    copies = []
+    StreamBackend.copy_into(backend, SimpleNamespace(copy_=lambda source, **kwargs: copies.append(kwargs)), host)
+    assert copies == [{"non_blocking": True}]
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.float32])

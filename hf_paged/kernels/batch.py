@@ -72,6 +72,8 @@ class HostToDevice(Protocol):
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor: ...
 
+    def copy_into(self, device: torch.Tensor, host: torch.Tensor) -> None: ...
+
 
 @dataclass(frozen=True)
 class PageBatch:

@@ -903,6 +903,8 @@ class TritonKernel:
         self.fallback = fallback
         self.scalar_names: tuple[str, ...] = _RULES[rule][2]
         self._buffer_specs = [spec for codec in codecs for spec in codec.buffer_specs(self.block_size)]
+        self._constants: dict[tuple[int, bool], dict[str, int | bool]] = {}
+        """The update kernel's specialization by dtype pair code and rounding (see :meth:`_update_constants`)."""
 
     @property
     def compiled(self) -> bool:
@@ -1089,7 +1091,6 @@ class TritonKernel:
                     )
                 return
             for pair in pairs:
-                param_dtype, grad_dtype = divmod(pair, 3)
                 _update_batch_kernel[(segments, programs)](
                     table,
                     scalars,
@@ -1100,18 +1101,32 @@ class TritonKernel:
                     statistic_addresses,
                     round_shift,
                     programs,
-                    RULE=_RULE_CODES[self.rule_name],
-                    BITS=self.bits,
-                    BLOCK=self.block_size,
-                    ROWS=rows,
-                    BUFFERS=len(self._buffer_specs),
-                    SCALARS=len(self.scalar_names),
-                    P_DTYPE=param_dtype,
-                    G_DTYPE=grad_dtype,
-                    ROUND=rounding is not None and param_dtype == _DTYPES[torch.bfloat16],
-                    RANK1=self.rank1,
-                    **options,
+                    **self._update_constants(pair, rounding is not None, rows, options),
                 )
+
+    def _update_constants(
+        self, pair: int, rounding: bool, rows: int, options: dict[str, bool]
+    ) -> dict[str, int | bool]:
+        """The update kernel's specialization for the dtype ``pair`` code, with or without a ``rounding`` table, and
+        ``options`` (made once for each: a launch per page batch reads it)."""
+        key = (pair, rounding)
+        constants = self._constants.get(key)
+        if constants is None:
+            param_dtype, grad_dtype = divmod(pair, 3)
+            constants = self._constants[key] = {
+                "RULE": _RULE_CODES[self.rule_name],
+                "BITS": self.bits,
+                "BLOCK": self.block_size,
+                "ROWS": rows,
+                "BUFFERS": len(self._buffer_specs),
+                "SCALARS": len(self.scalar_names),
+                "P_DTYPE": param_dtype,
+                "G_DTYPE": grad_dtype,
+                "ROUND": rounding and param_dtype == _DTYPES[torch.bfloat16],
+                "RANK1": self.rank1,
+                **options,
+            }
+        return constants
 
     def _capacity(self, buffers: tuple[torch.Tensor, ...]) -> int:
         """Elements of state a page's buffers hold."""
@@ -1222,9 +1237,13 @@ class TritonLaunches:
 
     - per step (:meth:`begin_step`): one table of the tensors' addresses and dtype pairs (and for rank-1 state, their
       statistics' addresses), and one of their rules' scalars, a row per tensor;
-    - per batch (:meth:`update`, :meth:`gather`): its pages' rows and the addresses of their buffers, one table; the
-      batch of the pages resident at a step's start keeps its table on the device while no page moves (the store's
-      ``version`` stays), so that a step with every page resident copies no batch table at all;
+    - once, at the first launch: every page's rows, in page order, each page numbered by its position here, and a
+      table of every page's buffer addresses at that position, both on the device;
+    - per batch (:meth:`update`, :meth:`gather`): the addresses of its pages' buffers. A batch of pages that follow
+      one another here (a streamed batch, or every page resident) takes its rows as a slice of the table of all
+      rows, and its addresses are copied into their place in the table of addresses; another batch gets a table of
+      its own, its rows and addresses. The batch of the pages resident at a step's start keeps its tables while no
+      page moves (the store's ``version`` stays), so that a step with every page resident copies no batch table;
     - with stochastic rounding, each batch's segments' keys.
 
     Args:
@@ -1251,11 +1270,16 @@ class TritonLaunches:
         self.tensors: list[int] = []
         """The plan's index of each tensor these launches update, in the order of the step's tables."""
         number: dict[int, int] = {}
+        self._position: dict[int, int] = {}
+        """Each page's position among these launches' pages, by page index: its number in the tables of all pages."""
+        self._first_segment: list[int] = []
+        """The number of the first segment of the page at each position in the table of all rows, and their count."""
         self._rows: dict[int, list[int]] = {}
         self._segment_counts: dict[int, int] = {}
         self._page_tensors: dict[int, list[int]] = {}
         self._longest: dict[int, int] = {}
         block = kernel.block_size
+        segments_before = 0
         for page, segments in pages:
             if page.format.codecs != kernel.codecs:
                 raise ValueError(f"page {page.index} holds another state format than this kernel's")
@@ -1272,7 +1296,10 @@ class TritonLaunches:
                 if kernel.bits != 32 and segment.offset % block:
                     raise ValueError(f"a segment's offset in page {page.index} is not a multiple of {block}")
                 local = number[index]
-                rows += (local, segment.start, segment.length, 0, segment.offset, local)
+                rows += (local, segment.start, segment.length, len(self._position), segment.offset, local)
+            self._first_segment.append(segments_before)
+            segments_before += len(segments)
+            self._position[page.index] = len(self._position)
             self._rows[page.index] = rows
             self._segment_counts[page.index] = len(segments)
             self._page_tensors[page.index] = sorted({number[index] for index, _ in segments})
@@ -1282,10 +1309,16 @@ class TritonLaunches:
                 rows_count, cols = shapes[index]
                 if rows_count * cols != numels[index]:
                     raise ValueError(f"statistics of a {rows_count} x {cols} tensor for {numels[index]} elements")
+        self._first_segment.append(segments_before)
+        self._buffers = len(kernel._buffer_specs)
         self._scalar_names = kernel.scalar_names
-        self._batch_rows: dict[tuple[int, ...], tuple[list[int], int]] = {}
-        """By the page indices of a batch launched before: its segment rows and longest segment (a streamed step
-        brings the same pages in the same batches at every step)."""
+        self._layouts: dict[tuple[int, ...], _BatchLayout] = {}
+        """By the page indices of a batch launched before: what its tables take (a streamed step brings the same
+        pages in the same batches at every step)."""
+        self._all_rows: torch.Tensor | None = None
+        """On the device: every page's rows, in page order (made at the first launch)."""
+        self._all_addresses: torch.Tensor | None = None
+        """On the device: every page's buffer addresses, at its position (each batch's written before its launch)."""
         self._step: _StepTables | None = None
         self._resident: tuple[int, list[Page], _BatchTables] | None = None
 
@@ -1356,15 +1389,16 @@ class TritonLaunches:
     def _launch(self, pages: Sequence[Page], version: int, round_shift: int | None) -> None:
         step = self._step
         batch = self._batch(pages, version, step.address)
+        layout = batch.layout
         pairs = step.distinct_pairs
         if len(pairs) > 1:
             pairs = sorted({step.pairs[tensor] for page in pages for tensor in self._page_tensors[page.index]})
         rounding = None
         if step.keys is not None and round_shift is not None:
-            if batch.tensor_column is None:
-                batch.tensor_column = torch.tensor(batch.rows[TENSOR::TABLE_COLUMNS], dtype=torch.int64)
-            host = self.backend.pinned_empty((batch.segments, 2), torch.int64)
-            torch.index_select(step.keys, 0, batch.tensor_column, out=host)
+            if layout.tensor_column is None:
+                layout.tensor_column = torch.tensor(layout.rows[TENSOR::TABLE_COLUMNS], dtype=torch.int64)
+            host = self.backend.pinned_empty((layout.segments, 2), torch.int64)
+            torch.index_select(step.keys, 0, layout.tensor_column, out=host)
             rounding = self.backend.to_device(host)
         self.kernel._run(
             self.device,
@@ -1375,8 +1409,8 @@ class TritonLaunches:
             step.grad_addresses,
             batch.buffer_addresses,
             step.statistic_addresses,
-            batch.segments,
-            batch.longest,
+            layout.segments,
+            layout.longest,
             pairs,
             round_shift,
         )
@@ -1387,25 +1421,52 @@ class TritonLaunches:
         cached = self._resident
         if cached is not None and cached[0] == version and cached[1] == pages:
             return cached[2]
-        key = tuple(page.index for page in pages)
-        known = self._batch_rows.get(key)
-        if known is None:
-            rows = list(itertools.chain.from_iterable(self._rows[page.index] for page in pages))
-            counts = self._segment_counts
-            rows[PAGE::TABLE_COLUMNS] = [
-                position for position, page in enumerate(pages) for _ in range(counts[page.index])
-            ]
-            known = self._batch_rows[key] = (rows, max(self._longest[page.index] for page in pages))
-        rows, longest = known
+        key = tuple([page.index for page in pages])
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = self._layout(pages)
         addresses: list[int] = []
         for page in pages:
             buffers = page.device  # PageBuffers, which know their addresses, or any sequence of buffers
             addresses += buffers.addresses(address) if hasattr(buffers, "addresses") else map(address, buffers)
-        device_values = self.backend.to_device(self.backend.pinned_tensor(rows + _padded(addresses), torch.int64))
-        table, buffer_addresses = device_values[: len(rows)], device_values[len(rows) :]
-        batch = _BatchTables(table, buffer_addresses, len(rows) // TABLE_COLUMNS, longest, rows)
+        backend = self.backend
+        if layout.tables is None:
+            rows = layout.rows
+            values = backend.to_device(backend.pinned_tensor(rows + _padded(addresses), torch.int64))
+            batch = _BatchTables(layout, values[: len(rows)], values[len(rows) :])
+        else:
+            backend.copy_into(layout.addresses, backend.pinned_tensor(addresses, torch.int64))
+            batch = layout.tables
         self._resident = (version, list(pages), batch)
         return batch
+
+    def _layout(self, pages: Sequence[Page]) -> _BatchLayout:
+        """What the tables of a batch of ``pages`` take: for pages that follow one another here, a slice of the table
+        of all rows and their place in the table of all addresses (both made at the first batch); for others, their
+        rows, each page numbered by its position in the batch."""
+        positions = [self._position[page.index] for page in pages]
+        first, last = positions[0], positions[-1]
+        longest = max(self._longest[page.index] for page in pages)
+        if positions == list(range(first, last + 1)):
+            rows = list(itertools.chain.from_iterable(self._rows[page.index] for page in pages))
+            if self._all_rows is None:
+                backend = self.backend
+                every_row = [value for page_rows in self._rows.values() for value in page_rows]
+                self._all_rows = backend.to_device(backend.pinned_tensor(every_row, torch.int64)).view(
+                    -1, TABLE_COLUMNS
+                )
+                every_address = [0] * len(self._position) * self._buffers
+                self._all_addresses = backend.to_device(backend.pinned_tensor(_padded(every_address), torch.int64))
+            segments = self._first_segment[last + 1] - self._first_segment[first]
+            layout = _BatchLayout(rows, segments, longest, (first * self._buffers, (last + 1) * self._buffers))
+            layout.addresses = self._all_addresses[layout.span[0] : layout.span[1]]
+            table = self._all_rows[self._first_segment[first] : self._first_segment[last + 1]]
+            layout.tables = _BatchTables(layout, table, self._all_addresses)
+            return layout
+        rows = list(itertools.chain.from_iterable(self._rows[page.index] for page in pages))
+        counts = self._segment_counts
+        rows[PAGE::TABLE_COLUMNS] = [position for position, page in enumerate(pages) for _ in range(counts[page.index])]
+        return _BatchLayout(rows, len(rows) // TABLE_COLUMNS, longest)
 
 
 @dataclass(slots=True)
@@ -1425,17 +1486,30 @@ class _StepTables:
 
 
 @dataclass(slots=True)
-class _BatchTables:
-    """A batch's tables of :class:`TritonLaunches`: its segment rows and its pages' buffer addresses on the device, its
-    number of segments and longest one, its rows on the host and (once a step with stochastic rounding asks) each
-    row's tensor as a host tensor."""
+class _BatchLayout:
+    """What the tables of a batch of :class:`TritonLaunches` take, the same at every step: its rows on the host, its
+    number of segments and longest one (elements); for pages that follow one another, the span of their addresses in
+    the table of all addresses (entries), that span on the device and the batch's tables (a slice of the table of all
+    rows; ``None`` for other pages); and (once a step with stochastic rounding asks) each row's tensor as a host
+    tensor."""
 
-    table: torch.Tensor
-    buffer_addresses: torch.Tensor
+    rows: list[int]
     segments: int
     longest: int
-    rows: list[int]
+    span: tuple[int, int] | None = None
+    addresses: torch.Tensor | None = None
+    tables: _BatchTables | None = None
     tensor_column: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class _BatchTables:
+    """A batch's tables of :class:`TritonLaunches` on the device: its segment rows and the buffer addresses they
+    number pages into."""
+
+    layout: _BatchLayout
+    table: torch.Tensor
+    buffer_addresses: torch.Tensor
 
 
 def _address_of(tensor: torch.Tensor):

@@ -29,7 +29,7 @@ from ..memory import probe_for
 from ..recovery import Recovery, device_out_of_memory, empty_device_cache, is_out_of_memory
 from ..sizes import format_size
 from ..stochastic_rounding import ElementRounding, parameter_seed, step_keys
-from ..store import Page, Segment
+from ..store import Page, PageStore, Segment
 from ..stores import DeviceStores
 from ._params import StridedElements, StridedRange, flat_elements
 from .layout import local_tensor
@@ -223,6 +223,8 @@ class StepRun:
         pages, and the device of their buffers."""
         self._launches: dict[tuple[int, str], Any] = {}
         """By kernel (``id``) and device: its prepared launches begun for this step, ``None`` where it has none."""
+        self._prepared_kinds: dict[int, tuple[Any, PageStore] | None] = {}
+        """By the plan's index of a page format and device: see :meth:`_prepared`."""
         self._fast_verdicts: dict[tuple[int, torch.device, frozenset], bool] = {}
         self._batch_verdicts: dict[tuple[int, torch.device, tuple[torch.dtype, torch.dtype]], bool] = {}
         self.rounding_keys = _rounding_keys(plan, self.groups, self.steps)
@@ -438,6 +440,17 @@ class StepRun:
         a batch kernel per page format where the kernel takes batches, else segment by segment, chunk by chunk,
         each chunk whole or not at all. A non-contiguous parameter's copy is written back after each segment's
         update, whether it finished or not."""
+        by_kind: dict[int, list[Page]] = {}
+        kind_of = self.plan.page_kind
+        for page in pages:
+            by_kind.setdefault(kind_of[page.index], []).append(page)
+        if len(self._dtypes) == 1 and not self._strided and not self.progress.any_touched():
+            prepared = [self._prepared(kind, kind_pages[0]) for kind, kind_pages in by_kind.items()]
+            if None not in prepared:
+                for (launches, store), kind_pages in zip(prepared, by_kind.values()):
+                    launches.update(kind_pages, store.generation)
+                    self.progress.finish_pages(kind_pages)
+                return
         gathered: dict[int, list[tuple[WorkItem, StridedRange | None]]] = {}
         page_of: dict[int, Page] = {}
         strided_of: dict[int, StridedRange | None] = {}
@@ -455,10 +468,6 @@ class StepRun:
                     strided_of[id(segment)].scatter(param_slice)
                 self.progress.finish(page_of[id(segment)], segment)
 
-        by_kind: dict[int, list[Page]] = {}
-        kind_of = self.plan.page_kind
-        for page in pages:
-            by_kind.setdefault(kind_of[page.index], []).append(page)
         fast: list[Page] = []
         for kind, kind_pages in list(by_kind.items()):
             verdict = self.route(kind_pages[0])[1]
@@ -504,6 +513,21 @@ class StepRun:
                 finally:
                     if strided is not None:
                         strided.scatter(param_slice)
+
+    def _prepared(self, kind: int, page: Page) -> tuple[Any, PageStore] | None:
+        """In a step of one dtype pair with no segment updated in part: the prepared launches that update the pages of
+        ``kind`` (``page``'s format and device) in batches, and their store; ``None`` where those pages go another
+        way (asked once per step for each kind)."""
+        if kind in self._prepared_kinds:
+            return self._prepared_kinds[kind]
+        kernel, fast, _ = self.route(page)
+        prepared = None
+        if not fast and self._batchable(kernel, [page])[0]:
+            launches = self.launches(kernel, page)
+            if launches is not None:
+                prepared = (launches, self.plan.stores.store_of(page))
+        self._prepared_kinds[kind] = prepared
+        return prepared
 
     def route(self, page: Page) -> tuple[Any, bool | None, torch.device]:
         """The kernel of ``page``'s format and device (the optimizer's choice), whether the optimizer's multi-tensor
