@@ -24,21 +24,17 @@ moments with blocks of 256.
 * :class:`Blockwise4bitCodec` stores two 4-bit codes per byte and one fp32 scale per block (the block's
   largest magnitude), after Li et al., "Memory Efficient Optimizers with 4-bit States" (NeurIPS 2023).
   A signed state (first moments) uses the 15 codes ``q`` in [-7, 7] of a quadratic map that contains
-  zero; a non-negative state (second moments) uses the 16 codes ``q`` in [0, 15] of the paper's linear map
-  without zero. Both encode by rounding to the nearest value:
+  zero, encoded by rounding to the nearest value; a non-negative state (second moments) uses 16 codes
+  ``q`` in [0, 15] of a quartic map that excludes zero, encoded by rounding to the nearest code in the
+  ``(x / s) ** (1/4)`` domain:
 
   .. math::
-      x_{signed} = s \\, \\frac{q \\, |q|}{49}, \\qquad x_{non-negative} = s \\, \\frac{q + 1}{16}
+      x_{signed} = s \\, \\frac{q \\, |q|}{49}, \\qquad x_{non-negative} = s \\left(\\frac{q + 1}{16}\\right)^{4}
 
   Excluding zero from the second moment's map keeps a small squared gradient from becoming zero in the
   denominator of Adam's step (the paper's "zero-point problem"); including it in the first moment's map
-  keeps a zero momentum from moving the parameter. The linear map rounds a second moment below 1/32 of its
-  block's largest up to 1/16 of it, so small moments take shorter steps, and it never rounds one down by more
-  than a factor 1.5 (a step at most sqrt(1.5) = 1.22x longer). hf-paged 0.1.0 stored second moments in the
-  quartic map ``((q + 1) / 16)^4``, which rounds moments down by up to a factor 1.5^4 = 5.1 (``legacy_quartic``:
-  such saved state still loads); it trained farther from fp32 AdamW than the linear map
-  (``benchmarks/fidelity.py``). A state's bytes per element are ``0.5 + 4 / block_size``: 1.0625 bytes per
-  parameter for AdamW's two moments with blocks of 128.
+  keeps a zero momentum from moving the parameter. A state's bytes per element are
+  ``0.5 + 4 / block_size``: 1.0625 bytes per parameter for AdamW's two moments with blocks of 128.
 
 A non-finite value never makes a scale non-finite (:meth:`_BlockScaled.block_scales`): a NaN is stored as zero (as
 the smallest level in the 4-bit non-negative map, which has no zero) and an infinity as the largest code with the
@@ -227,14 +223,8 @@ class Blockwise4bitCodec(_BlockScaled):
 
     block_size: int
     signed: bool
-    legacy_quartic: bool = False
-    """Decode only: a non-negative state saved by hf-paged 0.1.0, in the quartic map ``((q + 1) / 16)^4``."""
+    fields: tuple[str, ...] = ("packed_codes", "scales")
     saved_like_param: ClassVar[bool] = False
-
-    @property
-    def fields(self) -> tuple[str, ...]:
-        """The saved fields: the packed codes (:func:`codes_field`) and the scales."""
-        return codes_field(self.signed, self.legacy_quartic), "scales"
 
     def buffer_specs(self, capacity: int) -> tuple[BufferSpec, ...]:
         """The packed codes (one byte per two elements) and the fp32 scales (one per block)."""
@@ -251,14 +241,13 @@ class Blockwise4bitCodec(_BlockScaled):
     def decode(self, encoded: EncodedSegment) -> torch.Tensor:
         """fp32 values of a segment, shaped ``(blocks, block_size)``."""
         packed, scales = encoded
-        return scaled(decode_4bit(packed, self.signed, self.legacy_quartic), scales.unsqueeze(1), self.signed)
+        return scaled(decode_4bit(packed, self.signed), scales.unsqueeze(1), self.signed)
 
     def encode(self, values: torch.Tensor, encoded: EncodedSegment, block_scales: torch.Tensor | None = None) -> None:
         """Store fp32 ``values`` shaped ``(blocks, block_size)`` into a segment's packed codes and scales.
 
         ``block_scales`` are :meth:`block_scales` of ``values``, when the caller has them.
         """
-        _check_encodes(self)
         packed, scales = encoded
         if block_scales is None:
             block_scales = self.block_scales(values)
@@ -296,16 +285,10 @@ class Rank1Normalized4bitCodec:
 
     block_size: int
     signed: bool
-    legacy_quartic: bool = False
-    """Decode only: a non-negative state saved by hf-paged 0.1.0, in the quartic map ``((q + 1) / 16)^4``."""
+    fields: tuple[str, ...] = ("packed_codes",)
     saved_like_param: ClassVar[bool] = False
     statistics_fields: ClassVar[tuple[str, ...]] = ("row_max", "col_max")
     """The saved fields of a tensor's statistics, after :attr:`fields`."""
-
-    @property
-    def fields(self) -> tuple[str, ...]:
-        """The saved fields: the packed codes (:func:`codes_field`)."""
-        return (codes_field(self.signed, self.legacy_quartic),)
 
     @property
     def alignment(self) -> int:
@@ -332,14 +315,13 @@ class Rank1Normalized4bitCodec:
     def decode(self, encoded: EncodedSegment) -> torch.Tensor:
         """fp32 values of a segment, shaped ``(blocks, block_size)``: codes times their normalizers."""
         packed, normalizers = encoded[0], encoded[1]
-        return scaled(decode_4bit(packed, self.signed, self.legacy_quartic), normalizers, self.signed)
+        return scaled(decode_4bit(packed, self.signed), normalizers, self.signed)
 
     def block_scales(self, values: torch.Tensor) -> None:
         """Rank-1 codes have no block scales: the statistics come from the whole tensor."""
 
     def encode(self, values: torch.Tensor, encoded: EncodedSegment, block_scales: None = None) -> None:
         """Store fp32 ``values`` shaped ``(blocks, block_size)`` as codes of ``values / new_normalizers``."""
-        _check_encodes(self)
         packed, _, new_normalizers = encoded
         packed.copy_(encode_4bit(values, new_normalizers, self.signed))
 
@@ -512,7 +494,7 @@ def saturate_(normalized: torch.Tensor) -> torch.Tensor:
 
 def fourth_roots(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``(values / scale) ** (1/4)`` of non-negative ``values`` shaped ``(blocks, block_size)``, in [0, 1], with
-    ``scales`` shaped ``(blocks, 1)``.
+    ``scales`` broadcast against them (``(blocks, 1)``: one per block; ``(blocks, block_size)``: one per element).
 
     Taken as ``sqrt(sqrt(values) / sqrt(scale))``: an update rule that needs ``sqrt(values)`` (Adam's
     denominator) shares it in a compiled kernel, which then takes one square root per element here, not two.
@@ -536,43 +518,28 @@ def scaled(normalized: torch.Tensor, scales: torch.Tensor, signed: bool) -> torc
     return values if signed else values.masked_fill_(values == FLOAT32_MAX, math.inf)
 
 
-def codes_field(signed: bool, legacy_quartic: bool = False) -> str:
-    """The saved field of a 4-bit state's packed codes: ``linear_codes`` for a non-negative state's (the linear map),
-    ``packed_codes`` for a signed state's and for a non-negative state's in hf-paged 0.1.0's quartic map."""
-    return "linear_codes" if not signed and not legacy_quartic else "packed_codes"
-
-
-def _check_encodes(codec: Blockwise4bitCodec | Rank1Normalized4bitCodec) -> None:
-    """Raise TypeError for a codec that only decodes (``legacy_quartic``)."""
-    if codec.legacy_quartic:
-        raise TypeError(f"{codec} only decodes state saved by hf-paged 0.1.0: encode with legacy_quartic=False")
-
-
-def decode_4bit(packed: torch.Tensor, signed: bool, legacy_quartic: bool = False) -> torch.Tensor:
+def decode_4bit(packed: torch.Tensor, signed: bool) -> torch.Tensor:
     """The normalized fp32 values (in [-1, 1]) of 4-bit codes packed by half-blocks, ``packed`` shaped
-    ``(blocks, block_size // 2)``, as ``(blocks, block_size)``: the maps of :class:`Blockwise4bitCodec` (a
-    non-negative state's ``legacy_quartic``: ``((q + 1) / 16)^4``)."""
+    ``(blocks, block_size // 2)``, as ``(blocks, block_size)``: the maps of :class:`Blockwise4bitCodec`."""
     codes = torch.cat([packed & 15, packed >> 4], dim=1).float()
     if signed:
         levels = codes - 7
         return levels * levels.abs() * (1.0 / 49)
-    levels = (codes + 1) * (1.0 / 16)
-    if not legacy_quartic:
-        return levels
-    squared = levels * levels
+    root = (codes + 1) * (1.0 / 16)
+    squared = root * root
     return squared * squared
 
 
 def encode_4bit(values: torch.Tensor, scales: torch.Tensor, signed: bool) -> torch.Tensor:
     """The 4-bit codes of fp32 ``values`` shaped ``(blocks, block_size)`` divided by ``scales`` (broadcast against
     them; a zero scale encodes zero), packed by half-blocks: uint8 of shape ``(blocks, block_size // 2)``."""
-    normalized = saturate_(values * inverse_scales(scales))
     if signed:
+        normalized = saturate_(values * inverse_scales(scales))
         # nearest level (k / 7)^2: |x| >= the midpoint of levels k - 1 and k iff 196 |x| - 1 >= (2k - 1)^2
         magnitude = torch.floor((ieee_sqrt(torch.relu(normalized.abs() * 196 - 1)) + 1) * 0.5)
         codes = magnitude.clamp(max=7) * normalized.sign() + 7
     else:
-        codes = (torch.round(normalized * 16) - 1).clamp(0, 15)
+        codes = (torch.round(fourth_roots(values, scales) * 16) - 1).clamp(0, 15)
     codes = codes.to(torch.uint8)
     half = values.shape[1] // 2
     return codes[:, :half] | (codes[:, half:] << 4)

@@ -253,7 +253,7 @@ def test_a_block_with_non_finite_values_keeps_its_finite_ones(codec):
     expected_first_row = codec.decode(clean_segment)[0].clone()
     four_bit_second_moment = isinstance(codec, Blockwise4bitCodec) and not codec.signed
     # NaN is stored as zero, which the 4-bit non-negative map lacks: its smallest level
-    expected_first_row[4] = bad_segment[1][0] * (1 / 16) if four_bit_second_moment else 0.0
+    expected_first_row[4] = bad_segment[1][0] * (1 / 16) ** 4 if four_bit_second_moment else 0.0
     torch.testing.assert_close(decoded[0], expected_first_row, rtol=0, atol=0)
     assert decoded[1, 9] == (largest_finite if codec.signed else math.inf)
     assert decoded[1, torch.arange(64) != 9].isfinite().all()

@@ -113,8 +113,7 @@ def test_rank1_takes_2d_tensors_whose_statistics_cost_no_more_than_block_scales(
     state = optimizer.state_dict()["state"][2]
     assert set(state) == {
         "step",
-        *(f"exp_avg_{field}" for field in ("packed_codes", "row_max", "col_max")),
-        *(f"exp_avg_sq_{field}" for field in ("linear_codes", "row_max", "col_max")),
+        *(f"{name}_{field}" for name in ("exp_avg", "exp_avg_sq") for field in ("packed_codes", "row_max", "col_max")),
     }
 
 

@@ -61,8 +61,8 @@ def test_state_dict_layout(optimizer_name):
                 assert entry[name].shape == params[index].shape and entry[name].dtype == torch.float32
             elif optimizer_name.endswith("4bit"):
                 assert params[index].numel() >= 256
-                codes = entry[f"{name}_linear_codes" if name == "exp_avg_sq" else f"{name}_packed_codes"]
-                assert codes.shape == (-(-params[index].numel() // 64) * 32,) and codes.dtype == torch.uint8
+                assert entry[f"{name}_packed_codes"].shape == (-(-params[index].numel() // 64) * 32,)
+                assert entry[f"{name}_packed_codes"].dtype == torch.uint8
                 assert entry[f"{name}_scales"].numel() == -(-params[index].numel() // 64)
             else:
                 assert optimizer_name.endswith("8bit") and params[index].numel() >= 256

@@ -268,7 +268,9 @@ def _decode(codes, scale, BITS: tl.constexpr, SIGNED: tl.constexpr):
             level = codes - 7.0
             return level * tl.abs(level) * 0.02040816326530612 * scale  # 1 / 49
         else:
-            return _infinity_at_max((codes + 1.0) * 0.0625 * scale)
+            root = (codes + 1.0) * 0.0625
+            squared = root * root
+            return _infinity_at_max(squared * squared * scale)
 
 
 @triton.jit
@@ -285,15 +287,14 @@ def _signed_code(values, inverse, BITS: tl.constexpr):
 
 
 @triton.jit
-def _unsigned_code(values, inverse, BITS: tl.constexpr):
-    """Codes of a non-negative state, as int32: for 8 bits from the square roots of its values times the inverse
-    square roots of their scales; for 4 bits from its values times the inverse scales."""
-    normalized = _saturate(values * inverse)
+def _unsigned_code(roots, inverse_root, BITS: tl.constexpr):
+    """Codes of a non-negative state from the square roots of its values, as int32."""
+    normalized = _saturate(roots * inverse_root)
     if BITS == 8:
         code = _round_even(tl.sqrt_rn(normalized) * 255.0)
         return tl.maximum(code, tl.where(normalized > 0.0, 1.0, 0.0)).to(tl.int32)
     else:
-        code = _round_even(normalized * 16.0) - 1.0
+        code = _round_even(tl.sqrt_rn(normalized) * 16.0) - 1.0
         return tl.minimum(tl.maximum(code, 0.0), 15.0).to(tl.int32)
 
 
@@ -499,7 +500,8 @@ def _decode_4bit(packed, byte, whole, low_scale, high_scale, SIGNED: tl.constexp
 @triton.jit
 def _encode_4bit(packed, byte, whole, low, high, low_inverse, high_inverse, SIGNED: tl.constexpr):
     """Store 4-bit codes into the low and high nibbles of bytes ``byte`` from ``packed``: of the values ``low`` and
-    ``high`` times ``low_inverse`` and ``high_inverse``."""
+    ``high`` times ``low_inverse`` and ``high_inverse`` (a non-negative state: of the square roots ``low`` and ``high``
+    times the inverse square roots of their scales)."""
     if SIGNED:
         codes = _signed_code(low, low_inverse, 4) | (_signed_code(high, high_inverse, 4) << 4)
     else:
@@ -508,13 +510,20 @@ def _encode_4bit(packed, byte, whole, low, high, low_inverse, high_inverse, SIGN
 
 
 @triton.jit
-def _encode_4bit_blocks(buffers, k, offset, byte, whole, scale_index, blocks, low, high, SIGNED: tl.constexpr):
+def _encode_4bit_blocks(
+    buffers, k, offset, byte, whole, scale_index, blocks, low, high, low_roots, high_roots, SIGNED: tl.constexpr
+):
     """Store the new values ``low`` and ``high`` of state ``k`` of a segment of blockwise 4-bit state (its packed codes
-    and scales: the page's buffers ``2 k`` and ``2 k + 1``), each block scaled by its largest magnitude."""
+    and scales: the page's buffers ``2 k`` and ``2 k + 1``; a non-negative state's codes from the square roots), each
+    block scaled by its largest magnitude."""
     scale = tl.maximum(_largest(low), _largest(high))
     packed = tl.load(buffers + 2 * k).to(tl.pointer_type(tl.uint8)) + offset // 2
-    inverse = _reciprocal(scale)[:, None]
-    _encode_4bit(packed, byte, whole, low, high, inverse, inverse, SIGNED)
+    if SIGNED:
+        inverse = _reciprocal(scale)[:, None]
+        _encode_4bit(packed, byte, whole, low, high, inverse, inverse, True)
+    else:
+        inverse_root = _inverse_root(scale)[:, None]
+        _encode_4bit(packed, byte, whole, low_roots, high_roots, inverse_root, inverse_root, False)
     tl.store(tl.load(buffers + 2 * k + 1).to(tl.pointer_type(tl.float32)) + scale_index, scale, mask=blocks)
 
 
@@ -642,11 +651,11 @@ def _update_batch_kernel(
                     scale = tl.load(scales + scale_index, mask=valid, other=0.0)[:, None]
                     packed = tl.load(buffers + 4).to(tl.pointer_type(tl.uint8)) + offset // 2
                     old2_low, old2_high = _decode_4bit(packed, byte, whole, scale, scale, False)
-            new0_low, new1_low, new2_low, _ = _update_elements(
+            new0_low, new1_low, new2_low, root_low = _update_elements(
                 param, grad, low_index, low_valid, old0_low, old1_low, old2_low, s, rounds, key_a, key_b,
                 start + round_shift + low_index, RULE, P_DTYPE, G_DTYPE, ROUND,
             )  # fmt: skip
-            new0_high, new1_high, new2_high, _ = _update_elements(
+            new0_high, new1_high, new2_high, root_high = _update_elements(
                 param, grad, high_index, high_valid, old0_high, old1_high, old2_high, s, rounds, key_a, key_b,
                 start + round_shift + high_index, RULE, P_DTYPE, G_DTYPE, ROUND,
             )  # fmt: skip
@@ -657,16 +666,24 @@ def _update_batch_kernel(
                     _reciprocal(_normalizers(row_statistics, 2, high_row, high_col, high_valid)), True,
                 )  # fmt: skip
                 _encode_4bit(
-                    seconds, byte, whole, new1_low, new1_high,
-                    _reciprocal(_normalizers(row_statistics, 3, low_row, low_col, low_valid)),
-                    _reciprocal(_normalizers(row_statistics, 3, high_row, high_col, high_valid)), False,
+                    seconds, byte, whole, root_low, root_high,
+                    _inverse_root(_normalizers(row_statistics, 3, low_row, low_col, low_valid)),
+                    _inverse_root(_normalizers(row_statistics, 3, high_row, high_col, high_valid)), False,
                 )  # fmt: skip
             else:
-                _encode_4bit_blocks(buffers, 0, offset, byte, whole, scale_index, valid, new0_low, new0_high, True)
+                _encode_4bit_blocks(
+                    buffers, 0, offset, byte, whole, scale_index, valid, new0_low, new0_high, root_low, root_high, True
+                )
                 if RULE != 1:
-                    _encode_4bit_blocks(buffers, 1, offset, byte, whole, scale_index, valid, new1_low, new1_high, SLOW)
+                    _encode_4bit_blocks(
+                        buffers, 1, offset, byte, whole, scale_index, valid, new1_low, new1_high, root_low, root_high,
+                        SLOW,
+                    )  # fmt: skip
                 if SLOW:
-                    _encode_4bit_blocks(buffers, 2, offset, byte, whole, scale_index, valid, new2_low, new2_high, False)
+                    _encode_4bit_blocks(
+                        buffers, 2, offset, byte, whole, scale_index, valid, new2_low, new2_high, root_low, root_high,
+                        False,
+                    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["programs"])

@@ -104,9 +104,12 @@ struct Vec {
   static F infinity_at_max(F a) {
     return _mm512_mask_mov_ps(a, _mm512_cmp_ps_mask(a, splat(FLT_MAX), _CMP_EQ_OQ), splat(INFINITY));
   }
-  // 1 / s where s >= FLT_MIN, else 0 (codecs.inverse_scales).
+  // 1 / s where s >= FLT_MIN, else 0 (codecs.inverse_scales), and 1 / sqrt(s) where s > 0, else 0.
   static F inverse_scales(F s) {
     return _mm512_maskz_div_ps(_mm512_cmp_ps_mask(s, splat(FLT_MIN), _CMP_GE_OQ), splat(1.0f), s);
+  }
+  static F inverse_root_scales(F s) {
+    return _mm512_maskz_div_ps(_mm512_cmp_ps_mask(s, zero(), _CMP_GT_OQ), splat(1.0f), sqrt(s));
   }
   // Bit k set where lane k of a is greater than that of b.
   static uint32_t greater(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
@@ -209,9 +212,12 @@ struct Vec {
   static F infinity_at_max(F a) {
     return _mm256_blendv_ps(a, splat(INFINITY), _mm256_cmp_ps(a, splat(FLT_MAX), _CMP_EQ_OQ));
   }
-  // 1 / s where s >= FLT_MIN, else 0 (codecs.inverse_scales).
+  // 1 / s where s >= FLT_MIN, else 0 (codecs.inverse_scales), and 1 / sqrt(s) where s > 0, else 0.
   static F inverse_scales(F s) {
     return _mm256_and_ps(div(splat(1.0f), s), _mm256_cmp_ps(s, splat(FLT_MIN), _CMP_GE_OQ));
+  }
+  static F inverse_root_scales(F s) {
+    return _mm256_and_ps(div(splat(1.0f), sqrt(s)), _mm256_cmp_ps(s, zero(), _CMP_GT_OQ));
   }
   // Bit k set where lane k of a is greater than that of b.
   static uint32_t greater(F a, F b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
@@ -309,6 +315,7 @@ struct Vec {
   static F zero_nan(F a) { return std::isnan(a) ? 0.0f : a; }
   static F infinity_at_max(F a) { return a == FLT_MAX ? INFINITY : a; }
   static F inverse_scales(F s) { return s >= FLT_MIN ? 1.0f / s : 0.0f; }
+  static F inverse_root_scales(F s) { return s > 0.0f ? 1.0f / std::sqrt(s) : 0.0f; }
   static uint32_t greater(F a, F b) { return a > b ? 1 : 0; }
   static float reduce_max(F a) { return a; }
 
@@ -423,11 +430,9 @@ struct Codes8 {
     state.scales[block] = scale;
   }
 
-  // What encode_unsigned takes of a non-negative state: the square roots of its values.
-  static F unsigned_input(F, F roots) { return roots; }
-
   // Nearest code in the (x / s)^(1/4) domain, from roots = sqrt(x); a positive value never becomes code 0.
-  static void encode_unsigned(const State& state, int64_t block, int64_t size, const float* roots, float scale) {
+  static void encode_unsigned_roots(const State& state, int64_t block, int64_t size, const float* roots,
+                                    float scale) {
     uint8_t* codes = state.codes + block * size;
     const F inverse_root = Vec::splat(inverse_root_scale(scale));
     const F top = Vec::splat(255.0f);
@@ -440,7 +445,7 @@ struct Codes8 {
 };
 
 // The 4-bit codecs (Blockwise4bitCodec): byte i of a block holds element i in its low nibble and element
-// i + size / 2 in its high nibble. Signed: x = s q |q| / 49 with q = code - 7; non-negative: x = s (code + 1) / 16.
+// i + size / 2 in its high nibble. Signed: x = s q |q| / 49 with q = code - 7; non-negative: x = s ((code + 1) / 16)^4.
 struct Codes4 {
   // The codes of elements i.. of a block: low nibbles in its first half, high nibbles in its second.
   static F codes_at(const uint8_t* packed, int64_t half, int64_t i) {
@@ -448,13 +453,15 @@ struct Codes4 {
   }
 
   // The normalized values (codecs.decode_4bit) of elements i.. of a block whose codes are packed by half-blocks of
-  // `half` bytes: q |q| / 49 with q = code - 7, and (code + 1) / 16.
+  // `half` bytes: q |q| / 49 with q = code - 7, and ((code + 1) / 16)^4.
   static F signed_value(const uint8_t* packed, int64_t half, int64_t i) {
     const F level = Vec::sub(codes_at(packed, half, i), Vec::splat(7.0f));
     return Vec::mul(Vec::mul(level, Vec::abs(level)), Vec::splat(static_cast<float>(1.0 / 49)));
   }
   static F unsigned_value(const uint8_t* packed, int64_t half, int64_t i) {
-    return Vec::mul(Vec::add(codes_at(packed, half, i), Vec::splat(1.0f)), Vec::splat(0.0625f));
+    const F root = Vec::mul(Vec::add(codes_at(packed, half, i), Vec::splat(1.0f)), Vec::splat(0.0625f));
+    const F squared = Vec::mul(root, root);
+    return Vec::mul(squared, squared);
   }
 
   // The decoded values of a block, eight (or one) at a time.
@@ -495,23 +502,20 @@ struct Codes4 {
     state.scales[block] = scale;
   }
 
-  // Nearest of the 16 levels (code + 1) / 16; zero is not a level.
-  static F unsigned_code(F values, F inverse) {
-    const F sixteenths = Vec::rint(Vec::mul(saturate(Vec::mul(values, inverse)), Vec::splat(16.0f)));
-    const F code = Vec::sub(sixteenths, Vec::splat(1.0f));
+  // Nearest of the 16 codes in the (x / s)^(1/4) domain, from roots = sqrt(x); zero is not a level.
+  static F unsigned_code(F roots, F inverse_root) {
+    const F code = Vec::sub(Vec::rint_root_times(saturate(Vec::mul(roots, inverse_root)), Vec::splat(16.0f)), Vec::splat(1.0f));
     return Vec::min(Vec::max(code, Vec::zero()), Vec::splat(15.0f));
   }
 
-  // What encode_unsigned takes of a non-negative state: its values.
-  static F unsigned_input(F values, F) { return values; }
-
-  static void encode_unsigned(const State& state, int64_t block, int64_t size, const float* values, float scale) {
+  static void encode_unsigned_roots(const State& state, int64_t block, int64_t size, const float* roots,
+                                    float scale) {
     const int64_t half = size / 2;
     uint8_t* packed = state.codes + block * half;
-    const F inverse = Vec::splat(inverse_scale(scale));
+    const F inverse_root = Vec::splat(inverse_root_scale(scale));
     for (int64_t i = 0; i < half; i += kWidth) {
-      Vec::store_nibbles(packed + i, unsigned_code(Vec::load(values + i), inverse),
-                         unsigned_code(Vec::load(values + i + half), inverse));
+      Vec::store_nibbles(packed + i, unsigned_code(Vec::load(roots + i), inverse_root),
+                         unsigned_code(Vec::load(roots + i + half), inverse_root));
     }
     state.scales[block] = scale;
   }
@@ -587,12 +591,11 @@ struct ParamWriter<c10::BFloat16> {
 };
 
 // Block-local fp32 buffers of one thread (on its stack): a block's new first moments (AdEMAMix: and slow moments),
-// its new second moments as their encoding takes them (Codes::unsigned_input), and its new parameter values before
-// stochastic rounding.
+// square roots of its new second moments, and its new parameter values before stochastic rounding.
 struct Scratch {
   alignas(64) float moments[kMaxBlockSize];
   alignas(64) float slow[kMaxBlockSize];
-  alignas(64) float seconds[kMaxBlockSize];
+  alignas(64) float roots[kMaxBlockSize];
   alignas(64) float updated[kMaxBlockSize];
 };
 
@@ -657,13 +660,13 @@ struct AdamW {
       step(c, Vec::load(p + i), Vec::load(g + i), old_moments(i), old_seconds(i), new_param, moment, second, root);
       writer.store(i, new_param);
       Vec::store(scratch.moments + i, moment);
-      Vec::store(scratch.seconds + i, Codes::unsigned_input(second, root));
+      Vec::store(scratch.roots + i, root);  // the encoding takes sqrt(v)
       moment_max.add(moment);
       second_max.add(second);
     }
     writer.finish(size);
     Codes::encode_signed(states[0], block, size, scratch.moments, moment_max.value());
-    Codes::encode_unsigned(states[1], block, size, scratch.seconds, second_max.value());
+    Codes::encode_unsigned_roots(states[1], block, size, scratch.roots, second_max.value());
   }
 
   // A block of rank-1 normalized 4-bit states whose codes are packed[0] and packed[1]: Codes4's maps with each
@@ -680,14 +683,15 @@ struct AdamW {
       step(c, Vec::load(p + i), Vec::load(g + i), moment, second, new_param, new_moment, new_second, root);
       writer.store(i, new_param);
       Vec::store(scratch.moments + i, new_moment);
-      Vec::store(scratch.seconds + i, new_second);
+      Vec::store(scratch.roots + i, root);  // the encoding takes sqrt(v)
     }
     writer.finish(size);
     const auto signed_code = [&](int64_t i) {
       return Codes4::signed_code(Vec::load(scratch.moments + i), Vec::inverse_scales(Vec::load(scratch.next[0] + i)));
     };
     const auto unsigned_code = [&](int64_t i) {
-      return Codes4::unsigned_code(Vec::load(scratch.seconds + i), Vec::inverse_scales(Vec::load(scratch.next[1] + i)));
+      return Codes4::unsigned_code(Vec::load(scratch.roots + i),
+                                   Vec::inverse_root_scales(Vec::load(scratch.next[1] + i)));
     };
     for (int64_t i = 0; i < half; i += kWidth) {
       Vec::store_nibbles(packed[0] + i, signed_code(i), signed_code(i + half));
@@ -695,7 +699,7 @@ struct AdamW {
     }
   }
 
-  // The magnitudes of a rank-1 block's new moments (into scratch.moments) and second moments (scratch.seconds),
+  // The magnitudes of a rank-1 block's new moments (into scratch.moments) and second moments (scratch.roots),
   // decoded and advanced as rank1_block advances them; writes nothing else.
   template <typename G>
   static void rank1_magnitudes(const G* g, const uint8_t* const* packed, int64_t size, const Constants& c,
@@ -707,7 +711,7 @@ struct AdamW {
       F new_moment, new_second;
       moments(c, Vec::load(g + i), moment, second, new_moment, new_second);
       Vec::store(scratch.moments + i, magnitude(new_moment));
-      Vec::store(scratch.seconds + i, magnitude(new_second));
+      Vec::store(scratch.roots + i, magnitude(new_second));
     }
   }
 
@@ -831,7 +835,7 @@ struct AdEMAMix {
       writer.store(i, new_param);
       Vec::store(scratch.moments + i, fast);
       Vec::store(scratch.slow + i, slow);
-      Vec::store(scratch.seconds + i, Codes::unsigned_input(second, root));
+      Vec::store(scratch.roots + i, root);  // the encoding takes sqrt(v)
       fast_max.add(fast);
       slow_max.add(slow);
       second_max.add(second);
@@ -839,7 +843,7 @@ struct AdEMAMix {
     writer.finish(size);
     Codes::encode_signed(states[0], block, size, scratch.moments, fast_max.value());
     Codes::encode_signed(states[1], block, size, scratch.slow, slow_max.value());
-    Codes::encode_unsigned(states[2], block, size, scratch.seconds, second_max.value());
+    Codes::encode_unsigned_roots(states[2], block, size, scratch.roots, second_max.value());
   }
 
   template <typename P, typename G>
@@ -1527,7 +1531,7 @@ void adamw_rank1_gather(at::TensorList params, at::TensorList grads, at::TensorL
           block_g = padded_grad;
         }
         AdamW::rank1_magnitudes(block_g, packed, block_size, constants, scratch);
-        const float* magnitudes[2] = {scratch.moments, scratch.seconds};
+        const float* magnitudes[2] = {scratch.moments, scratch.roots};
         for (int64_t k = 0; k < 2; ++k) {
           raise_maxima(tensor_maxima.next_rows[k], tensor_maxima.next_cols[k], tensor_maxima.columns,
                        segment.start + e, count, magnitudes[k]);

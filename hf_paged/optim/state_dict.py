@@ -3,10 +3,9 @@
 A saved state holds, per parameter index, ``step`` and each state's fields as CPU tensors: fp32 values
 (``exp_avg``, shaped like the parameter), 8-bit codes shaped like the parameter and one fp32 scale per block
 (``exp_avg_codes``, ``exp_avg_scales``), 4-bit codes packed two per byte (``exp_avg_packed_codes``,
-``exp_avg_scales``; a second moment's, in the linear map: ``exp_avg_sq_linear_codes``), or rank-1 normalized 4-bit
-codes (``exp_avg_packed_codes`` with the fp32 row and column maxima ``exp_avg_row_max`` and ``exp_avg_col_max``).
-A second moment's ``exp_avg_sq_packed_codes`` are hf-paged 0.1.0's quartic map, converted when they load. A sharded
-(DTensor) parameter's states are fp32 DTensors placed like the parameter.
+``exp_avg_scales``), or rank-1 normalized 4-bit codes (``exp_avg_packed_codes`` with the fp32 row and column maxima
+``exp_avg_row_max`` and ``exp_avg_col_max``). A sharded (DTensor) parameter's states are fp32 DTensors placed like
+the parameter.
 """
 
 from __future__ import annotations
@@ -18,15 +17,7 @@ from typing import Any
 
 import torch
 
-from ..codecs import (
-    QUANTIZED_CODECS,
-    Blockwise4bitCodec,
-    Codec,
-    Float32Codec,
-    Rank1Normalized4bitCodec,
-    Rank1Statistics,
-    to_blocks,
-)
+from ..codecs import QUANTIZED_CODECS, Codec, Float32Codec, Rank1Normalized4bitCodec, Rank1Statistics, to_blocks
 from ..store import Segment
 from .layout import StateLayout, local_tensor
 
@@ -189,11 +180,18 @@ def parse_saved_entry(
     states = {}
     shape = local_tensor(param).shape
     for name, signed in zip(state_names, signed_states):
-        candidates = _saved_codecs(block_size, signed)
+        candidates: list[Codec] = [
+            Float32Codec(),
+            *(cls(block_size, signed) for cls in QUANTIZED_CODECS.values()),
+            Rank1Normalized4bitCodec(block_size, signed),
+        ]
         codec = next((c for c in candidates if all(key in entry for key in _codec_keys(c, name))), None)
         if codec is None:
-            allowed = ", nor ".join(" and ".join(map(repr, _codec_keys(c, name))) for c in candidates)
-            raise ValueError(f"state of parameter {saved_id!r} has neither {allowed} (keys: {sorted(entry)})")
+            raise ValueError(
+                f"state of parameter {saved_id!r} has neither {name!r}, nor {name + '_codes'!r} and "
+                f"{name + '_scales'!r}, nor {name + '_packed_codes'!r} and {name + '_scales'!r}, nor "
+                f"{name + '_packed_codes'!r}, {name + '_row_max'!r} and {name + '_col_max'!r} (keys: {sorted(entry)})"
+            )
         if not isinstance(codec, Float32Codec) and (
             not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1)
         ):
@@ -242,24 +240,10 @@ def _codec_keys(codec: Codec, name: str) -> list[str]:
     return [*state_keys(codec, name), *statistics_keys(codec, name)]
 
 
-def _saved_codecs(block_size: int, signed: bool) -> list[Codec]:
-    """Every encoding a state may be saved in, the first whose keys an entry has being the one it was saved in: fp32,
-    8-bit, 4-bit and rank-1 normalized 4-bit codes, and a non-negative state's 4-bit codes in hf-paged 0.1.0's quartic
-    map (decoded and stored anew in the linear map when they load)."""
-    candidates: list[Codec] = [
-        Float32Codec(),
-        *(cls(block_size, signed) for cls in QUANTIZED_CODECS.values()),
-        Rank1Normalized4bitCodec(block_size, signed),
-    ]
-    if not signed:
-        candidates += [Blockwise4bitCodec(block_size, signed, True), Rank1Normalized4bitCodec(block_size, signed, True)]
-    return candidates
-
-
 def _saved_keys(name: str) -> list[str]:
     """Every key that state ``name`` may be saved under, whatever its encoding."""
-    codecs = [codec for signed in (True, False) for codec in _saved_codecs(16, signed)]
-    return list(dict.fromkeys(key for codec in codecs for key in _codec_keys(codec, name)))
+    codecs = (Float32Codec, *QUANTIZED_CODECS.values(), Rank1Normalized4bitCodec)
+    return [key for codec in codecs for key in _codec_keys(codec, name)]
 
 
 def _as_it_is(value: Any) -> Any:
