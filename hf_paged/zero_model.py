@@ -9,23 +9,26 @@ each phase's peak holds them:
   elements, the parameters views of it; this rank's fp32 master partition (a copy, even of fp32 weights), which the
   client optimizer steps in place of the parameters, so that its state is that of one flat partition; the reduce
   bucket of ``reduce_bucket_size`` elements from the first gradient of a backward to its end, each gradient copied
-  into it and freed; this rank's gradient partition (``partition_gradients``), which the step flattens into an fp32
-  gradient per group;
-* ZeRO-3: every parameter rests as this rank's partition (the trainable ones in one flat buffer per group) and is
-  gathered whole while its module runs, in forward and in backward (without DeepSpeed's prefetch of the next
-  modules); those of at most ``param_persistence_threshold`` elements are gathered for good at the end of the first
-  step; the fp32 master partitions (a copy), the gradient partitions and the reduce bucket are allocated when the
-  engine is built and live throughout. After the first forward and backward (DeepSpeed has then recorded the order
-  of the modules), a module gathers ahead the parameters of the next ones (``stage3_prefetch_bucket_size``
-  elements), and its parameters stay gathered from its forward to its backward when the modules in between gather
-  fewer than ``stage3_max_reuse_distance`` elements; the prefetch stops where ``stage3_max_live_parameters``
-  elements are gathered. The step goes by DeepSpeed's sub-groups (``sub_group_size``), each with its own fp32
-  master partition and flattened fp32 gradient;
+  into it and freed; from the first reduction, this rank's gradient partition (the whole gradient of each parameter
+  that begins in the partition), which the step flattens into an fp32 gradient per group;
+* ZeRO-3: every parameter rests as this rank's partition (the trainable ones in one flat buffer per sub-group) and is
+  gathered whole while its module runs, in forward and in backward (a module recomputed by gradient checkpointing
+  keeps them until its backward ends); those of at most ``param_persistence_threshold`` elements are gathered for
+  good at the end of the first step; the fp32 master partitions (a copy), the gradient partitions and the reduce
+  bucket are allocated when the engine is built and live throughout. After the first forward and backward
+  (DeepSpeed has then recorded the order of the modules), a module gathers ahead the parameters of the next ones
+  (``stage3_prefetch_bucket_size`` elements), and its parameters stay gathered from its forward to its backward when
+  the modules in between gather fewer than ``stage3_max_reuse_distance`` elements; the prefetch stops where
+  ``stage3_max_live_parameters`` elements are gathered. The step goes by DeepSpeed's sub-groups (``sub_group_size``),
+  each with its own fp32 master partition and flattened fp32 gradient;
 * optimizer offload: the fp32 partitions, the gradient partitions and the client optimizer's state and step are in
-  host memory (planned for an accelerator); parameter offload (ZeRO-3): the partitions too, copied to the device
-  while gathered.
+  host memory (planned for an accelerator), ZeRO-2's with its staging buffers (one on the device, of the largest
+  parameter); parameter offload (ZeRO-3): the partitions too, copied to the device while gathered.
 
-Collectives are none: rank 0 holds what any rank holds (the partitions are padded to the same size).
+Collectives move nothing; the figures are rank 0's (the partitions are padded to the same size; ZeRO-2's gradient
+partition differs between ranks by the parameters across its ends). Planned for the CPU, ZeRO-2's all-gather of the
+weights at the end of a step holds a copy of them, as gloo's does. LoRA's frozen weights are partitioned and gathered
+as the trainable ones, but real runs measured more than the model holds (see the README).
 
 Only torch is imported.
 """
@@ -48,7 +51,8 @@ PREFETCH_BUCKET_SIZE = 50_000_000
 """DeepSpeed's default ``stage3_prefetch_bucket_size`` (elements)."""
 
 PARAM_PERSISTENCE_THRESHOLD = 100_000
-"""DeepSpeed's default ``stage3_param_persistence_threshold`` (elements): smaller parameters are not partitioned."""
+"""DeepSpeed's default ``stage3_param_persistence_threshold`` (elements): parameters of at most this many elements stay
+whole after the first step."""
 
 SUB_GROUP_SIZE = 1_000_000_000
 """DeepSpeed's default ``sub_group_size`` (elements): ZeRO-3 steps a rank's partition of a param group in sub-groups of
@@ -83,8 +87,9 @@ class ZeroSettings:
     max_live_parameters: int = MAX_LIVE_PARAMETERS
     """ZeRO-3: the prefetch gathers ahead while fewer elements than this are gathered."""
     max_reuse_distance: int = MAX_REUSE_DISTANCE
-    """ZeRO-3: after the first step, a module's parameters stay gathered from its forward to its backward when the
-    parameters of the modules in between (those after it, in forward and in backward) are fewer elements."""
+    """ZeRO-3: after the first forward and backward, a module's parameters stay gathered from its forward to its
+    backward when the parameters of the modules in between (those after it, in forward and in backward) are fewer
+    elements."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -149,12 +154,13 @@ class ZeroModel:
         self._parameters_on_host = offload_parameters and host_apart
         self.groups = [[param for param in group["params"] if param.requires_grad] for group in optimizer.param_groups]
         self.master: list[torch.Tensor] = []
-        """Each group's fp32 master partition, which the client optimizer steps."""
+        """The fp32 master partition of each param group (ZeRO-3: of each sub-group), which the client steps."""
         self._bucket: torch.Tensor | None = None
         self._bucket_elements = 0
         self._gradient_partition: torch.Tensor | None = None
         self._hooks: list[Any] = []
         self._flats: list[torch.Tensor] = []
+        """Buffers held for the whole run: ZeRO-3's 16-bit partitions, ZeRO-2's offload staging buffers."""
         self._group_of: list[int] = []
         """The optimizer's param group of each of :attr:`master`."""
         if stage == 2:
@@ -178,10 +184,10 @@ class ZeroModel:
         return sum(math.ceil(param.numel() / self.world_size) for param in group)
 
     def _build_stage2(self) -> None:
-        for group in self.groups:
+        for index, group in enumerate(self.groups):
             if not group:
                 self.master.append(torch.empty(0))
-                self._group_of.append(len(self.master) - 1)
+                self._group_of.append(index)
                 continue
             size = self.partition_elements(group) * self.world_size
             with torch.no_grad(), self._on(False, "trainable_weights"):
@@ -194,7 +200,7 @@ class ZeroModel:
             with torch.no_grad(), self._on(self._optimizer_on_host, "trainable_weights"):
                 part = flat.narrow(0, 0, size // self.world_size).clone().to(torch.float32)
             self.master.append(part.requires_grad_(True))
-            self._group_of.append(len(self.master) - 1)
+            self._group_of.append(index)
             if self._offload_optimizer:
                 with self._on(self._optimizer_on_host, "trainable_weights"):
                     self._flats.append(torch.empty(part.numel(), dtype=flat.dtype))
