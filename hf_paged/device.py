@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, overload
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 BufferSpec = tuple[int, torch.dtype]
 """A buffer to allocate: its number of elements and dtype."""
@@ -119,7 +120,8 @@ def copy_buffers(dst: Buffers, src: Buffers, non_blocking: bool = False) -> None
     """Copy ``src`` into ``dst``: one copy of their blocks where both are :class:`PageBuffers` of one layout, else
     buffer by buffer."""
     if isinstance(dst, PageBuffers) and isinstance(src, PageBuffers) and dst.specs == src.specs:
-        dst.block.copy_(src.block, non_blocking=non_blocking)
+        if not isinstance(dst.block, FakeTensor):  # a memory plan's fake blocks hold no values: nothing moves
+            dst.block.copy_(src.block, non_blocking=non_blocking)
         return
     for target, source in zip(dst, src, strict=True):
         target.copy_(source, non_blocking=non_blocking)

@@ -1447,11 +1447,17 @@ class TritonLaunches:
             buffers = page.device  # PageBuffers, which know their addresses, or any sequence of buffers
             addresses += buffers.addresses(address) if hasattr(buffers, "addresses") else map(address, buffers)
         backend = self.backend
-        if layout.tables is None:
+        if layout.span is None:
             rows = layout.rows
             values = backend.to_device(backend.pinned_tensor(rows + _padded(addresses), torch.int64))
             batch = _BatchTables(layout, values[: len(rows)], values[len(rows) :])
+        elif address is _no_address:  # a memory plan: its launches do nothing, its fake pages have no addresses
+            batch = _BatchTables(layout, self._all_rows, self._all_addresses)
         else:
+            if layout.tables is None:
+                first, end = layout.segment_span
+                layout.tables = _BatchTables(layout, self._all_rows[first:end], self._all_addresses)
+                layout.addresses = self._all_addresses[layout.span[0] : layout.span[1]]
             backend.copy_into(layout.addresses, backend.pinned_tensor(addresses, torch.int64))
             batch = layout.tables
         self._resident = (version, list(pages), batch)
@@ -1474,12 +1480,11 @@ class TritonLaunches:
                 )
                 every_address = [0] * len(self._position) * self._buffers
                 self._all_addresses = backend.to_device(backend.pinned_tensor(_padded(every_address), torch.int64))
-            segments = self._first_segment[last + 1] - self._first_segment[first]
-            layout = _BatchLayout(rows, segments, longest, (first * self._buffers, (last + 1) * self._buffers))
-            layout.addresses = self._all_addresses[layout.span[0] : layout.span[1]]
-            table = self._all_rows[self._first_segment[first] : self._first_segment[last + 1]]
-            layout.tables = _BatchTables(layout, table, self._all_addresses)
-            return layout
+            segment_span = (self._first_segment[first], self._first_segment[last + 1])
+            segments = segment_span[1] - segment_span[0]
+            return _BatchLayout(
+                rows, segments, longest, (first * self._buffers, (last + 1) * self._buffers), segment_span
+            )
         rows = list(itertools.chain.from_iterable(self._rows[page.index] for page in pages))
         counts = self._segment_counts
         rows[PAGE::TABLE_COLUMNS] = [position for position, page in enumerate(pages) for _ in range(counts[page.index])]
@@ -1506,14 +1511,15 @@ class _StepTables:
 class _BatchLayout:
     """What the tables of a batch of :class:`TritonLaunches` take, the same at every step: its rows on the host, its
     number of segments and longest one (elements); for pages that follow one another, the span of their addresses in
-    the table of all addresses (entries), that span on the device and the batch's tables (a slice of the table of all
-    rows; ``None`` for other pages); and (once a step with stochastic rounding asks) each row's tensor as a host
-    tensor."""
+    the table of all addresses (entries) and of their rows in the table of all rows (segments), and, made at the
+    batch's first launch, that span of addresses on the device and the batch's tables (``None`` for other pages);
+    and (once a step with stochastic rounding asks) each row's tensor as a host tensor."""
 
     rows: list[int]
     segments: int
     longest: int
     span: tuple[int, int] | None = None
+    segment_span: tuple[int, int] | None = None
     addresses: torch.Tensor | None = None
     tables: _BatchTables | None = None
     tensor_column: torch.Tensor | None = None
