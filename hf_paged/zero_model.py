@@ -465,11 +465,8 @@ class ZeroModel:
 
     def _client_step(self, index: int, master: torch.Tensor) -> None:
         """The client optimizer's step on ``master`` alone, as DeepSpeed calls it: ZeRO-2 narrows ``param_groups`` to
-        group ``index``; ZeRO-3 lists ``master`` in group ``index`` and nothing in the others.
-
-        Raises:
-            PlanningError: the client cannot step ZeRO-3's sub-groups (their masters take turns at one position).
-        """
+        group ``index``; ZeRO-3 lists ``master`` in group ``index`` and nothing in the others, a paged client's
+        tensors taking turns (its sub-groups' masters at one position, as hf-paged's DeepSpeed integration has it)."""
         if self.stage == 2:
             groups = self.optimizer.param_groups
             self.optimizer.param_groups = [groups[index]]
@@ -480,19 +477,8 @@ class ZeroModel:
             return
         for position, group in enumerate(self.optimizer.param_groups):
             group["params"] = [master] if position == index else []
-        try:
+        with getattr(self.optimizer, "tensors_in_turn", contextlib.nullcontext)():
             self.optimizer.step()
-        except RuntimeError as error:
-            if self._group_of.count(index) < 2:
-                raise
-            from .planner import PlanningError
-
-            elements = sum(other.numel() for other, owner in zip(self.master, self._group_of) if owner == index)
-            raise PlanningError(
-                f"{type(self.optimizer).__name__} cannot step DeepSpeed ZeRO-3's sub-groups of param group {index} "
-                f"({error}); a rank's partition of it is {elements} elements, above zero_optimization.sub_group_size "
-                f"({self.settings.sub_group_size}): set that above it"
-            ) from None
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:

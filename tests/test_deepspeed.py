@@ -122,6 +122,15 @@ def accelerate_zero3(tmp_path_factory) -> dict:
     return launch(launcher, folder, "--setups", "accelerate", "--configs", "adamw_torch", "adamw_8bit")
 
 
+@pytest.fixture(scope="module")
+def sub_groups(tmp_path_factory) -> dict:
+    """ZeRO-3 stepping its flat partition in sub-groups of 20,000 elements, one process: fp32 AdamW as the reference,
+    the fp32 and 8-bit paged clients."""
+    folder = tmp_path_factory.mktemp("deepspeed_sub_groups")
+    configs = ["adamw_torch", "adamw_32bit", "adamw_8bit_budget"]
+    return launch([sys.executable], folder, "--setups", "zero3_sub_groups", "--configs", *configs)
+
+
 @pytest.fixture(params=RUNS, ids=[f"{setup}-{'1' if run == 'single_process' else '2'}rank" for run, setup in RUNS])
 def run(request) -> tuple[dict, str]:
     """The summary of one launch and one of its setups."""
@@ -160,7 +169,7 @@ def assert_zero_checkpoint(summary: dict, result: dict) -> None:
 
 def test_deepspeed_is_in_effect(run):
     summary, setup = run
-    stage, offload, bf16 = SETUPS[setup]
+    stage, offload, bf16 = SETUPS[setup].stage, SETUPS[setup].offload, SETUPS[setup].bf16
     assert not summary["shm_op"]  # nothing was compiled
     for name, result in summary["results"][setup].items():
         record = result["full"]
@@ -314,3 +323,23 @@ def test_accelerate_zero3_config_trains_paged_optimizer(accelerate_zero3):
     assert abs(final_loss(result) - final_loss(reference)) <= 0.03 * final_loss(reference)
     assert result["resumed"]["losses"] == record["losses"][SAVE_AT:]
     assert torch.equal(result["resumed"]["weights"], record["weights"])
+
+
+def test_zero3_sub_groups_take_turns_in_a_paged_client(sub_groups):
+    """ZeRO-3 lists one sub-group's flat fp32 partition at a time, each of its own size, in the client's param group
+    (recorded with ``adamw_torch``): a paged client steps each with its own state, as ``torch.optim.AdamW`` does, and
+    resumes bitwise (it refused the second sub-group before: a new tensor of another shape where a stepped one
+    stood)."""
+    reference = completed(sub_groups, "zero3_sub_groups", "adamw_torch")["full"]
+    sizes = [shape for groups in reference["groups_at_steps"] for group in groups for shape in group]
+    per_step = len(sizes) // STEPS
+    assert per_step >= 3 and len({tuple(shape) for shape in sizes[:per_step]}) >= 2, sizes
+    assert sum(shape[0] for shape in sizes[:per_step]) == sum(p.numel() for p in tiny_llama().parameters())
+    test_paged_adamw_32bit_matches_adamw_torch((sub_groups, "zero3_sub_groups"))
+    for name in ("adamw_32bit", "adamw_8bit_budget"):
+        result = completed(sub_groups, "zero3_sub_groups", name)
+        assert_finite(result)
+        full, resumed = result["full"], result["resumed"]
+        assert resumed["losses"] == full["losses"][SAVE_AT:] and torch.equal(resumed["weights"], full["weights"])
+    eight_bit = final_loss(completed(sub_groups, "zero3_sub_groups", "adamw_8bit_budget"))
+    assert abs(eight_bit - reference["losses"][-1]) <= 0.03 * reference["losses"][-1]

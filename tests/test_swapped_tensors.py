@@ -476,3 +476,32 @@ def test_a_tensor_swapped_out_and_held_keeps_its_state_until_it_comes_back(name)
             assert torch.equal(saved[index][key], value), (index, key)
     assert stand_in() is None and len(optimizer.state) == 6
     assert optimizer.paging_stats()["pages_total"] == reference.paging_stats()["pages_total"]
+
+
+def test_tensors_in_turn_each_train_with_their_own_state_bitwise_as_torch():
+    """DeepSpeed ZeRO-3's sub-groups: tensors of different sizes listed one at a time in one group, each stepped with
+    its own state, bitwise as ``torch.optim.AdamW`` steps them; outside ``tensors_in_turn`` the second is refused as a
+    replacement of the first."""
+
+    def run(name: str) -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(0)
+        tensors = [torch.nn.Parameter(torch.randn(size, generator=generator)) for size in (3000, 2000)]
+        optimizer = make_optimizer(name, [tensors[0]], **({} if name == "torch AdamW" else {"device_budget": 4096}))
+        for step in range(3):
+            for tensor in tensors:
+                tensor.grad = torch.sin(tensor.detach() * (step + 1))
+                optimizer.param_groups[0]["params"] = [tensor]
+                with contextlib.nullcontext() if name == "torch AdamW" else optimizer.tensors_in_turn():
+                    optimizer.step()
+                optimizer.param_groups[0]["params"] = []
+        optimizer.param_groups[0]["params"] = [tensors[0]]
+        optimizer.step()  # outside the block, a tensor with state of its own comes back: no replacement
+        if name != "torch AdamW":
+            optimizer.param_groups[0]["params"] = [torch.nn.Parameter(torch.zeros(100))]
+            optimizer.param_groups[0]["params"][0].grad = torch.ones(100)
+            with pytest.raises(RuntimeError, match="is a new tensor of shape"):
+                optimizer.step()
+        return tensors
+
+    for tensor, expected in zip(run("PagedAdamW"), run("torch AdamW"), strict=True):
+        assert torch.equal(tensor, expected)

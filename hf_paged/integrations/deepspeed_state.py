@@ -17,6 +17,10 @@ checkpoint loaded on the same number of ranks encodes them again into the same c
 load, the fp32 moments DeepSpeed placed in ``optimizer.state[partition]`` are encoded into the client's pages for
 the new partitions, and only ``step`` stays there.
 
+ZeRO-3 steps its flat fp32 partition one sub-group (``sub_group_size`` elements) at a time, each listed alone in the
+client's param group: a paged client steps them as tensors that take turns
+(:meth:`~hf_paged.optim.base.PagedOptimizer.tensors_in_turn`), each with its own state.
+
 ``import hf_paged`` enables it once DeepSpeed's ZeRO modules load.
 """
 
@@ -70,6 +74,9 @@ def enable_deepspeed_state_tools() -> None:
             method = getattr(DeepSpeedZeroOptimizer_Stage3, name)
             if not getattr(method, "_hf_paged_wrapped", False):
                 setattr(DeepSpeedZeroOptimizer_Stage3, name, _wrap(method, write_back=name in _WRITES))
+        sub_group_step = DeepSpeedZeroOptimizer_Stage3._optimizer_step
+        if not getattr(sub_group_step, "_hf_paged_wrapped", False):
+            DeepSpeedZeroOptimizer_Stage3._optimizer_step = _in_turn(sub_group_step)
     for module, (class_name, params_attribute, partitions_attribute) in LINKED_OPTIMIZERS.items():
         if module in sys.modules:
             owner = getattr(sys.modules[module], class_name)
@@ -95,6 +102,21 @@ def _wrap(method: Callable[..., Any], *, write_back: bool) -> Callable[..., Any]
         param, key = bound.arguments["param"], bound.arguments["optim_state_key"]
         with _decoded_state(self, param, key, write_back=write_back):
             return method(self, *args, **kwargs)
+
+    wrapped._hf_paged_wrapped = True  # type: ignore[attr-defined]
+    return wrapped
+
+
+def _in_turn(sub_group_step: Callable[..., Any]) -> Callable[..., Any]:
+    """ZeRO-3's step of one sub-group, with its paged clients' tensors taking turns."""
+
+    @functools.wraps(sub_group_step)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        client = self.optimizer
+        if not isinstance(client, PagedOptimizer):
+            return sub_group_step(self, *args, **kwargs)
+        with client.tensors_in_turn():
+            return sub_group_step(self, *args, **kwargs)
 
     wrapped._hf_paged_wrapped = True  # type: ignore[attr-defined]
     return wrapped

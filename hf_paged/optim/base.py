@@ -7,11 +7,12 @@ of ``torch.optim`` (``state`` keyed by parameter index, ``param_groups``) with C
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -162,6 +163,8 @@ class PagedOptimizer(Optimizer):
     on_oom_recovery: Callable[[Recovery], None] | None = None
     """Called with a :class:`~hf_paged.recovery.Recovery` (``phase="optimizer step"``) after each recovery within
     :meth:`step`; not copied with the optimizer."""
+    _tensors_take_turns: bool = False
+    """Whether the param groups' tensors take turns (:meth:`tensors_in_turn`)."""
 
     def __init__(
         self,
@@ -407,11 +410,29 @@ class PagedOptimizer(Optimizer):
                 work.append((param, grad, group))
         return work
 
+    @contextlib.contextmanager
+    def tensors_in_turn(self) -> Iterator[None]:
+        """Within the block, the param groups' tensors take turns: a new tensor where one with state stood at the
+        last step is a tensor of its own, with state of its own, whatever its shape; the one it follows keeps its
+        state while anything holds it. DeepSpeed ZeRO-3 steps its flat fp32 partition so, one sub-group
+        (``sub_group_size`` elements) at a time in the same param group (hf-paged enables this for it).
+
+        >>> with optimizer.tensors_in_turn():
+        ...     optimizer.step()
+        """
+        previous, self._tensors_take_turns = self._tensors_take_turns, True
+        try:
+            yield
+        finally:
+            self._tensors_take_turns = previous
+
     def _check_replacements(self, group_index: int, group: dict[str, Any]) -> None:
         """Raise if, since ``group``'s last step, a tensor with state was replaced at its position by a new tensor
-        of another shape: its state cannot follow it, and a fresh start would be a silent loss. A group dict the
-        optimizer was never given (``param_groups`` assigned a new list) is checked against the groups that stood
-        at its position and are gone from ``param_groups``."""
+        of another shape: its state cannot follow it, and a fresh start would be a silent loss (unless tensors take
+        turns: :meth:`tensors_in_turn`). A group dict the optimizer was never given (``param_groups`` assigned a new
+        list) is checked against the groups that stood at its position and are gone from ``param_groups``."""
+        if self._tensors_take_turns:
+            return
         stepped = self._stepped_params.get(id(group))
         if stepped is not None and stepped[0] is group:
             replaced = [stepped[1]]

@@ -93,11 +93,13 @@ def skip_shm_op_build() -> None:
 
 class Setup(NamedTuple):
     """How DeepSpeed runs: the ZeRO stage (``None``: the DeepSpeed config that ``accelerate launch`` hands the
-    Trainer, from its ``--config_file``), the optimizer offloaded to the CPU or not, bf16 mixed precision or not."""
+    Trainer, from its ``--config_file``), the optimizer offloaded to the CPU or not, bf16 mixed precision or not,
+    and ZeRO-3's ``sub_group_size`` (elements; ``None``: DeepSpeed's default)."""
 
     stage: int | None
     offload: bool = False
     bf16: bool = False
+    sub_group_size: int | None = None
 
 
 SETUPS: dict[str, Setup] = {
@@ -107,6 +109,7 @@ SETUPS: dict[str, Setup] = {
     "zero1_bf16": Setup(1, bf16=True),
     "zero2_offload": Setup(2, offload=True),
     "zero3_offload": Setup(3, offload=True),
+    "zero3_sub_groups": Setup(3, sub_group_size=20_000),  # the tiny Llama's 57,792 parameters in 3 uneven sub-groups
     "accelerate": Setup(None, bf16=True),  # configs/accelerate/*.yaml set bf16; the Trainer must agree
 }
 
@@ -116,6 +119,8 @@ def deepspeed_config(setup: Setup) -> dict:
     zero = {"stage": setup.stage}
     if setup.offload:
         zero["offload_optimizer"] = {"device": "cpu"}
+    if setup.sub_group_size is not None:
+        zero["sub_group_size"] = setup.sub_group_size
     config = {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
