@@ -871,7 +871,7 @@ def _statistics(optimizer: PagedOptimizer) -> list[torch.Tensor]:
     ]
 
 
-def _optimizer_state_bytes(optimizer: torch.optim.Optimizer, rounding: int) -> int:
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer, rounding: int) -> int:
     """Bytes of the tensors of ``optimizer.state``, of every page (one block of its buffers, as a backend allocates
     it: :func:`~hf_paged.device.packing`) and of rank-1 statistics, each rounded up to ``rounding``."""
     storages = {id(tensor.untyped_storage()): tensor for tensor in _tensors(list(optimizer.state.values()))}
@@ -1144,7 +1144,7 @@ def plan(
         trainable = sum(p.numel() for p in params if p.requires_grad)
         total = sum(p.numel() for p in params)
         paged_state = _paged_state_bytes(built_optimizer)
-        state = _optimizer_state_bytes(built_optimizer, ledger.rounding)
+        state = optimizer_state_bytes(built_optimizer, ledger.rounding)
         shapes = [(tuple(local_tensor(p).shape), p.dtype) for p in params if p.requires_grad]
     notes = [f"includes {format_size(CUDA_WORKSPACE_BYTES)} of cuBLAS workspace"] if on_cuda else []
     if family == "triton":

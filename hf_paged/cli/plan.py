@@ -511,20 +511,20 @@ def _state_bytes(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..optim import PagedOptimizer
-    from ..planner import _optimizer_state_bytes
+    from ..planner import optimizer_state_bytes
 
     with FakeTensorMode():
         params = nn.ParameterList(nn.Parameter(torch.empty(shape, dtype=dtype)) for shape, dtype in shapes)
         optimizer = build_optimizer(setup, params, device)
         step_counts = 0
         if isinstance(optimizer, PagedOptimizer):
-            optimizer._place([(param, group) for group in optimizer.param_groups for param in group["params"]])
+            optimizer.lay_out()
             step_counts = len(params) * math.ceil(torch.float32.itemsize / rounding) * rounding
         else:
             for param in params:
                 param.grad = torch.zeros_like(param)
             optimizer.step()
-        return _optimizer_state_bytes(optimizer, rounding) + step_counts
+        return optimizer_state_bytes(optimizer, rounding) + step_counts
 
 
 def optimizer_state_comparison(setup: TrainingSetup, result: MemoryPlan, device: str = "cpu") -> dict[str, int] | None:

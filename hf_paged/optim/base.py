@@ -307,6 +307,13 @@ class PagedOptimizer(Optimizer):
             return "4bit-rank1"
         return f"{bits}bit"
 
+    def lay_out(self) -> None:
+        """Give every tensor of the param groups that has no pages yet its pages now, as its first step would, without
+        updating anything: what a planning tool counts the state of (on fake tensors, nothing is allocated)."""
+        self._place(
+            [(param, group) for group in self.param_groups for param in group["params"] if param not in self._layout]
+        )
+
     def _place(self, params: Sequence[tuple[torch.Tensor, dict[str, Any]]]) -> None:
         """Lay out pages for the state of ``(param, group)`` pairs, the parameters of each group packed together
         (a page mixes groups only once a tensor moves to another group: it keeps its pages)."""
