@@ -466,8 +466,12 @@ class PageStore:
                     position += len(batch)
                 following = self._start_copies(streamed, position, ahead, wait_for_room=False)
                 position += len(following)
-                for page in batch:
-                    self._finish_page_in(page)
+                if batch is resident:  # handed out for their update: the most recently used
+                    for page in batch:
+                        self._lru.move_to_end(page.index)
+                else:
+                    for page in batch:
+                        self._finish_page_in(page)
                 yield batch
                 self._pinned.difference_update(page.index for page in batch)
                 batch = following

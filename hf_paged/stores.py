@@ -232,6 +232,9 @@ class DeviceStores:
     def stream(self, pages: list[Page]) -> Iterator[list[Page]]:
         """Yield ``pages`` in batches resident on their device (see :meth:`PageStore.stream`): the batches of
         one device after another."""
+        if len(self.stores) == 1:  # every page is that store's
+            yield from next(iter(self.stores.values())).stream(pages)
+            return
         by_device: dict[str, list[Page]] = {}
         for page in pages:
             by_device.setdefault(self.device_of(page), []).append(page)
