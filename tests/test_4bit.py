@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import decay_groups, deviation, make_mlp, regression_batches, train
 
 import hf_paged
 from hf_paged.codecs import Blockwise4bitCodec, to_blocks
-from conftest import decay_groups, deviation, make_mlp, regression_batches, train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 

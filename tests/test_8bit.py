@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import deviation, train
 
 import hf_paged
 from hf_paged.codecs import Blockwise8bitCodec, to_blocks
-from conftest import deviation, train
 
 STEPS = 200
 

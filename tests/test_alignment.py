@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import OPTIMIZERS, regression_batches
+from test_paging import assert_same_result
 
 from hf_paged import kernels
 from hf_paged.testing import simulated_streams
-from conftest import OPTIMIZERS, regression_batches
-from test_paging import assert_same_result
 
 PAGE_SIZE = 1024
 ALIGNMENT = 16

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import decay_groups, make_mlp, regression_batches, train
 
 import hf_paged
-from conftest import decay_groups, make_mlp, regression_batches, train
 
 
 @pytest.fixture

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_examples import unwanted_lines
 
 from hf_paged.cli import main
 from hf_paged.cli.config import ConfigError, apply_override, default_config, load_config, to_dict, update
 from hf_paged.cli.tokenizer import byte_tokenizer
 from hf_paged.cli.train import IGNORE_INDEX, SHIPPED_DATA, load_records, tokenize, training_arguments
 from hf_paged.integrations.trainer import OPTIMIZER_NAMES
-from test_examples import unwanted_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 import torch
-
-from hf_paged.kernels import compile_available
 from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
 from test_paging import assert_same_result
+
+from hf_paged.kernels import compile_available
 
 pytestmark = pytest.mark.skipif(not compile_available(torch.device("cpu")), reason="no C++ compiler for torch.compile")
 

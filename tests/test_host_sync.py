@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
-
 from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
+from torch.overrides import TorchFunctionMode
 
 _FROM_NUMBERS = {torch.tensor, torch.as_tensor, torch.asarray, torch.scalar_tensor, torch.full}
 """Factories that build a tensor from Python numbers: a host-to-device copy or fill when given a device."""

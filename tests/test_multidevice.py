@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
+from test_paging import assert_same_result
 
 from hf_paged import PagedAdamW, PagedAdamW8bit
 from hf_paged.budget import AutoBudget
 from hf_paged.optim.base import PagedOptimizer
-from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
-from test_paging import assert_same_result
 
 PAGE_SIZE = 4096
 SECOND = "cpu:1"

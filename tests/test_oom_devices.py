@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import decay_groups, make_mlp, optimizer_kwargs, regression_batches
 
 import hf_paged
 from hf_paged.budget import AutoBudget
 from hf_paged.memory import MemoryProbe
 from hf_paged.optim.base import PagedOptimizer
 from hf_paged.recovery import device_out_of_memory
-from conftest import decay_groups, make_mlp, optimizer_kwargs, regression_batches
+
 from memory_utils import GIB, ScriptedMemory
 
 MIB = 2**20

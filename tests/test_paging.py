@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
 
 PAGE_SIZE = 4096
 STEPS = 6

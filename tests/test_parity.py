@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import decay_groups, make_mlp, regression_batches, train
 
 import hf_paged
-from conftest import decay_groups, make_mlp, regression_batches, train
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

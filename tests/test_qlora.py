@@ -10,7 +10,6 @@ import bitsandbytes as bnb
 import pytest
 import torch
 from peft import PeftModel
-from trainer_utils import tiny_llama, token_dataset, training_args
 from transformers import (
     AutoModelForCausalLM,
     BitsAndBytesConfig,
@@ -23,6 +22,8 @@ from transformers import (
 
 import hf_paged
 from hf_paged.qlora import prepare_qlora, qlora_report
+
+from trainer_utils import tiny_llama, token_dataset, training_args
 
 pytestmark = pytest.mark.filterwarnings("ignore:`(gradient|is_gradient)_checkpointing.*` is deprecated:FutureWarning")
 

@@ -6,11 +6,11 @@ import io
 
 import pytest
 import torch
+from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
+from test_paging import assert_same_result
 
 import hf_paged
 from hf_paged.codecs import to_blocks
-from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
-from test_paging import assert_same_result
 
 
 def roundtrip(state_dict: dict, map_location=None) -> dict:

@@ -17,6 +17,7 @@ from hf_paged.budget import AutoBudget
 from hf_paged.memory import MemoryProbe
 from hf_paged.store import PageState
 from hf_paged.testing import simulated_streams
+
 from memory_utils import GIB, ScriptedMemory
 
 BUDGETS = {"no budget": None, "two pages": 2 * 4096}

@@ -11,7 +11,15 @@ import pickle
 
 import pytest
 import torch
-from conftest import OPTIMIZERS, decay_groups, long_test_optimizers, make_mlp, optimizer_kwargs, regression_batches, train
+from conftest import (
+    OPTIMIZERS,
+    decay_groups,
+    long_test_optimizers,
+    make_mlp,
+    optimizer_kwargs,
+    regression_batches,
+    train,
+)
 
 from hf_paged.kernels import compile_available
 from hf_paged.stochastic_rounding import ElementRounding, mix32, mix32_int, random_bits, stochastic_round_bf16

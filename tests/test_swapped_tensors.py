@@ -18,9 +18,9 @@ import weakref
 
 import pytest
 import torch
+from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
 
 import hf_paged
-from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
 
 STEPS = 6
 

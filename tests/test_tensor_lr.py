@@ -10,9 +10,8 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from conftest import OPTIMIZERS, make_mlp, optimizer_kwargs, regression_batches
+from torch.utils._python_dispatch import TorchDispatchMode
 
 PAGE_SIZE = 4096
 STEPS = 3
