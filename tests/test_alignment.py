@@ -32,7 +32,7 @@ def odd_model(dtype: torch.dtype) -> torch.nn.Module:
 
 def odd_kwargs(name: str, **paging) -> dict:
     kwargs = {"lr": 1e-3 if "Lion" in name else 1e-2, "page_size": PAGE_SIZE, "compiled": False, **paging}
-    if name.endswith("8bit") or name.endswith("4bit"):
+    if name.endswith(("8bit", "4bit")):
         kwargs.update(block_size=64, **{f"min_{name[-4]}bit_size": 256})
     return kwargs
 

@@ -26,7 +26,7 @@ def launch(output_dir, optim: str, *extra: str) -> list[dict]:
         "--seed", "0", *extra,
     ]
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")]), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
+    result = subprocess.run(command, check=False, capture_output=True, text=True, env=environment, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     # the ranks share one pipe, so another process's output may follow a row on the same line
     rows = [json.loads(row) for row in re.findall(r'\{"optimizer": [^}]*\}', result.stdout)]

@@ -147,7 +147,7 @@ def test_bad_budget_calls_leave_state_unchanged(optimizer_name):
 
 
 def test_bad_param_group_is_rejected_whole(optimizer_name):
-    model, optimizer = trained(optimizer_name)
+    _model, optimizer = trained(optimizer_name)
     groups = len(optimizer.param_groups)
     with pytest.raises(ValueError, match="lr"):
         optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "lr": -1.0})

@@ -148,7 +148,7 @@ def test_the_busy_device_check_fails_without_each_ordering_guard(monkeypatch, gu
 
 
 def test_paged_state_rests_in_pinned_host_memory_on_cuda(optimizer_name):
-    model, optimizer = run(optimizer_name, device_budget=2 * 4096, prefetch=2)
+    _model, optimizer = run(optimizer_name, device_budget=2 * 4096, prefetch=2)
     assert any(page.host is not None and page.host[0].is_pinned() for page in optimizer._store.pages)
     saved = optimizer.state_dict()
     assert all(value.device.type == "cpu" for entry in saved["state"].values() for value in entry.values())

@@ -176,7 +176,7 @@ def test_a_cuda_tensor_lr_is_read_once_per_group_and_step(optimizer_name):
     for as_tensor in (True, False):
         model = make_mlp().to(DEVICE)
 
-        def lr(index):
+        def lr(index, as_tensor=as_tensor):
             value = torch.tensor(base_lr * (index + 1), device=DEVICE)
             return value if as_tensor else float(value)
 

@@ -364,7 +364,7 @@ def test_cli_two_nodes_prints_once_and_summarizes_the_job(tmp_path):
             process.kill()
     print(f"hf-paged train, torchrun, {NODES} nodes x 1: {time.perf_counter() - started:.1f} s")
     assert [process.returncode for process in processes] == [0, 0], [error[-3000:] for _, error in outputs]
-    (first_out, first_err), (second_out, second_err) = outputs
+    (first_out, _first_err), (second_out, second_err) = outputs
     assert first_out.count("hf-paged train summary") == 1 and "2 processes" in first_out
     assert not [line for line in (second_out + second_err).splitlines() if line.startswith("hf-paged")]
     summary = json.loads((tmp_path / "node0" / "summary.json").read_text())

@@ -114,7 +114,7 @@ def test_an_out_of_memory_message_names_its_device():
 def test_a_budget_made_after_the_window_opened_learns_from_the_level_now(two_devices):
     """A device whose automatic budget (and probe) came after the window opened has no window peak: it learns from
     the allocation now, and the recovery goes on."""
-    model, memories = two_devices
+    model, _memories = two_devices
     optimizer = hf_paged.PagedAdamW8bit(decay_groups(model), **optimizer_kwargs("PagedAdamW8bit", device_budget="auto"))
     late = AutoBudget(probe=MemoryProbe(SECOND, memory=ScriptedMemory(total=GIB, level=100 * MIB)))
     held = {}
@@ -144,8 +144,8 @@ def test_an_out_of_memory_error_in_the_step_reports_the_other_bytes_of_the_devic
         if step == 1:
             stream = optimizer._store.stream
 
-            def fail_once(*args, **kwargs):
-                optimizer._store.stream = stream
+            def fail_once(*args, original=stream, **kwargs):
+                optimizer._store.stream = original
                 raise torch.OutOfMemoryError(NAMED)
 
             optimizer._store.stream = fail_once

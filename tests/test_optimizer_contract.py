@@ -382,7 +382,7 @@ def test_state_entries_that_no_step_wrote_and_keys_users_add_round_trip_as_in_to
         steps = [copied.state_dict()["state"][index]["step"].item() for index in range(len(params))]
         results[key] = (saved, loaded, entry, steps, other_keys(copied))
     assert results[name] == results[None]
-    saved, loaded, empty, steps, after = results[name]
+    saved, loaded, empty, steps, _after = results[name]
     assert saved[1] == {} and saved[0] == {"scale": 0.5} and saved[2]["count"][1] == [3, 4]
     assert empty == {} and steps == [3, 1, 3, 3, 3, 3]
 

@@ -142,7 +142,7 @@ def test_data_dependent_routing_is_refused_with_the_operator_and_what_to_do() ->
     with pytest.raises(PlanningError, match=r"aten\.nonzero\.default.*experts_implementation='grouped_mm'"):
         plan(lambda: _tiny_mixtral("eager"), _token_batch, optimizer)
     for implementation in ("grouped_mm", "batched_mm"):
-        assert plan(lambda: _tiny_mixtral(implementation), _token_batch, optimizer, steps=1).forward_backward_peak > 0
+        assert plan(lambda implementation=implementation: _tiny_mixtral(implementation), _token_batch, optimizer, steps=1).forward_backward_peak > 0
 
 
 def test_a_value_read_in_forward_is_refused_with_the_operator() -> None:

@@ -276,7 +276,7 @@ def test_save_only_model_and_8bit_checkpoint_size(tmp_path):
 def run_script(*args, env=None):
     command = [sys.executable, "-m", "hf_paged.run", os.path.join(REPO, "tests", "scripts", "train_unmodified.py"), *args]
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")]), **(env or {})}
-    return subprocess.run(command, capture_output=True, text=True, env=environment, timeout=300)
+    return subprocess.run(command, check=False, capture_output=True, text=True, env=environment, timeout=300)
 
 
 def test_runner_registers_names_for_unmodified_scripts(tmp_path):
@@ -313,14 +313,14 @@ def test_runner_ends_the_process_group_a_script_leaves_open(tmp_path):
         "main(sys.argv[1:])\n"
         "print('main returned')\n"
     )
-    result = subprocess.run([sys.executable, "-c", code, str(script)], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", code, str(script)], check=False, capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": REPO}, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["initialized at exit: False"]
 
 
 def test_runner_without_a_script_explains_usage():
-    result = subprocess.run([sys.executable, "-m", "hf_paged.run"], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "hf_paged.run"], check=False, capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": REPO})
     assert result.returncode == 2 and "SCRIPT.py" in result.stdout
 
