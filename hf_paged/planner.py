@@ -1100,11 +1100,15 @@ def plan(
         for tensors in extra.values():
             for tensor in tensors:
                 ledger.add(tensor.untyped_storage())
+        in_backward: list[Any] = []
+        """Under DeepSpeed, the last micro-batch's loss and inputs: its engine steps inside accelerate's backward, while
+        the Trainer's training step holds them (the loss's graph keeps its leaves, such as the embeddings' output that
+        peft makes require a gradient for checkpointing, with their gradients)."""
         for step in range(1, steps + 1):
             for phase in PHASES:
                 ledger.mark()
                 held_before = classifier.kinds(built, built_optimizer, extra, after_step=False)
-                with _StorageTracker(ledger, mode, scratch):
+                with _StorageTracker(ledger, mode, scratch), zero.running() if zero else contextlib.nullcontext():
                     if phase == FORWARD_BACKWARD:
                         for _ in range(accumulation):
                             inputs = batch()
@@ -1112,6 +1116,7 @@ def plan(
                             value.backward()
                             if zero is not None:
                                 zero.after_backward()
+                                in_backward[:] = (value, inputs)
                             del value, inputs
                     else:
                         with (
@@ -1123,6 +1128,7 @@ def plan(
                             else:
                                 built_optimizer.step()
                         (zero or built_optimizer).zero_grad(set_to_none=True)
+                        in_backward.clear()
                 at_peak = ledger.live_at_peak()
                 held_after = classifier.kinds(built, built_optimizer, extra, phase == OPTIMIZER_STEP)
                 kinds = {

@@ -20,15 +20,19 @@ each phase's peak holds them:
   (``stage3_prefetch_bucket_size`` elements), and its parameters stay gathered from its forward to its backward when
   the modules in between gather fewer than ``stage3_max_reuse_distance`` elements; the prefetch stops where
   ``stage3_max_live_parameters`` elements are gathered. The step goes by DeepSpeed's sub-groups (``sub_group_size``),
-  each with its own fp32 master partition and flattened fp32 gradient;
+  each with its own fp32 master partition and flattened fp32 gradient. While the model runs,
+  ``torch.nn.functional.linear`` is DeepSpeed's ``LinearFunctionForZeroStage3`` (``memory_efficient_linear``), which
+  saves every linear layer's input for backward, a frozen layer's too (LoRA's base layers, a frozen output layer);
 * optimizer offload: the fp32 partitions, the gradient partitions and the client optimizer's state and step are in
   host memory (planned for an accelerator), ZeRO-2's with its staging buffers (one on the device, of the largest
   parameter); parameter offload (ZeRO-3): the partitions too, copied to the device while gathered.
 
 Collectives move nothing; the figures are rank 0's (the partitions are padded to the same size; ZeRO-2's gradient
 partition differs between ranks by the parameters across its ends). Planned for the CPU, ZeRO-2's all-gather of the
-weights at the end of a step holds a copy of them, as gloo's does. LoRA's frozen weights are partitioned and gathered
-as the trainable ones, but real runs measured more than the model holds (see the README).
+weights at the end of a step holds a copy of them, as gloo's does; ZeRO-3's gathers of many parameters at once (the
+persistent ones at the end of a step, a prefetch) are not given gloo's copies, which depend on how far its threads got
+(see the README). LoRA's frozen weights are partitioned and gathered as the trainable ones. The planner keeps the last
+micro-batch's loss and inputs through the step, which DeepSpeed's engine takes inside accelerate's backward.
 
 Only torch is imported.
 """
@@ -90,8 +94,12 @@ class ZeroSettings:
     """ZeRO-3: after the first forward and backward, a module's parameters stay gathered from its forward to its
     backward when the parameters of the modules in between (those after it, in forward and in backward) are fewer
     elements."""
+    memory_efficient_linear: bool = True
+    """ZeRO-3: ``torch.nn.functional.linear`` is DeepSpeed's, which saves every linear layer's input for backward."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.memory_efficient_linear, bool):
+            raise TypeError(f"memory_efficient_linear must be True or False, got {self.memory_efficient_linear!r}")
         for name in (
             "reduce_bucket_size",
             "param_persistence_threshold",
@@ -103,6 +111,46 @@ class ZeroSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0 (elements), got {value!r}")
+
+
+class _LinearSavingInput(torch.autograd.Function):
+    """DeepSpeed's ``LinearFunctionForZeroStage3`` (``deepspeed/runtime/zero/linear.py``), which ZeRO-3 puts in place of
+    ``torch.nn.functional.linear``: it saves the input and the weight for backward whether the weight trains or not
+    (torch's linear saves the input only for the weight's gradient, so a frozen layer's input is saved here alone)."""
+
+    @staticmethod
+    def forward(ctx: Any, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        ctx.save_for_backward(input, weight, bias)
+        if input.dim() == 2 and bias is not None:
+            return torch.addmm(bias, input, weight.t())
+        output = input.matmul(weight.t())
+        if bias is not None:
+            output += bias
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        input, weight, bias = ctx.saved_tensors
+        grad_input = grad_weight = grad_bias = None
+        dim = grad_output.dim()
+        if ctx.needs_input_grad[0]:
+            grad_input = grad_output.matmul(weight)
+        if ctx.needs_input_grad[1]:
+            if dim > 2:
+                flat_output = grad_output.reshape(-1, grad_output.shape[-1])
+                grad_weight = flat_output.t().matmul(input.reshape(-1, input.shape[-1]))
+            elif dim == 1:
+                grad_weight = grad_output.unsqueeze(-1) * input.unsqueeze(0)
+            else:
+                grad_weight = grad_output.t().matmul(input)
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_bias = grad_output.sum(list(range(dim - 1))) if dim > 1 else grad_output
+        return grad_input, grad_weight, grad_bias
+
+
+def _zero3_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """DeepSpeed's ``zero3_linear_wrap``: ``torch.nn.functional.linear`` through :class:`_LinearSavingInput`."""
+    return _LinearSavingInput.apply(input, weight, bias)
 
 
 class Ledger(Protocol):
@@ -169,6 +217,20 @@ class ZeroModel:
             self._build_stage3(model)
         for index, group in enumerate(optimizer.param_groups):
             group["params"] = [master for master, owner in zip(self.master, self._group_of) if owner == index]
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """While the model runs under ZeRO-3 (``memory_efficient_linear``), ``torch.nn.functional.linear`` is
+        DeepSpeed's (:class:`_LinearSavingInput`), as DeepSpeed's engine leaves it."""
+        if self.stage != 3 or not self.settings.memory_efficient_linear:
+            yield
+            return
+        original = torch.nn.functional.linear
+        torch.nn.functional.linear = _zero3_linear
+        try:
+            yield
+        finally:
+            torch.nn.functional.linear = original
 
     @contextlib.contextmanager
     def _on(self, host: bool, kind: str) -> Iterator[None]:

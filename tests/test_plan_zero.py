@@ -220,7 +220,56 @@ def test_zero_settings_come_from_the_deepspeed_config() -> None:
         _setup({"zero_optimization": {"reduce_bucket_size": "auto", "stage3_param_persistence_threshold": 1e3}})
     )
     assert settings == ZeroSettings(reduce_bucket_size=64 * 64, param_persistence_threshold=1000)
+    linear = zero_settings(_setup({"zero_optimization": {"memory_efficient_linear": False}}))
+    assert linear == ZeroSettings(memory_efficient_linear=False)
+    with pytest.raises(ConfigError, match="zero_optimization.memory_efficient_linear must be true or false, got 'no'"):
+        zero_settings(_setup({"zero_optimization": {"memory_efficient_linear": "no"}}))
     with pytest.raises(ConfigError, match="zero_optimization.reduce_bucket_size must be a number or 'auto'"):
         zero_settings(_setup({"zero_optimization": {"reduce_bucket_size": "big"}}))
     with pytest.raises(ConfigError, match="training.deepspeed: cannot read a DeepSpeed config"):
         zero_settings(_setup("/nonexistent/ds.json"))
+
+
+def _frozen_after_trained() -> nn.Module:
+    """A trained linear layer, then two frozen ones (as LoRA's base layers), in float32."""
+    model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(3)))
+    for layer in model[1:]:
+        layer.requires_grad_(False)
+    return model
+
+
+def _frozen_plan(strategy: str, input_requires_grad: bool = False, memory_efficient_linear: bool = True):
+    import dataclasses
+
+    from hf_paged.sharding import STRATEGIES
+
+    zero = ZeroSettings(reduce_bucket_size=WIDTH, memory_efficient_linear=memory_efficient_linear)
+    return plan(
+        _frozen_after_trained,
+        lambda: torch.randn(8, WIDTH, requires_grad=input_requires_grad),
+        lambda model: torch.optim.AdamW(model.parameters(), foreach=False),
+        loss=lambda model, inputs: model(inputs).pow(2).mean(),
+        strategy=dataclasses.replace(STRATEGIES[strategy], zero=zero),
+        world_size=2,
+    )
+
+
+def test_zero3_saves_the_input_of_every_linear_layer_as_deepspeeds_linear_does() -> None:
+    """ZeRO-3 puts DeepSpeed's ``LinearFunctionForZeroStage3`` in place of ``torch.nn.functional.linear``
+    (``memory_efficient_linear``, on by default): it saves each layer's input for backward even where the weight is
+    frozen, which torch's linear does not. Forward and backward hold the two frozen layers' inputs (8 x 512 float32,
+    16 KiB each) more; torch's linear is back after the plan."""
+    original = torch.nn.functional.linear
+    saving = _frozen_plan("zero3").peak("forward_backward").by_kind["activations"]
+    torch_linear = _frozen_plan("zero3", memory_efficient_linear=False).peak("forward_backward").by_kind["activations"]
+    assert saving - torch_linear == 2 * 8 * WIDTH * 4
+    assert torch.nn.functional.linear is original
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_the_loss_and_inputs_live_through_deepspeeds_step(strategy: str) -> None:
+    """DeepSpeed's engine steps inside accelerate's backward, while the Trainer's training step holds the loss and the
+    inputs; the loss's graph keeps its leaves with their gradients: an input that requires a gradient (as peft makes
+    the embeddings' output for checkpointing) keeps its gradient (8 x 512 float32, 16 KiB) through the step."""
+    leaf = _frozen_plan(strategy, input_requires_grad=True).optimizer_step_peak
+    assert leaf - _frozen_plan(strategy).optimizer_step_peak == 8 * WIDTH * 4

@@ -438,8 +438,13 @@ def zero_settings(setup: TrainingSetup) -> Any:
             values[field_name] = int(value)
         except (TypeError, ValueError):
             raise ConfigError(f"training.deepspeed: zero_optimization.{key} must be a number or 'auto', got {value!r}")
+    linear = zero.get("memory_efficient_linear", True)
+    if not isinstance(linear, bool):
+        raise ConfigError(
+            f"training.deepspeed: zero_optimization.memory_efficient_linear must be true or false, got {linear!r}"
+        )
     try:
-        return ZeroSettings(**values)
+        return ZeroSettings(**values, memory_efficient_linear=linear)
     except ValueError as error:
         raise ConfigError(f"training.deepspeed: {error}") from None
 
