@@ -89,6 +89,7 @@ CASES = {
     "zero3-2-full-float32-paged-gathered": ("zero3", 2, "full", [*PAGED_8BIT, *NO_CHECKPOINTING, GATHERED]),
     "zero3-2-full-float32-paged-prefetched": ("zero3", 2, "full", [*PAGED_8BIT, *NO_CHECKPOINTING, PREFETCHED]),
     "zero3-2-full-float32-checkpointing-gathered": ("zero3", 2, "full", [*ADAMW, GATHERED]),
+    "zero3-2-lora-checkpointing": ("zero3", 2, "lora", [*ADAMW, SMALL_BUCKET]),
     "zero2_offload-2-full-float32-paged": ("zero2_offload", 2, "full", [*PAGED_8BIT, *NO_CHECKPOINTING, SMALL_BUCKET]),
     "zero2-2-full-bfloat16": ("zero2", 2, "full", [*BFLOAT16, *BF16_TRAINING, *ADAMW, *NO_CHECKPOINTING, SMALL_BUCKET]),
     "zero3-2-full-bfloat16-paged-gathered": (
@@ -100,14 +101,22 @@ CASES = {
 }
 DEFAULT_RUN = ("fsdp2-2-full-float32-paged",)
 
-CASE_TOLERANCE = {"zero3-2-full-float32-paged": 0.08, "zero3-2-full-float32-paged-prefetched": 0.08}
+CASE_TOLERANCE = {
+    "zero3-2-full-float32-paged": 0.08,
+    "zero3-2-full-float32-paged-prefetched": 0.08,
+    "zero3-2-lora-checkpointing": 0.12,
+}
 """Cases that miss :data:`TOLERANCE`, by what they measured. Gloo's all-gather allocates a copy of its output while
 the collective is in flight (measured: 2 MB for 2 MB of output, as a list or into one tensor); ZeRO-3 gathers many
 parameters at once, asynchronously, at the end of each step (the persistent ones) and in a prefetch, so that on the
 CPU it holds up to about the gathered parameters again: the steps of ``zero3-2-full-float32-paged`` (where that gather
 is the step's peak: with ``adamw_torch`` the peak is the client's update, and within 0.1%) are 6.9% above the plan,
 the second forward and backward of ``...-prefetched`` 7.4%. NCCL's all-gather writes into its output, so on GPUs
-these are not allocated; the plan leaves them out. Every other phase of these cases is within 0.3%."""
+these are not allocated; the plan leaves them out. Every other phase of these cases is within 0.3%. The step of
+``zero3-2-lora-checkpointing`` is such a gather too (LoRA's step updates little; all 49 parameters persist): planned
+0.908-0.923 of the measured peak in three runs, about 374 KB of gloo's copies in flight (a 44,032-element weight on the
+main thread, two smaller ones on gloo's threads, as a profile of the run showed; how many depends on how far gloo's
+threads got); its forward and backward within 0.1%."""
 
 
 OUT_OF_MEMORY = "hf-paged test device: out of memory"
