@@ -25,7 +25,8 @@ each phase's peak holds them:
   saves every linear layer's input for backward, a frozen layer's too (LoRA's base layers, a frozen output layer);
 * optimizer offload: the fp32 partitions, the gradient partitions and the client optimizer's state and step are in
   host memory (planned for an accelerator), ZeRO-2's with its staging buffers (one on the device, of the largest
-  parameter); parameter offload (ZeRO-3): the partitions too, copied to the device while gathered.
+  parameter), each fp32 partition with an fp32 gradient of its own for the whole run (ZeRO-3's
+  ``initialize_optimizer_states``), which its step takes in place of flattening one; parameter offload (ZeRO-3): the partitions too, copied to the device while gathered.
 
 Collectives move nothing; the figures are rank 0's (the partitions are padded to the same size; ZeRO-2's gradient
 partition differs between ranks by the parameters across its ends). Planned for the CPU, ZeRO-2's all-gather of the
@@ -352,6 +353,9 @@ class ZeroModel:
                 self._flats.append(flat)
                 self.master.append(master.requires_grad_(True))
                 self._group_of.append(index)
+                if self._offload_optimizer:
+                    with self._on(self._optimizer_on_host, "gradients"):
+                        master.grad = torch.zeros(master.numel(), dtype=torch.float32)
         dtype = next((group[0].dtype for group in self.groups if group), torch.float32)
         with self._on(False, "communication"):
             self._bucket = torch.empty(self.settings.reduce_bucket_size, dtype=dtype)
@@ -478,7 +482,8 @@ class ZeroModel:
 
     def step(self) -> None:
         """The ZeRO optimizer's step: (ZeRO-3) every parameter released; for each group, its fp32 gradient flattened
-        from the gradient partition, the client's step on the master partition, the gradient freed; (ZeRO-2) the
+        from the gradient partition (with optimizer offload, the fp32 gradient it keeps), the client's step on the
+        master partition, the gradient freed; (ZeRO-2) the
         gradient partition freed and the weights all-gathered, (ZeRO-3) the small parameters gathered for good."""
         if self.stage == 3:
             self._persisting = False
@@ -491,7 +496,7 @@ class ZeroModel:
             for master, index in zip(self.master, self._group_of):
                 if master.numel() == 0:
                     continue
-                if self.stage == 2 and self._offload_optimizer:
+                if self._offload_optimizer:
                     self._client_step(index, master)
                     continue
                 assert self._gradient_partition is not None

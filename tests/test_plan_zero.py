@@ -273,3 +273,14 @@ def test_the_loss_and_inputs_live_through_deepspeeds_step(strategy: str) -> None
     the embeddings' output for checkpointing) keeps its gradient (8 x 512 float32, 16 KiB) through the step."""
     leaf = _frozen_plan(strategy, input_requires_grad=True).optimizer_step_peak
     assert leaf - _frozen_plan(strategy).optimizer_step_peak == 8 * WIDTH * 4
+
+
+def test_zero3_optimizer_offload_keeps_an_fp32_gradient_for_each_master_partition() -> None:
+    """With optimizer offload, DeepSpeed's ZeRO-3 gives each fp32 master partition an fp32 gradient of its own for the
+    whole run (``initialize_optimizer_states``), which its step takes in place of flattening one from the gradient
+    partition: planned for the CPU (host memory is the device's), every forward and backward holds ``4P/N`` bytes more
+    than without offload, and the step the same."""
+    on_device, offloaded = _plan("zero3"), _plan("zero3_offload_optimizer")
+    for kept, moved in zip(on_device.phases, offloaded.phases):
+        more = 4 * PARAMS // GPUS if kept.phase == "forward_backward" else 0
+        assert moved.peak_bytes - kept.peak_bytes == more, (kept.phase, kept.step)
