@@ -90,6 +90,7 @@ CASES = {
     "zero3-2-full-float32-paged-prefetched": ("zero3", 2, "full", [*PAGED_8BIT, *NO_CHECKPOINTING, PREFETCHED]),
     "zero3-2-full-float32-checkpointing-gathered": ("zero3", 2, "full", [*ADAMW, GATHERED]),
     "zero3-2-lora-checkpointing": ("zero3", 2, "lora", [*ADAMW, SMALL_BUCKET]),
+    "zero2-2-lora-checkpointing": ("zero2", 2, "lora", [*ADAMW, SMALL_BUCKET]),
     "zero3_offload_optimizer-2-full-float32": (
         "zero3_offload_optimizer",
         2,
@@ -114,6 +115,7 @@ CASE_TOLERANCE = {
     "zero3-2-lora-checkpointing": 0.12,
     "zero3_offload_optimizer-2-full-float32": 0.08,
     "zero3_offload-2-full-float32": 0.08,
+    "zero2-2-lora-checkpointing": 0.03,
 }
 """Cases that miss :data:`TOLERANCE`, by what they measured. Gloo's all-gather allocates a copy of its output while
 the collective is in flight (measured: 2 MB for 2 MB of output, as a list or into one tensor); ZeRO-3 gathers many
@@ -127,7 +129,10 @@ these are not allocated; the plan leaves them out. Every other phase of these ca
 main thread, two smaller ones on gloo's threads, as a profile of the run showed; how many depends on how far gloo's
 threads got); its forward and backward within 0.1%. So are the steps of ``zero3_offload_optimizer-2-full-float32`` and
 ``zero3_offload-2-full-float32`` (with ``adamw_torch``, whose update on the small Llama is smaller than that gather):
-planned 0.950-0.953 of the measured peak, about 360-380 KB of gloo's copies; their forward and backward within 1.3%."""
+planned 0.950-0.953 of the measured peak, about 360-380 KB of gloo's copies; their forward and backward within 1.3%.
+The step of ``zero2-2-lora-checkpointing`` is planned 2.6% above its measured peak (forward and backward within 0.1%):
+at the client's update the plan still holds the 16-bit gradient partition (74 KB), which DeepSpeed's ZeRO-2 step frees
+once it has flattened the group's fp32 gradient (``stage_1_and_2.py``: ``averaged_gradients[i] = None``)."""
 
 
 OUT_OF_MEMORY = "hf-paged test device: out of memory"
