@@ -47,3 +47,16 @@ def training_args(output_dir, **overrides) -> TrainingArguments:
         **overrides,
     }
     return TrainingArguments(**settings)
+
+
+def trainer_deepspeed_config(zero: dict) -> dict:
+    """A DeepSpeed config for the Trainer with the ``zero_optimization`` section ``zero`` and no optimizer section (the
+    Trainer's optimizer is DeepSpeed's client); its ``auto`` values are filled in from the Trainer's arguments."""
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": zero,
+        "zero_force_ds_cpu_optimizer": False,
+    }

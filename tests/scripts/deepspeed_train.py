@@ -44,7 +44,7 @@ import hf_paged  # noqa: F401  (registers the hf_paged_* optimizer names)
 from hf_paged.optim import PagedOptimizer
 from hf_paged.process_exit import end_distributed_run
 
-from trainer_utils import tiny_llama, token_dataset
+from trainer_utils import tiny_llama, token_dataset, trainer_deepspeed_config
 
 PAGES = "page_size=16KiB"
 """Pages of 16 KiB: the tiny model's state spans tens of pages."""
@@ -121,14 +121,7 @@ def deepspeed_config(setup: Setup) -> dict:
         zero["offload_optimizer"] = {"device": "cpu"}
     if setup.sub_group_size is not None:
         zero["sub_group_size"] = setup.sub_group_size
-    config = {
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
-        "bf16": {"enabled": "auto"},
-        "zero_optimization": zero,
-        "zero_force_ds_cpu_optimizer": False,
-    }
+    config = trainer_deepspeed_config(zero)
     if setup.bf16:
         config["data_types"] = {"grad_accum_dtype": "fp32"}  # under ZeRO-1: DeepSpeed's BF16_Optimizer
     return config

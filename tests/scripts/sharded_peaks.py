@@ -49,6 +49,7 @@ from hf_paged.process_exit import end_distributed_run
 
 import device_memory
 from plan_utils import fill_process_tables
+from trainer_utils import trainer_deepspeed_config
 
 
 class PhasePeaks(TrainerCallback):
@@ -146,14 +147,7 @@ def zero_config(strategy: str, settings: dict) -> dict:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     if offload_parameters:
         zero["offload_param"] = {"device": "cpu", "pin_memory": False}
-    return {
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
-        "bf16": {"enabled": "auto"},
-        "zero_optimization": zero,
-        "zero_force_ds_cpu_optimizer": False,
-    }
+    return trainer_deepspeed_config(zero)
 
 
 class _HostApartBackend(device_module.SyncBackend):
