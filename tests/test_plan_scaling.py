@@ -15,7 +15,6 @@ from torch import nn
 
 import hf_paged
 from hf_paged.kernels import pytorch as pytorch_kernels
-from hf_paged.optim.executor import StepRun
 from hf_paged.planner import OPTIMIZER_STEP, plan
 
 from plan_utils import check_plan, measured_peaks
@@ -145,22 +144,29 @@ def test_a_cuda_plan_takes_the_triton_kernels_one_call_per_page_batch(
     page batch, no segment or chunk of the PyTorch kernels, the same state as the PyTorch kernels' plan and, since a
     launch allocates nothing but its tables, a step peak no higher than theirs."""
     pytest.importorskip("triton")
-    from hf_paged.kernels.triton_kernels import TritonKernel
+    from hf_paged.kernels.triton_kernels import TritonKernel, TritonLaunches
 
     segment_updates: list[int] = []
     batches: list[tuple[str, int]] = []
-    original_segment, original_batch = pytorch_kernels.update_segment, StepRun.update_batch
+    original_segment = pytorch_kernels.update_segment
+    original_kernel_batch, original_launches = TritonKernel.update_batch, TritonLaunches.update
 
     def counted_segment(*args, **kwargs) -> None:
         segment_updates.append(1)
         original_segment(*args, **kwargs)
 
-    def counted_batch(run: StepRun, kernel, pages) -> None:
-        batches.append((type(kernel).__name__, len(pages)))
-        original_batch(run, kernel, pages)
+    # a batch of pages goes to the Triton kernel's update_batch, or to the launches it prepared for the step
+    def counted_kernel_batch(kernel: TritonKernel, batch) -> None:
+        batches.append((TritonKernel.__name__, len(batch.buffers)))
+        original_kernel_batch(kernel, batch)
+
+    def counted_launches(launches: TritonLaunches, pages, version) -> None:
+        batches.append((TritonKernel.__name__, len(pages)))
+        original_launches(launches, pages, version)
 
     monkeypatch.setattr(pytorch_kernels, "update_segment", counted_segment)
-    monkeypatch.setattr(StepRun, "update_batch", counted_batch)
+    monkeypatch.setattr(TritonKernel, "update_batch", counted_kernel_batch)
+    monkeypatch.setattr(TritonLaunches, "update", counted_launches)
 
     optimizer = _paged_optimizer(optimizer_name)
 
