@@ -73,37 +73,27 @@ def timed(step: Callable[[], None], steps: int) -> float:
 
 def fail_middle_page_allocation(optimizer) -> Callable[[], None]:
     """A step whose middle device allocation of a page raises ``torch.OutOfMemoryError`` once (the step recovers); a
-    streamed step allocates a few page blocks and reuses them for the pages after."""
+    streamed step allocates a few page blocks and reuses them for the pages after. A first step counts them."""
     (store,) = optimizer._store.stores.values()
     allocate = store.backend.empty_device
-    calls = [0]
+    calls, failing_call = [0], [0]
 
     def counted(specs):
         calls[0] += 1
+        if calls[0] == failing_call[0]:
+            raise torch.OutOfMemoryError("injected by benchmarks/step_recovery.py")
         return allocate(specs)
-
-    store.backend.empty_device = counted
-    try:
-        optimizer.step()
-    finally:
-        store.backend.empty_device = allocate
-    middle = max(1, (calls[0] + 1) // 2)
 
     def step() -> None:
         calls[0] = 0
-
-        def failing(specs):
-            calls[0] += 1
-            if calls[0] == middle:
-                raise torch.OutOfMemoryError("injected by benchmarks/step_recovery.py")
-            return allocate(specs)
-
-        store.backend.empty_device = failing
+        store.backend.empty_device = counted
         try:
             optimizer.step()
         finally:
             store.backend.empty_device = allocate
 
+    step()
+    failing_call[0] = max(1, (calls[0] + 1) // 2)
     return step
 
 
