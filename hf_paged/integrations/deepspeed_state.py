@@ -113,9 +113,7 @@ def _in_turn(sub_group_step: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(sub_group_step)
     def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
         client = self.optimizer
-        if not isinstance(client, PagedOptimizer):
-            return sub_group_step(self, *args, **kwargs)
-        with client.tensors_in_turn():
+        with client.tensors_in_turn() if isinstance(client, PagedOptimizer) else contextlib.nullcontext():
             return sub_group_step(self, *args, **kwargs)
 
     wrapped._hf_paged_wrapped = True  # type: ignore[attr-defined]
