@@ -86,20 +86,17 @@ struct Vec {
   static F sign(F a) {
     return sub(positive(a), _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, zero(), _CMP_LT_OQ), splat(1.0f)));
   }
-  // The integers of values negated where the bits of source, read as int32, are negative and zeroed where they are
-  // zero: _mm256_sign_epi32's semantics.
-  static __m512i sign_epi32(__m512i values, F source) {
-    const __m512i bits = _mm512_castps_si512(source);
-    const __m512i zero_bits = _mm512_setzero_si512();
-    const __m512i negated = _mm512_mask_sub_epi32(values, _mm512_cmplt_epi32_mask(bits, zero_bits), zero_bits, values);
-    return _mm512_maskz_mov_epi32(_mm512_cmpneq_epi32_mask(bits, zero_bits), negated);
-  }
-  // magnitude * torch.sign(source) for integer-valued magnitudes below 2^31.
-  static F apply_sign(F magnitude, F source) {
-    return _mm512_cvtepi32_ps(sign_epi32(_mm512_cvttps_epi32(magnitude), source));
-  }
   // 0 where a is NaN, else a.
   static F zero_nan(F a) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, a, _CMP_ORD_Q), a); }
+  // a clamped to [-1, 1], NaN as 0 (codecs.saturate_).
+  static F saturate(F a) {
+    return min(_mm512_maskz_max_ps(_mm512_cmp_ps_mask(a, a, _CMP_ORD_Q), a, splat(-1.0f)), splat(1.0f));
+  }
+  // The non-negative magnitude with the sign bit of source (one bitwise select).
+  static F signed_like(F magnitude, F source) {
+    return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(magnitude), _mm512_castps_si512(source),
+                                                         _mm512_set1_epi32(INT32_MIN), 0xF8));
+  }
   // +infinity where a is FLT_MAX, else a.
   static F infinity_at_max(F a) {
     return _mm512_mask_mov_ps(a, _mm512_cmp_ps_mask(a, splat(FLT_MAX), _CMP_EQ_OQ), splat(INFINITY));
@@ -113,12 +110,13 @@ struct Vec {
   }
   // Bit k set where lane k of a is greater than that of b.
   static uint32_t greater(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+  // The largest lane of non-negative, non-NaN lanes (magnitudes), by halves: any order gives the same lane.
   static float reduce_max(F a) {
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, a);
-    float result = lanes[0];
-    for (int k = 1; k < 16; ++k) result = lanes[k] > result ? lanes[k] : result;
-    return result;
+    const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+    const __m256 half = _mm256_max_ps(_mm512_castps512_ps256(a), high);
+    __m128 quarter = _mm_max_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+    quarter = _mm_max_ps(quarter, _mm_movehl_ps(quarter, quarter));
+    return _mm_cvtss_f32(_mm_max_ss(quarter, _mm_movehdup_ps(quarter)));
   }
 
   static F load(const float* x) { return _mm512_loadu_ps(x); }
@@ -152,9 +150,9 @@ struct Vec {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))));
   }
   static F load_codes(const uint8_t* x) { return _mm512_cvtepi32_ps(load_bytes(x)); }
-  // Integer-valued magnitudes in [0, 127] with the signs of source (torch.sign's: 0 for zero).
+  // Integer-valued magnitudes in [0, 127] with the sign bits of source (a zero magnitude stays code 0).
   static void store_signed_codes(int8_t* x, F magnitude, F source) {
-    const __m512i values = sign_epi32(_mm512_cvttps_epi32(magnitude), source);
+    const __m512i values = _mm512_cvttps_epi32(signed_like(magnitude, source));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(x), _mm512_cvtsepi32_epi8(values));
   }
   // Integer-valued codes in [0, 255].
@@ -202,12 +200,16 @@ struct Vec {
   static F sign(F a) {
     return sub(positive(a), _mm256_and_ps(_mm256_cmp_ps(a, zero(), _CMP_LT_OQ), splat(1.0f)));
   }
-  // magnitude * torch.sign(source) for integer-valued magnitudes below 2^31.
-  static F apply_sign(F magnitude, F source) {
-    return _mm256_cvtepi32_ps(_mm256_sign_epi32(_mm256_cvttps_epi32(magnitude), _mm256_castps_si256(source)));
-  }
   // 0 where a is NaN, else a.
   static F zero_nan(F a) { return _mm256_and_ps(a, _mm256_cmp_ps(a, a, _CMP_ORD_Q)); }
+  // a clamped to [-1, 1], NaN as 0 (codecs.saturate_): max takes its second operand, -1, for a NaN.
+  static F saturate(F a) {
+    return _mm256_and_ps(min(max(a, splat(-1.0f)), splat(1.0f)), _mm256_cmp_ps(a, a, _CMP_ORD_Q));
+  }
+  // The non-negative magnitude with the sign bit of source.
+  static F signed_like(F magnitude, F source) {
+    return _mm256_or_ps(magnitude, _mm256_and_ps(source, splat(-0.0f)));
+  }
   // +infinity where a is FLT_MAX, else a.
   static F infinity_at_max(F a) {
     return _mm256_blendv_ps(a, splat(INFINITY), _mm256_cmp_ps(a, splat(FLT_MAX), _CMP_EQ_OQ));
@@ -221,12 +223,11 @@ struct Vec {
   }
   // Bit k set where lane k of a is greater than that of b.
   static uint32_t greater(F a, F b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
+  // The largest lane of non-negative, non-NaN lanes (magnitudes), by halves: any order gives the same lane.
   static float reduce_max(F a) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, a);
-    float result = lanes[0];
-    for (int k = 1; k < 8; ++k) result = lanes[k] > result ? lanes[k] : result;
-    return result;
+    __m128 quarter = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    quarter = _mm_max_ps(quarter, _mm_movehl_ps(quarter, quarter));
+    return _mm_cvtss_f32(_mm_max_ss(quarter, _mm_movehdup_ps(quarter)));
   }
 
   static F load(const float* x) { return _mm256_loadu_ps(x); }
@@ -261,9 +262,9 @@ struct Vec {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x))));
   }
   static F load_codes(const uint8_t* x) { return _mm256_cvtepi32_ps(load_bytes(x)); }
-  // Integer-valued magnitudes in [0, 127] with the signs of source (torch.sign's: 0 for zero).
+  // Integer-valued magnitudes in [0, 127] with the sign bits of source (a zero magnitude stays code 0).
   static void store_signed_codes(int8_t* x, F magnitude, F source) {
-    const __m256i values = _mm256_sign_epi32(_mm256_cvttps_epi32(magnitude), _mm256_castps_si256(source));
+    const __m256i values = _mm256_cvttps_epi32(signed_like(magnitude, source));
     const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(values), _mm256_extracti128_si256(values, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(x), _mm_packs_epi16(words, words));
   }
@@ -311,8 +312,9 @@ struct Vec {
   static F min(F a, F b) { return a < b ? a : b; }
   static F positive(F a) { return a > 0.0f ? 1.0f : 0.0f; }
   static F sign(F a) { return a > 0.0f ? 1.0f : (a < 0.0f ? -1.0f : 0.0f); }
-  static F apply_sign(F magnitude, F source) { return magnitude * sign(source); }
   static F zero_nan(F a) { return std::isnan(a) ? 0.0f : a; }
+  static F saturate(F a) { return min(max(zero_nan(a), -1.0f), 1.0f); }
+  static F signed_like(F magnitude, F source) { return std::copysign(magnitude, source); }
   static F infinity_at_max(F a) { return a == FLT_MAX ? INFINITY : a; }
   static F inverse_scales(F s) { return s >= FLT_MIN ? 1.0f / s : 0.0f; }
   static F inverse_root_scales(F s) { return s > 0.0f ? 1.0f / std::sqrt(s) : 0.0f; }
@@ -333,7 +335,7 @@ struct Vec {
   static F load_codes(const int8_t* x) { return static_cast<float>(*x); }
   static F load_codes(const uint8_t* x) { return static_cast<float>(*x); }
   static void store_signed_codes(int8_t* x, F magnitude, F source) {
-    *x = static_cast<int8_t>(static_cast<int32_t>(magnitude * sign(source)));
+    *x = static_cast<int8_t>(static_cast<int32_t>(signed_like(magnitude, source)));
   }
   static void store_codes(uint8_t* x, F codes) { *x = static_cast<uint8_t>(static_cast<int32_t>(codes)); }
   static F load_nibble(const uint8_t* x, bool high) { return static_cast<float>(high ? *x >> 4 : *x & 15); }
@@ -372,11 +374,6 @@ struct AbsMax {
   void add(F values) { largest = Vec::max(magnitude(values), largest); }
   float value() const { return Vec::reduce_max(largest); }
 };
-
-// A value divided by its block's scale, with NaN as 0 and clamped to [-1, 1] (codecs.saturate_).
-inline F saturate(F normalized) {
-  return Vec::min(Vec::max(Vec::zero_nan(normalized), Vec::splat(-1.0f)), Vec::splat(1.0f));
-}
 
 // 1 / scale, and 0 for a zero or subnormal scale (codecs.inverse_scales).
 inline float inverse_scale(float scale) { return scale >= FLT_MIN ? 1.0f / scale : 0.0f; }
@@ -423,7 +420,7 @@ struct Codes8 {
     const F inverse = Vec::splat(inverse_scale(scale));
     const F top = Vec::splat(127.0f);
     for (int64_t i = 0; i < size; i += kWidth) {
-      const F normalized = saturate(Vec::mul(Vec::load(values + i), inverse));
+      const F normalized = Vec::saturate(Vec::mul(Vec::load(values + i), inverse));
       const F magnitude = Vec::rint_root_times(Vec::abs(normalized), top);
       Vec::store_signed_codes(codes + i, magnitude, normalized);
     }
@@ -437,7 +434,8 @@ struct Codes8 {
     const F inverse_root = Vec::splat(inverse_root_scale(scale));
     const F top = Vec::splat(255.0f);
     for (int64_t i = 0; i < size; i += kWidth) {
-      const F normalized = saturate(Vec::mul(Vec::load(roots + i), inverse_root));  // sqrt(x / s), whose sqrt is coded
+      // sqrt(x / s), whose square root is coded
+      const F normalized = Vec::saturate(Vec::mul(Vec::load(roots + i), inverse_root));
       Vec::store_codes(codes + i, Vec::max(Vec::rint_root_times(normalized, top), Vec::positive(normalized)));
     }
     state.scales[block] = scale;
@@ -483,12 +481,13 @@ struct Codes4 {
     F scale;
   };
 
-  // Nearest level (k / 7)^2: |x| >= the midpoint of levels k - 1 and k iff 196 |x| - 1 >= (2k - 1)^2.
+  // Nearest level (k / 7)^2: |x| >= the midpoint of levels k - 1 and k iff 196 |x| - 1 >= (2k - 1)^2. The level
+  // is at most 7 (floor((sqrt(195) + 1) / 2)) as |x| <= 1, and 0 where x is zero, so its sign may be x's sign bit.
   static F signed_code(F values, F inverse) {
-    const F normalized = saturate(Vec::mul(values, inverse));
+    const F normalized = Vec::saturate(Vec::mul(values, inverse));
     const F excess = Vec::sub(Vec::mul(Vec::abs(normalized), Vec::splat(196.0f)), Vec::splat(1.0f));
-    const F level = Vec::min(Vec::floor_half_root_plus_half(Vec::max(excess, Vec::zero())), Vec::splat(7.0f));
-    return Vec::add(Vec::apply_sign(level, normalized), Vec::splat(7.0f));
+    const F level = Vec::floor_half_root_plus_half(Vec::max(excess, Vec::zero()));
+    return Vec::add(Vec::signed_like(level, normalized), Vec::splat(7.0f));
   }
 
   static void encode_signed(const State& state, int64_t block, int64_t size, const float* values, float scale) {
@@ -502,10 +501,11 @@ struct Codes4 {
     state.scales[block] = scale;
   }
 
-  // Nearest of the 16 codes in the (x / s)^(1/4) domain, from roots = sqrt(x); zero is not a level.
+  // Nearest of the 16 codes in the (x / s)^(1/4) domain, from roots = sqrt(x); zero is not a level. The code is at
+  // most 15 as x / s <= 1.
   static F unsigned_code(F roots, F inverse_root) {
-    const F code = Vec::sub(Vec::rint_root_times(saturate(Vec::mul(roots, inverse_root)), Vec::splat(16.0f)), Vec::splat(1.0f));
-    return Vec::min(Vec::max(code, Vec::zero()), Vec::splat(15.0f));
+    const F code = Vec::rint_root_times(Vec::saturate(Vec::mul(roots, inverse_root)), Vec::splat(16.0f));
+    return Vec::max(Vec::sub(code, Vec::splat(1.0f)), Vec::zero());
   }
 
   static void encode_unsigned_roots(const State& state, int64_t block, int64_t size, const float* roots,
@@ -609,6 +609,15 @@ struct Rank1Scratch : Scratch {
 // Elements of fp32 state updated as one unit of work (a multiple of every vector width).
 constexpr int64_t kTile = 2048;
 
+// Blockwise state is updated in runs of consecutive whole blocks of at most kRunElements elements (one block where
+// blocks are larger): every block of a run steps, then every block is encoded, so that the encodings, which wait
+// for their block's largest magnitudes, run back to back instead of between steps. Results are those of one block
+// at a time.
+constexpr int64_t kRunElements = 1024;
+constexpr int64_t kMaxRunBlocks = kRunElements / 16;  // blocks hold at least 16 elements
+
+int64_t run_blocks(int64_t block_size) { return std::max<int64_t>(1, kRunElements / block_size); }
+
 // adamw_update_: m = lerp(m, g, 1 - b1); v = v b2 + (g (1 - b2)) g;
 // p = p (1 - lr wd) - m / (sqrt(v) / sqrt(1 - b2^t) + eps) lr / (1 - b1^t).
 struct AdamW {
@@ -647,26 +656,35 @@ struct AdamW {
     new_param = Vec::sub(Vec::mul(param, c.decay), Vec::mul(Vec::div(new_moment, denominator), c.step_size));
   }
 
-  // Block `block` of blockwise `states`, whose parameter and gradient elements are p[0, size) and g[0, size).
+  // Blocks [first, first + count) of blockwise `states`, whose parameter and gradient elements are
+  // p[0, count size) and g[0, count size), count size <= kMaxBlockSize (see kRunElements).
   template <class Codes, typename P, typename G>
-  static void block(P* p, const G* g, const State* states, int64_t block, int64_t size, const Constants& c,
-                    const Rounding& rounding, int64_t index, Scratch& scratch) {
-    const typename Codes::SignedDecoder old_moments(states[0], block, size);
-    const typename Codes::UnsignedDecoder old_seconds(states[1], block, size);
+  static void blocks(P* p, const G* g, const State* states, int64_t first, int64_t count, int64_t size,
+                     const Constants& c, const Rounding& rounding, int64_t index, Scratch& scratch) {
     const ParamWriter<P> writer(p, rounding, index, scratch.updated);
-    AbsMax moment_max, second_max;
-    for (int64_t i = 0; i < size; i += kWidth) {
-      F new_param, moment, second, root;
-      step(c, Vec::load(p + i), Vec::load(g + i), old_moments(i), old_seconds(i), new_param, moment, second, root);
-      writer.store(i, new_param);
-      Vec::store(scratch.moments + i, moment);
-      Vec::store(scratch.roots + i, root);  // the encoding takes sqrt(v)
-      moment_max.add(moment);
-      second_max.add(second);
+    float moment_max[kMaxRunBlocks], second_max[kMaxRunBlocks];
+    for (int64_t b = 0; b < count; ++b) {
+      const typename Codes::SignedDecoder old_moments(states[0], first + b, size);
+      const typename Codes::UnsignedDecoder old_seconds(states[1], first + b, size);
+      AbsMax moments, seconds;
+      for (int64_t i = 0; i < size; i += kWidth) {
+        const int64_t e = b * size + i;
+        F new_param, moment, second, root;
+        step(c, Vec::load(p + e), Vec::load(g + e), old_moments(i), old_seconds(i), new_param, moment, second, root);
+        writer.store(e, new_param);
+        Vec::store(scratch.moments + e, moment);
+        Vec::store(scratch.roots + e, root);  // the encoding takes sqrt(v)
+        moments.add(moment);
+        seconds.add(second);
+      }
+      moment_max[b] = moments.value();
+      second_max[b] = seconds.value();
     }
-    writer.finish(size);
-    Codes::encode_signed(states[0], block, size, scratch.moments, moment_max.value());
-    Codes::encode_unsigned_roots(states[1], block, size, scratch.roots, second_max.value());
+    writer.finish(count * size);
+    for (int64_t b = 0; b < count; ++b) {
+      Codes::encode_signed(states[0], first + b, size, scratch.moments + b * size, moment_max[b]);
+      Codes::encode_unsigned_roots(states[1], first + b, size, scratch.roots + b * size, second_max[b]);
+    }
   }
 
   // A block of rank-1 normalized 4-bit states whose codes are packed[0] and packed[1]: Codes4's maps with each
@@ -751,20 +769,27 @@ struct Lion {
   }
 
   template <class Codes, typename P, typename G>
-  static void block(P* p, const G* g, const State* states, int64_t block, int64_t size, const Constants& c,
-                    const Rounding& rounding, int64_t index, Scratch& scratch) {
-    const typename Codes::SignedDecoder old_moments(states[0], block, size);
+  static void blocks(P* p, const G* g, const State* states, int64_t first, int64_t count, int64_t size,
+                     const Constants& c, const Rounding& rounding, int64_t index, Scratch& scratch) {
     const ParamWriter<P> writer(p, rounding, index, scratch.updated);
-    AbsMax moment_max;
-    for (int64_t i = 0; i < size; i += kWidth) {
-      F new_param, moment;
-      step(c, Vec::load(p + i), Vec::load(g + i), old_moments(i), new_param, moment);
-      writer.store(i, new_param);
-      Vec::store(scratch.moments + i, moment);
-      moment_max.add(moment);
+    float moment_max[kMaxRunBlocks];
+    for (int64_t b = 0; b < count; ++b) {
+      const typename Codes::SignedDecoder old_moments(states[0], first + b, size);
+      AbsMax moments;
+      for (int64_t i = 0; i < size; i += kWidth) {
+        const int64_t e = b * size + i;
+        F new_param, moment;
+        step(c, Vec::load(p + e), Vec::load(g + e), old_moments(i), new_param, moment);
+        writer.store(e, new_param);
+        Vec::store(scratch.moments + e, moment);
+        moments.add(moment);
+      }
+      moment_max[b] = moments.value();
     }
-    writer.finish(size);
-    Codes::encode_signed(states[0], block, size, scratch.moments, moment_max.value());
+    writer.finish(count * size);
+    for (int64_t b = 0; b < count; ++b) {
+      Codes::encode_signed(states[0], first + b, size, scratch.moments + b * size, moment_max[b]);
+    }
   }
 
   template <typename P, typename G>
@@ -821,29 +846,38 @@ struct AdEMAMix {
   }
 
   template <class Codes, typename P, typename G>
-  static void block(P* p, const G* g, const State* states, int64_t block, int64_t size, const Constants& c,
-                    const Rounding& rounding, int64_t index, Scratch& scratch) {
-    const typename Codes::SignedDecoder old_fast(states[0], block, size);
-    const typename Codes::SignedDecoder old_slow(states[1], block, size);
-    const typename Codes::UnsignedDecoder old_seconds(states[2], block, size);
+  static void blocks(P* p, const G* g, const State* states, int64_t first, int64_t count, int64_t size,
+                     const Constants& c, const Rounding& rounding, int64_t index, Scratch& scratch) {
     const ParamWriter<P> writer(p, rounding, index, scratch.updated);
-    AbsMax fast_max, slow_max, second_max;
-    for (int64_t i = 0; i < size; i += kWidth) {
-      F new_param, fast, slow, second, root;
-      step(c, Vec::load(p + i), Vec::load(g + i), old_fast(i), old_slow(i), old_seconds(i), new_param, fast, slow,
-           second, root);
-      writer.store(i, new_param);
-      Vec::store(scratch.moments + i, fast);
-      Vec::store(scratch.slow + i, slow);
-      Vec::store(scratch.roots + i, root);  // the encoding takes sqrt(v)
-      fast_max.add(fast);
-      slow_max.add(slow);
-      second_max.add(second);
+    float fast_max[kMaxRunBlocks], slow_max[kMaxRunBlocks], second_max[kMaxRunBlocks];
+    for (int64_t b = 0; b < count; ++b) {
+      const typename Codes::SignedDecoder old_fast(states[0], first + b, size);
+      const typename Codes::SignedDecoder old_slow(states[1], first + b, size);
+      const typename Codes::UnsignedDecoder old_seconds(states[2], first + b, size);
+      AbsMax fasts, slows, seconds;
+      for (int64_t i = 0; i < size; i += kWidth) {
+        const int64_t e = b * size + i;
+        F new_param, fast, slow, second, root;
+        step(c, Vec::load(p + e), Vec::load(g + e), old_fast(i), old_slow(i), old_seconds(i), new_param, fast, slow,
+             second, root);
+        writer.store(e, new_param);
+        Vec::store(scratch.moments + e, fast);
+        Vec::store(scratch.slow + e, slow);
+        Vec::store(scratch.roots + e, root);  // the encoding takes sqrt(v)
+        fasts.add(fast);
+        slows.add(slow);
+        seconds.add(second);
+      }
+      fast_max[b] = fasts.value();
+      slow_max[b] = slows.value();
+      second_max[b] = seconds.value();
     }
-    writer.finish(size);
-    Codes::encode_signed(states[0], block, size, scratch.moments, fast_max.value());
-    Codes::encode_signed(states[1], block, size, scratch.slow, slow_max.value());
-    Codes::encode_unsigned_roots(states[2], block, size, scratch.roots, second_max.value());
+    writer.finish(count * size);
+    for (int64_t b = 0; b < count; ++b) {
+      Codes::encode_signed(states[0], first + b, size, scratch.moments + b * size, fast_max[b]);
+      Codes::encode_signed(states[1], first + b, size, scratch.slow + b * size, slow_max[b]);
+      Codes::encode_unsigned_roots(states[2], first + b, size, scratch.roots + b * size, second_max[b]);
+    }
   }
 
   template <typename P, typename G>
@@ -869,10 +903,11 @@ void segment_blocks(P* param, const G* grad, const State* states, int64_t blocks
   at::parallel_for(0, blocks, grain_blocks(size), [&](int64_t begin, int64_t end) {
     Scratch scratch;
     const typename Rule::Constants constants(scalars);
-    for (int64_t block = begin; block < end; ++block) {
+    for (int64_t block = begin; block < end; block += run_blocks(size)) {
       const int64_t first = block * size;
-      Rule::template block<Codes>(param + first, grad + first, states, block, size, constants, rounding,
-                                  start + first, scratch);
+      Rule::template blocks<Codes>(param + first, grad + first, states, block,
+                                   std::min(run_blocks(size), end - block), size, constants, rounding, start + first,
+                                   scratch);
     }
   });
 }
@@ -902,11 +937,17 @@ template <class Rule, class Codes, typename P, typename G>
 void batch_blocks(P* p, const G* g, const State* states, int64_t first_block, int64_t length, int64_t first,
                   int64_t last, int64_t size, const typename Rule::Constants& constants, const Rounding& rounding,
                   int64_t index, Scratch& scratch) {
-  for (int64_t j = first; j < last; ++j) {
+  const int64_t whole = std::min(last, length / size);  // blocks [first, whole) are whole
+  for (int64_t j = first; j < whole; j += run_blocks(size)) {
     const int64_t e = j * size;
-    on_padded_block(p + e, g + e, std::min(size, length - e), size, [&](P* block_p, const G* block_g) {
-      Rule::template block<Codes>(block_p, block_g, states, first_block + j, size, constants, rounding, index + e,
-                                  scratch);
+    Rule::template blocks<Codes>(p + e, g + e, states, first_block + j, std::min(run_blocks(size), whole - j), size,
+                                 constants, rounding, index + e, scratch);
+  }
+  for (int64_t j = std::max(first, whole); j < last; ++j) {
+    const int64_t e = j * size;
+    on_padded_block(p + e, g + e, length - e, size, [&](P* block_p, const G* block_g) {
+      Rule::template blocks<Codes>(block_p, block_g, states, first_block + j, 1, size, constants, rounding, index + e,
+                                   scratch);
     });
   }
 }
