@@ -106,6 +106,9 @@ CASES = {
         "full",
         [*BFLOAT16, *BF16_TRAINING, *PAGED_8BIT, *NO_CHECKPOINTING, GATHERED],
     ),
+    "ddp-2-qlora-checkpointing": ("ddp", 2, "qlora", ADAMW),
+    "ddp-2-qlora-bfloat16-paged": ("ddp", 2, "qlora", [*BFLOAT16, *PAGED_8BIT]),
+    "fsdp2-2-qlora-checkpointing": ("fsdp2", 2, "qlora", ADAMW),
 }
 DEFAULT_RUN = ("fsdp2-2-full-float32-paged",)
 
@@ -174,7 +177,8 @@ def check_engine(strategy: str, world_size: int, facts: dict) -> None:
         assert facts["sharded_params"] == 0, facts
     else:
         assert facts["distributed_type"] == "DistributedType.FSDP" and not facts["ddp"], facts
-        assert facts["fsdp_modules"] >= 3 and facts["sharded_params"] == facts["params"], facts
+        # accelerate leaves QLoRA's 4-bit weights (frozen, of an integer storage) out of fully_shard: whole on each rank
+        assert facts["fsdp_modules"] >= 3 and facts["sharded_params"] == facts["params"] - facts["params4bit"], facts
         assert facts["offload"] == [strategy == "fsdp2_offload"], facts
 
 
@@ -272,6 +276,23 @@ def test_cpu_offload_for_an_accelerator_keeps_shards_gradients_and_the_step_in_h
     gathered = offloaded.peak(FORWARD_BACKWARD).by_kind
     assert 0 < gathered["trainable_weights"] <= 2 * layer + 2 * 512
     assert offloaded.forward_backward_peak < on_device.forward_backward_peak
+
+
+def test_fsdp2_keeps_qlora_4bit_weights_whole_and_shards_the_rest() -> None:
+    """accelerate leaves frozen 4-bit weights of an integer storage out of ``fully_shard`` (it finds bitsandbytes'
+    ``Params4bit`` by class name), so each rank of FSDP2 keeps QLoRA's 4-bit weights and their quantization state
+    whole and shards the rest. The planner's 4-bit shells are plain parameters of fake tensors: before they were left
+    out as accelerate leaves out the real ones, planning QLoRA under FSDP2 failed on the nested offset's value that
+    bitsandbytes reads for the state dict accelerate takes, and then FSDP2 sharded the shells."""
+    setup = setup_from_config(
+        load_config(None, [*SMALL_LLAMA, "model.tiny.num_hidden_layers=1", "tokenizer.max_length=16", *ADAMW]), "qlora"
+    )
+    whole = plan_setup(setup, "cpu").peak(OPTIMIZER_STEP).by_kind
+    half = plan_setup(setup.with_changes(world_size=2, strategy="fsdp2"), "cpu").peak(OPTIMIZER_STEP).by_kind
+    packed = (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 344) // 2  # q, o; k, v; gate, up, down at 4 bits
+    assert half["quantization_state"] == whole["quantization_state"] > 0
+    assert half["trainable_weights"] * 2 == whole["trainable_weights"]  # LoRA's adapters, sharded
+    assert 0 <= half["frozen_weights"] - (packed + (whole["frozen_weights"] - packed) // 2) < 1024, (half, whole)
 
 
 def test_bad_sharding_arguments_are_named() -> None:
@@ -409,9 +430,17 @@ def test_the_search_finds_the_fewest_count_with_few_plans(capacity: int, expecte
 
 
 @pytest.mark.slow  # three plans of the embedded QLoRA run: about 35 s of CPU
-def test_a_strategy_that_cannot_be_planned_is_a_row_of_its_own() -> None:
-    """The embedded QLoRA run: 4-bit layers under FSDP2's CPU offload read tensor values (which fake tensors do not
-    have), so that strategy's row says it cannot be planned and why, and the others still get their counts."""
+def test_a_strategy_that_cannot_be_planned_is_a_row_of_its_own(monkeypatch) -> None:
+    """The embedded QLoRA run with bitsandbytes' own ``QuantState`` for the planner's 4-bit shells: accelerate's FSDP2
+    preparation takes the model's state dict, for which bitsandbytes reads the nested offset's value (which a fake
+    tensor does not have), so the row of FSDP2 with CPU offload says it cannot be planned and why, and the others
+    still get their counts. (The shells' own ``QuantState`` serializes without that value, so that QLoRA plans under
+    FSDP2: ``test_fsdp2_keeps_qlora_4bit_weights_whole_and_shards_the_rest``.)"""
+    from bitsandbytes.functional import QuantState
+
+    import hf_paged.cli.plan as plan_module
+
+    monkeypatch.setattr(plan_module, "_shell_quant_state_class", lambda: QuantState)
     setup = setup_from_config(load_config(None, []))
     counts = fewest_gpus(setup, "cpu", 2**30, ["ddp", "fsdp2_offload"], limit=2)
     assert [(count.strategy, count.gpus, count.error is None) for count in counts] == [

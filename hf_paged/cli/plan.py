@@ -14,7 +14,7 @@ import contextlib
 import copy
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,6 +216,32 @@ def build_model(setup: TrainingSetup, device: str = "cpu", shapes_only: bool = F
     return add_lora_adapters(model, lora)
 
 
+def _shell_quant_state_class() -> type:
+    """bitsandbytes' ``QuantState``, but ``as_dict`` (the 4-bit layer's state dict, which accelerate's FSDP2
+    preparation takes) writes 0.0 for the nested offset instead of reading the fake offset's value, which it does not
+    have (the value does not change the state dict's tensors)."""
+    from bitsandbytes.functional import QuantState
+
+    class ShellQuantState(QuantState):
+        def as_dict(self, packed: bool = False) -> dict[str, Any]:
+            offset = self.offset
+            if offset is not None:
+                self.offset = _ZeroOffset()
+            try:
+                return super().as_dict(packed)
+            finally:
+                self.offset = offset
+
+    return ShellQuantState
+
+
+class _ZeroOffset:
+    """What ``QuantState.as_dict`` reads of the nested offset: its value."""
+
+    def item(self) -> float:
+        return 0.0
+
+
 def _linear4bit_shell(module: nn.Module, config: Any, bnb: Any) -> nn.Module:
     """A ``bnb.nn.Linear4bit`` for ``module`` whose packed weight and quantization state are fake tensors of the
     sizes bitsandbytes' quantization gives: 0.5 byte per weight, an absmax per 64 weights (fp32, or 8-bit with
@@ -223,6 +249,7 @@ def _linear4bit_shell(module: nn.Module, config: Any, bnb: Any) -> nn.Module:
     from bitsandbytes.functional import QuantState
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    _ShellQuantState = _shell_quant_state_class()
     out_features, in_features = module.weight.shape
     double_quant = config.bnb_4bit_use_double_quant
     with unset_fake_temporarily(), torch.device("meta"):  # its meta Params4bit is replaced below
@@ -250,7 +277,7 @@ def _linear4bit_shell(module: nn.Module, config: Any, bnb: Any) -> nn.Module:
         offset = torch.empty((), dtype=torch.float32)
     else:
         absmax = torch.empty(blocks, dtype=torch.float32)
-    state = QuantState(
+    state = _ShellQuantState(
         absmax=absmax,
         shape=module.weight.shape,
         code=torch.empty(16, dtype=torch.float32),
@@ -415,6 +442,69 @@ _ZERO_KEYS = {
     "stage3_max_reuse_distance": "max_reuse_distance",
 }
 """``zero_optimization`` keys of a DeepSpeed config and the :class:`~hf_paged.zero_model.ZeroSettings` field of each."""
+
+
+def _set(environ: Mapping[str, str], name: str) -> bool:
+    return environ.get(name, "").strip().lower() in ("1", "true", "yes")
+
+
+def _zero_strategy(zero: Mapping[str, Any], source: str) -> str:
+    """The ZeRO strategy of a DeepSpeed config's ``zero_optimization`` (``source`` names it in errors)."""
+    stage = zero.get("stage", 0)
+    offloaded = {
+        part: str((zero.get(f"offload_{part}") or {}).get("device", "none")).lower() in ("cpu", "nvme")
+        for part in ("optimizer", "param")
+    }
+    if stage == 2 and not offloaded["param"]:
+        return "zero2_offload" if offloaded["optimizer"] else "zero2"
+    if stage == 3 and offloaded["param"] and offloaded["optimizer"]:
+        return "zero3_offload"
+    if stage == 3 and not offloaded["param"]:
+        return "zero3_offload_optimizer" if offloaded["optimizer"] else "zero3"
+    raise ConfigError(
+        f"{source}: ZeRO stage {stage!r}{' with parameters but not the optimizer offloaded' if stage == 3 else ''} "
+        "is not planned (stage 2, with or without optimizer offload, and stage 3, with no offload, the optimizer's "
+        "or both, are)"
+    )
+
+
+def launch_setup(
+    setup: TrainingSetup, world_size: int, device: str, environ: Mapping[str, str] | None = None
+) -> TrainingSetup:
+    """``setup`` for one rank of a launch of ``world_size`` processes training on ``device`` (``hf-paged train --plan``
+    under ``accelerate launch`` or ``torchrun``): its strategy is ZeRO where ``training.deepspeed`` or accelerate's
+    DeepSpeed variables (``environ``, default the process's) turn DeepSpeed on, FSDP2 (with CPU offload where asked)
+    where ``training.fsdp`` or accelerate's FSDP variables turn FSDP on on an accelerator (on the CPU accelerate
+    trains such a run with DDP), else DDP. One process is ``setup`` itself."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    if world_size == 1:
+        return setup
+    training = setup.config.training
+    if training.get("deepspeed") is None and _set(environ, "ACCELERATE_USE_DEEPSPEED"):
+        path = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+        if path:
+            setup = setup.with_changes(training={"deepspeed": path})
+        else:
+            zero = {
+                "stage": int(environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")),
+                "offload_optimizer": {"device": environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none")},
+                "offload_param": {"device": environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none")},
+            }
+            return setup.with_changes(world_size=world_size, strategy=_zero_strategy(zero, "accelerate's DeepSpeed"))
+    if setup.config.training.get("deepspeed") is not None:
+        zero = deepspeed_config(setup).get("zero_optimization") or {}
+        return setup.with_changes(world_size=world_size, strategy=_zero_strategy(zero, "training.deepspeed"))
+    fsdp = training.get("fsdp") or ""
+    options = fsdp.split() if isinstance(fsdp, str) else [str(getattr(option, "value", option)) for option in fsdp]
+    if device != "cpu" and (options or _set(environ, "ACCELERATE_USE_FSDP")):
+        version = (training.get("fsdp_config") or {}).get("version") if options else environ.get("FSDP_VERSION", "1")
+        if str(version or 2) != "2":
+            raise ConfigError(f"FSDP version {version} is not planned (FSDP2 is: fsdp_version 2)")
+        offload = "offload" in options if options else _set(environ, "FSDP_OFFLOAD_PARAMS")
+        return setup.with_changes(world_size=world_size, strategy="fsdp2_offload" if offload else "fsdp2")
+    return setup.with_changes(world_size=world_size, strategy="ddp")
 
 
 def zero_settings(setup: TrainingSetup) -> Any:

@@ -62,9 +62,41 @@ def accelerate_fsdp2(offload: bool) -> Wrap:
     def wrap(model: nn.Module) -> nn.Module:
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
-        return fsdp2_prepare_model(_AcceleratorStandIn(_PluginHolder(_fsdp2_plugin(offload))), model)
+        plugin = _fsdp2_plugin(offload)
+        shells = _params4bit_shells(model)
+        if shells:
+            plugin.ignored_modules = [_IgnoredParameters(shells)]
+        return fsdp2_prepare_model(_AcceleratorStandIn(_PluginHolder(plugin)), model)
 
     return wrap
+
+
+def _params4bit_shells(model: nn.Module) -> list[nn.Parameter]:
+    """The planner's stand-ins for bitsandbytes' ``Params4bit`` (plain parameters of fake packed weights, marked
+    ``bnb_quantized``: ``hf_paged.cli.plan``) that accelerate would leave unsharded: it leaves out of ``fully_shard``
+    every frozen ``Params4bit`` of an integer storage, which it finds by class name (a fake tensor's is
+    ``FakeTensor``), so that each rank keeps its 4-bit weights whole."""
+    return [
+        param
+        for param in model.parameters()
+        if getattr(param, "bnb_quantized", False)
+        and type(param).__name__ != "Params4bit"
+        and not (param.requires_grad or param.is_floating_point() or param.is_complex())
+    ]
+
+
+class _IgnoredParameters:
+    """What accelerate reads of an ignored module (``FullyShardedDataParallelPlugin.ignored_modules``) for exactly
+    these parameters: moving it to the device (they are there) and its parameters."""
+
+    def __init__(self, parameters: list[nn.Parameter]) -> None:
+        self._parameters = parameters
+
+    def to(self, device: Any) -> _IgnoredParameters:
+        return self
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self._parameters)
 
 
 def trainer_ddp(training_args: Any) -> Wrap:

@@ -104,6 +104,7 @@ def engine_facts(trainer: Trainer, strategy: str) -> dict:
         "fsdp_modules": sum(isinstance(module, FSDPModule) for module in trainer.model.modules()),
         "sharded_params": sum(isinstance(param, DTensor) for param in params),
         "params": len(params),
+        "params4bit": sum(type(param).__name__ == "Params4bit" for param in params),
     }
     if strategy in ZERO_CONFIGS:
         engine = trainer.model_wrapped
