@@ -351,19 +351,60 @@ def test_the_fewest_gpus_are_the_fewest_processes_that_train_under_a_memory_cap(
     assert count.budget is not None and count.budget >= 64 * 1024
 
     def trains(world_size: int, budget: int | None, name: str) -> bool:
-        strategy = "fsdp2" if world_size > 1 else "ddp"
-        optim_args = "page_size=64KiB" if budget is None else f"page_size=64KiB,device_budget={budget}"
-        overrides = [*PARAMETER_HEAVY_LLAMA, f"training.optim_args={optim_args}"]
-        options = ["--cap", str(CAP), "--host-apart", *(["--no-step-recovery"] if budget is None else [])]
-        ranks = launch(strategy, world_size, "full", overrides, tmp_path / name, *options)
-        if ranks is not None and world_size == 1:
-            assert not ranks[0]["facts"]["ddp"], ranks[0]["facts"]
-        elif ranks is not None:
-            check_engine(strategy, world_size, ranks[0]["facts"])
-        return ranks is not None
+        return _trains_under_cap("fsdp2", world_size, budget, tmp_path / name)
 
     assert trains(1, count.budget, "paged-1")
     assert [trains(world_size, None, f"unpaged-{world_size}") for world_size in (1, 2, 3)] == [False, False, True]
+
+
+def _trains_under_cap(strategy: str, world_size: int, budget: int | None, folder: Path) -> bool:
+    """Whether ``PARAMETER_HEAVY_LLAMA`` trains on ``world_size`` processes of ``strategy`` with the counting allocator
+    capped at :data:`CAP` (a paged optimizer's host pages apart): with the paged optimizer's ``budget``, or without
+    paging (no budget, and no recovery of an out-of-memory error in the step by paging). One process is DDP of one
+    process, which accelerate leaves unwrapped."""
+    strategy = strategy if world_size > 1 else "ddp"
+    optim_args = "page_size=64KiB" if budget is None else f"page_size=64KiB,device_budget={budget}"
+    overrides = [*PARAMETER_HEAVY_LLAMA, f"training.optim_args={optim_args}"]
+    options = ["--cap", str(CAP), "--host-apart", *(["--no-step-recovery"] if budget is None else [])]
+    ranks = launch(strategy, world_size, "full", overrides, folder, *options)
+    if ranks is not None and world_size == 1:
+        assert not ranks[0]["facts"]["ddp"], ranks[0]["facts"]
+    elif ranks is not None:
+        check_engine(strategy, world_size, ranks[0]["facts"])
+    return ranks is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_for_ddp_paging_is_what_brings_the_count_to_one(tmp_path: Path) -> None:
+    """DDP keeps the whole weights, gradients and optimizer state on every rank, and from two ranks on a bucket for
+    every gradient as well: a rank's peak never falls with the count, so DDP's fewest GPUs is one or none, and only
+    paging can lower it (from none to one). On GPUs of 36 MB (the model and cap of the FSDP2 check above)
+    ``--fewest-gpus`` for DDP is none without paging (two GPUs answer for every count) and one with paging; real runs
+    through the Trainer with the counting allocator capped at 36 MB agree: without paging one and two processes run
+    out of memory, with the planned budget one process trains, and two processes with that budget run out of memory
+    (the buckets), as their plan says."""
+    setup = setup_from_config(load_config(None, PARAMETER_HEAVY_LLAMA), "full")
+    (count,) = fewest_gpus(setup, "cpu", CAP, ["ddp"], limit=4, host_memory_apart=True)
+    print(format_fewest_gpus(setup, "cpu", CAP, [count]))
+    assert (count.gpus, count.paged_gpus) == (None, 1), (count.gpus, count.paged_gpus)
+    assert count.budget is not None and count.budget >= 64 * 1024
+    budgeted = setup.with_changes(
+        world_size=2, strategy="ddp", training={"optim_args": f"page_size=64KiB,device_budget={count.budget}"}
+    )
+    two = plan_setup(budgeted, "cpu", True)
+    print(f"ddp on 2 GPUs with the budget: peak {two.peak_bytes} bytes, cap {CAP}")
+    assert not two.fits(CAP)
+    runs = {
+        name: _trains_under_cap("ddp", world_size, budget, tmp_path / name)
+        for name, world_size, budget in (
+            ("paged-1", 1, count.budget),
+            ("unpaged-1", 1, None),
+            ("unpaged-2", 2, None),
+            ("paged-2", 2, count.budget),
+        )
+    }
+    assert runs == {"paged-1": True, "unpaged-1": False, "unpaged-2": False, "paged-2": False}, runs
 
 
 def _cli(capsys, *arguments: str) -> tuple[int, str, str]:
