@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
-    """One epoch of 16 examples in batches of 4 per process, launched as the README says (2 processes, no GPU)."""
+    """One epoch of 16 examples in batches of 4 per process, launched as the README says (2 processes, no GPU), with
+    ``--plan``."""
     tmp_path = tmp_path_factory.mktemp("cli-launch")
     output_dir = tmp_path / "out"
     overrides = [
@@ -38,7 +39,7 @@ def launch(tmp_path_factory):
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(DDP_CONFIG),
         "--num_processes", str(PROCESSES), "--main_process_port", "0",  # port 0: a free one
         "-m", "hf_paged.cli", "train", *(f"--set={override}" for override in overrides),
-        "--output-dir", str(output_dir),
+        "--output-dir", str(output_dir), "--plan",
     ]  # fmt: skip
     environment = {
         **os.environ,
@@ -83,6 +84,16 @@ def test_the_summary_and_messages_are_printed_once(launch):
     assert len(messages) >= 5 and len(messages) == len(set(messages)), messages
     assert out.count("'loss':") == 2  # the Trainer logs on rank 0 only
     assert completed.stderr.count("tokenizing: 100%") == 1  # datasets' progress bars: rank 0's only
+
+
+def test_the_plan_is_one_ranks_of_the_launch(launch):
+    """``--plan`` in a launch of two processes plans one rank of two under DDP (each process plans in a process of its
+    own: the plan's fake process group of two ranks cannot live beside the launch's), printed once, by rank 0."""
+    completed, _ = launch
+    assert completed.stdout.count("hf-paged plan: ") == 1, completed.stdout
+    header = next(line for line in completed.stdout.splitlines() if line.startswith("hf-paged plan: "))
+    assert header.endswith("ddp on 2 GPUs (one rank's memory), on cpu"), header
+    assert "training without one" not in completed.stdout
 
 
 def test_the_first_process_tokenizes_and_the_others_read_its_cache(tmp_path):

@@ -262,6 +262,7 @@ def test_train_plans_for_the_device_the_trainer_trains_on(
 ) -> None:
     """With training.use_cpu on a machine with a GPU, the run trains on the CPU, and so is planned."""
     monkeypatch.setattr(hf_paged.cli, "torch_cuda_available", lambda: True)
+    monkeypatch.setattr(hf_paged.cli.train, "_accelerator_available", lambda: True)
     overrides = [*SMALL_LLAMA, "model.tiny.num_hidden_layers=1", "training.optim=adamw_torch", "training.use_cpu=true"]
     arguments = [item for override in overrides for item in ("--set", override)]
     assert main(["train", *arguments, "--set", "memory.device_capacity=1GiB", "--plan", "--print-config"]) == 0

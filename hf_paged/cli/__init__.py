@@ -40,7 +40,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--plan",
         action="store_true",
-        help="first print the memory plan of the run (as hf-paged plan does, for the device it trains on)",
+        help=(
+            "first print the memory plan of the run (as hf-paged plan does): one rank's, on the device it trains on, "
+            "for the launch's processes and the strategy its config or launcher asks for (DDP, FSDP2, ZeRO)"
+        ),
     )
     plan = commands.add_parser(
         "plan",
@@ -129,17 +132,7 @@ def _train(args: argparse.Namespace) -> int:
         check_sources(config)
     planned = None
     if args.plan:
-        from .plan import format_report, report, setup_from_config
-        from .train import training_arguments
-
-        device = training_arguments(config).device.type  # where the Trainer will train (use_cpu, the accelerator)
-        if device in ("cpu", "cuda"):
-            outcome = report(setup_from_config(config), device, _capacity(config, None, device))
-            if is_main_process():
-                print(format_report(outcome), flush=True)
-            planned = outcome.plan
-        elif is_main_process():
-            print(f"hf-paged train --plan: plans are for cpu and cuda, not {device}; training without one", flush=True)
+        planned = _plan_training(config)
     if args.print_config:
         import yaml
 
@@ -153,6 +146,32 @@ def _train(args: argparse.Namespace) -> int:
         print(format_summary(summary), flush=True)
     end_distributed_run()  # a process of a launch ends here, without the interpreter's finalization
     return 0
+
+
+def _plan_training(config: Config) -> Any:
+    """``hf-paged train --plan``: the plan of one rank of this launch (its number of processes, and the strategy its
+    configuration and launcher ask for) on the device the Trainer trains on, printed by rank 0; ``None``, with a line
+    that says why, where there is none."""
+    from .plan import format_report, launch_setup, report, report_apart, setup_from_config
+    from .train import is_main_process, launched_processes, training_device
+
+    device = training_device(config)
+    why = f"plans are for cpu and cuda, not {device}"
+    if device in ("cpu", "cuda"):
+        processes = launched_processes()
+        try:
+            setup = launch_setup(setup_from_config(config), processes, device)
+            plan_of = report if processes == 1 else report_apart
+            outcome = plan_of(setup, device, _capacity(config, None, device))
+        except ConfigError as error:
+            why = str(error)
+        else:
+            if is_main_process():
+                print(format_report(outcome), flush=True)
+            return outcome.plan
+    if is_main_process():
+        print(f"hf-paged train --plan: {why}; training without one", flush=True)
+    return None
 
 
 def _plan(args: argparse.Namespace) -> int:

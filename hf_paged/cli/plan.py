@@ -496,8 +496,7 @@ def launch_setup(
     if setup.config.training.get("deepspeed") is not None:
         zero = deepspeed_config(setup).get("zero_optimization") or {}
         return setup.with_changes(world_size=world_size, strategy=_zero_strategy(zero, "training.deepspeed"))
-    fsdp = training.get("fsdp") or ""
-    options = fsdp.split() if isinstance(fsdp, str) else [str(getattr(option, "value", option)) for option in fsdp]
+    options = str(training.get("fsdp") or "").split()  # TrainingArguments' fsdp: "full_shard offload", say
     if device != "cpu" and (options or _set(environ, "ACCELERATE_USE_FSDP")):
         version = (training.get("fsdp_config") or {}).get("version") if options else environ.get("FSDP_VERSION", "1")
         if str(version or 2) != "2":
@@ -823,6 +822,55 @@ def report(setup: TrainingSetup, device: str = "cuda", capacity: int | None = No
         outcome.alternatives = _replan_alternatives(setup, device, capacity)
     outcome.seconds = time.perf_counter() - started
     return outcome
+
+
+_LAUNCH_PREFIXES = ("ACCELERATE_", "TORCHELASTIC_", "OMPI_COMM_WORLD_", "MV2_COMM_WORLD_", "PMI_", "MPI_LOCALRANKID")
+_LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                     "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
+"""What a launcher (``torchrun``, ``accelerate launch``, MPI) tells its processes: a plan apart sees none of it."""
+
+
+def report_apart(setup: TrainingSetup, device: str, capacity: int | None) -> PlanReport:
+    """:func:`report` in a Python process of its own that sees no launcher, for a process of a launch: its Trainer
+    starts the launch's process group, and a plan of several ranks traces them in a fake one of its own process."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+    import tempfile
+
+    environment = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in _LAUNCH_VARIABLES and not name.startswith(_LAUNCH_PREFIXES)
+    }
+    with tempfile.TemporaryDirectory(prefix="hf-paged-plan-") as folder:
+        request, answer = os.path.join(folder, "request.pickle"), os.path.join(folder, "report.pickle")
+        with open(request, "wb") as file:
+            pickle.dump((setup, device, capacity), file)
+        code = "import sys; from hf_paged.cli.plan import _report_to_file; _report_to_file(*sys.argv[1:])"
+        result = subprocess.run(
+            [sys.executable, "-c", code, request, answer], env=environment, capture_output=True, text=True, check=False
+        )
+        if result.returncode != 0:
+            lines = result.stderr.strip().splitlines()
+            raise ConfigError(f"the plan's own process failed: {lines[-1] if lines else result.returncode}")
+        with open(answer, "rb") as file:
+            return pickle.load(file)
+
+
+def _report_to_file(request: str, answer: str) -> None:
+    """The process of :func:`report_apart`: the report of the pickled request, pickled."""
+    import pickle
+
+    from . import quiet
+
+    quiet.install()
+    with open(request, "rb") as file:
+        setup, device, capacity = pickle.load(file)
+    outcome = report(setup, device, capacity)
+    with open(answer, "wb") as file:
+        pickle.dump(outcome, file)
 
 
 GPU_LIMIT = 64

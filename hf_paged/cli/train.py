@@ -288,6 +288,16 @@ def training_arguments(config: Config) -> Any:
         raise ConfigError(f"training: TrainingArguments rejects these settings: {error}") from None
 
 
+def training_device(config: Config) -> str:
+    """The type of the device the Trainer of ``config`` trains on (``TrainingArguments.device``'s), found without
+    making the arguments (which start a launch's process group): the CPU with ``training.use_cpu`` or without an
+    accelerator, else the accelerator."""
+    if config.training.get("use_cpu") or not _accelerator_available():
+        return "cpu"
+    accelerator = getattr(torch, "accelerator", None)
+    return accelerator.current_accelerator().type if accelerator is not None else "cuda"
+
+
 def _accelerator_available() -> bool:
     accelerator = getattr(torch, "accelerator", None)  # torch 2.6 and later
     return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
