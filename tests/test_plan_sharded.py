@@ -113,6 +113,7 @@ CASES = {
     "ddp-2-qlora-checkpointing": ("ddp", 2, "qlora", ADAMW),
     "ddp-2-qlora-bfloat16-paged": ("ddp", 2, "qlora", [*BFLOAT16, *PAGED_8BIT]),
     "fsdp2-2-qlora-checkpointing": ("fsdp2", 2, "qlora", ADAMW),
+    "fsdp2_offload-2-qlora-checkpointing": ("fsdp2_offload", 2, "qlora", ADAMW),
 }
 DEFAULT_RUN = ("fsdp2-2-full-float32-paged",)
 
