@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -216,6 +217,7 @@ def build_model(setup: TrainingSetup, device: str = "cpu", shapes_only: bool = F
     return add_lora_adapters(model, lora)
 
 
+@functools.cache
 def _shell_quant_state_class() -> type:
     """bitsandbytes' ``QuantState``, but ``as_dict`` (the 4-bit layer's state dict, which accelerate's FSDP2
     preparation takes) writes 0.0 for the nested offset instead of reading the fake offset's value, which it does not
