@@ -395,25 +395,26 @@ class PagedOptimizer(Optimizer):
             for position, param in enumerate(group["params"]):
                 if param.grad is None:
                     continue
-                where = describe_parameter(group_index, position, group.get("param_names"))
                 grad, local = local_tensor(param.grad), local_tensor(param)
                 if param.grad.is_sparse:
+                    where = describe_parameter(group_index, position, group.get("param_names"))
                     raise RuntimeError(
                         f"{where} has a sparse gradient; {type(self).__name__} does not support sparse gradients"
                     )
                 if param.grad.shape != param.shape or grad.shape != local.shape or grad.device != local.device:
+                    where = describe_parameter(group_index, position, group.get("param_names"))
                     raise RuntimeError(
                         f"{where} has a gradient of shape {tuple(param.grad.shape)} on {param.grad.device}, expected "
                         f"shape {tuple(param.shape)} on {param.device}"
                     )
-                if param in self._layout:
-                    pages = self._layout[param]
-                    if local.shape != pages.shape or self._state_device(param) != pages.device:
-                        raise RuntimeError(
-                            f"{where} has shape {tuple(local.shape)} on {self._state_device(param)}, but its state was "
-                            f"laid out for shape {tuple(pages.shape)} on {pages.device}: a tensor with optimizer state "
-                            "cannot change shape or device (save the state dict and load it after the change)"
-                        )
+                pages = self._layout.get(param)
+                if pages is not None and (local.shape != pages.shape or self._state_device(param) != pages.device):
+                    where = describe_parameter(group_index, position, group.get("param_names"))
+                    raise RuntimeError(
+                        f"{where} has shape {tuple(local.shape)} on {self._state_device(param)}, but its state was "
+                        f"laid out for shape {tuple(pages.shape)} on {pages.device}: a tensor with optimizer state "
+                        "cannot change shape or device (save the state dict and load it after the change)"
+                    )
                 work.append((param, grad, group))
         return work
 

@@ -28,8 +28,14 @@ from ..stores import DeviceStores, device_key
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor holding this process's elements: a DTensor's local shard, else the tensor itself."""
+    if type(tensor) in _PLAIN_TENSORS:  # the common case, without a failing attribute lookup
+        return tensor
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) else tensor
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+"""Classes of tensors that are their own local elements (a parameter of a DTensor is of another class)."""
 
 
 def state_device(tensor: torch.Tensor) -> str:
@@ -103,6 +109,10 @@ class StateLayout:
 
     def __getitem__(self, tensor: torch.Tensor) -> TensorPages:
         return self._pages_of[tensor]
+
+    def get(self, tensor: torch.Tensor) -> TensorPages | None:
+        """The pages of ``tensor``, ``None`` where it has none (one lookup)."""
+        return self._pages_of.get(tensor)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter(self._pages_of)
