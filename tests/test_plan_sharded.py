@@ -107,9 +107,14 @@ CASES = {
         [*BFLOAT16, *BF16_TRAINING, *PAGED_8BIT, *NO_CHECKPOINTING, GATHERED],
     ),
     # QLoRA, measured on both ranks: forward and backward 0.999 of the plan; the step 0.990 (DDP), 0.988 (DDP, bfloat16,
-    # paged) and 0.981 (FSDP2, whose step peak is the smallest, 0.66 MB). A run through the Trainer allocates 6-12 KB
+    # paged) and 0.981 (FSDP2, whose step peak is the smallest, 0.66 MB). A run through the Trainer holds 6-12 KB
     # in a step's optimizer phase that the plan leaves out, on one process and with LoRA too (measured: the same bytes
-    # there), which shows most where the step peak is small, as QLoRA's is.
+    # there), which shows most where the step peak is small, as QLoRA's is. They are not allocated there (a dispatch
+    # mode over the window sees only the optimizer's own tensors): the Trainer still holds the step's batch
+    # (batch_samples, 3 x 2 x 128 int64 = 6,144 bytes), and on every step but the last also the next one that
+    # accelerate's DataLoaderShard fetched ahead (6,144 more; in forward and backward too), with about 36 bytes of
+    # scalars (the loss, _tr_loss, the gradient norm, num_items_in_batch). The plan frees each batch after its
+    # backward.
     "ddp-2-qlora-checkpointing": ("ddp", 2, "qlora", ADAMW),
     "ddp-2-qlora-bfloat16-paged": ("ddp", 2, "qlora", [*BFLOAT16, *PAGED_8BIT]),
     "fsdp2-2-qlora-checkpointing": ("fsdp2", 2, "qlora", ADAMW),
