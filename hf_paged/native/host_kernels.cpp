@@ -656,35 +656,29 @@ struct AdamW {
     new_param = Vec::sub(Vec::mul(param, c.decay), Vec::mul(Vec::div(new_moment, denominator), c.step_size));
   }
 
-  // Blocks [first, first + count) of blockwise `states`, whose parameter and gradient elements are
-  // p[0, count size) and g[0, count size), count size <= kMaxBlockSize (see kRunElements).
+  // What each state encodes from: the new moments, and the square roots of the new second moments.
+  static float* encoded(Scratch& scratch, int64_t k) { return k == 0 ? scratch.moments : scratch.roots; }
+
+  // Block `block` of blockwise `states`, whose elements are p[e, e + size) and g[e, e + size): new parameter values
+  // through `writer`, what each state encodes into encoded(scratch, k) + e, each state's largest magnitude.
   template <class Codes, typename P, typename G>
-  static void blocks(P* p, const G* g, const State* states, int64_t first, int64_t count, int64_t size,
-                     const Constants& c, const Rounding& rounding, int64_t index, Scratch& scratch) {
-    const ParamWriter<P> writer(p, rounding, index, scratch.updated);
-    float moment_max[kMaxRunBlocks], second_max[kMaxRunBlocks];
-    for (int64_t b = 0; b < count; ++b) {
-      const typename Codes::SignedDecoder old_moments(states[0], first + b, size);
-      const typename Codes::UnsignedDecoder old_seconds(states[1], first + b, size);
-      AbsMax moments, seconds;
-      for (int64_t i = 0; i < size; i += kWidth) {
-        const int64_t e = b * size + i;
-        F new_param, moment, second, root;
-        step(c, Vec::load(p + e), Vec::load(g + e), old_moments(i), old_seconds(i), new_param, moment, second, root);
-        writer.store(e, new_param);
-        Vec::store(scratch.moments + e, moment);
-        Vec::store(scratch.roots + e, root);  // the encoding takes sqrt(v)
-        moments.add(moment);
-        seconds.add(second);
-      }
-      moment_max[b] = moments.value();
-      second_max[b] = seconds.value();
+  static void step_block(const ParamWriter<P>& writer, const P* p, const G* g, const State* states, int64_t block,
+                         int64_t e, int64_t size, const Constants& c, Scratch& scratch, float* maxima) {
+    const typename Codes::SignedDecoder old_moments(states[0], block, size);
+    const typename Codes::UnsignedDecoder old_seconds(states[1], block, size);
+    AbsMax moments, seconds;
+    for (int64_t i = 0; i < size; i += kWidth) {
+      F new_param, moment, second, root;
+      step(c, Vec::load(p + e + i), Vec::load(g + e + i), old_moments(i), old_seconds(i), new_param, moment, second,
+           root);
+      writer.store(e + i, new_param);
+      Vec::store(scratch.moments + e + i, moment);
+      Vec::store(scratch.roots + e + i, root);
+      moments.add(moment);
+      seconds.add(second);
     }
-    writer.finish(count * size);
-    for (int64_t b = 0; b < count; ++b) {
-      Codes::encode_signed(states[0], first + b, size, scratch.moments + b * size, moment_max[b]);
-      Codes::encode_unsigned_roots(states[1], first + b, size, scratch.roots + b * size, second_max[b]);
-    }
+    maxima[0] = moments.value();
+    maxima[1] = seconds.value();
   }
 
   // A block of rank-1 normalized 4-bit states whose codes are packed[0] and packed[1]: Codes4's maps with each
@@ -768,28 +762,22 @@ struct Lion {
     new_moment = Vec::zero_nan(c.average(moment, gradient));
   }
 
+  static float* encoded(Scratch& scratch, int64_t) { return scratch.moments; }
+
+  // See AdamW::step_block.
   template <class Codes, typename P, typename G>
-  static void blocks(P* p, const G* g, const State* states, int64_t first, int64_t count, int64_t size,
-                     const Constants& c, const Rounding& rounding, int64_t index, Scratch& scratch) {
-    const ParamWriter<P> writer(p, rounding, index, scratch.updated);
-    float moment_max[kMaxRunBlocks];
-    for (int64_t b = 0; b < count; ++b) {
-      const typename Codes::SignedDecoder old_moments(states[0], first + b, size);
-      AbsMax moments;
-      for (int64_t i = 0; i < size; i += kWidth) {
-        const int64_t e = b * size + i;
-        F new_param, moment;
-        step(c, Vec::load(p + e), Vec::load(g + e), old_moments(i), new_param, moment);
-        writer.store(e, new_param);
-        Vec::store(scratch.moments + e, moment);
-        moments.add(moment);
-      }
-      moment_max[b] = moments.value();
+  static void step_block(const ParamWriter<P>& writer, const P* p, const G* g, const State* states, int64_t block,
+                         int64_t e, int64_t size, const Constants& c, Scratch& scratch, float* maxima) {
+    const typename Codes::SignedDecoder old_moments(states[0], block, size);
+    AbsMax moments;
+    for (int64_t i = 0; i < size; i += kWidth) {
+      F new_param, moment;
+      step(c, Vec::load(p + e + i), Vec::load(g + e + i), old_moments(i), new_param, moment);
+      writer.store(e + i, new_param);
+      Vec::store(scratch.moments + e + i, moment);
+      moments.add(moment);
     }
-    writer.finish(count * size);
-    for (int64_t b = 0; b < count; ++b) {
-      Codes::encode_signed(states[0], first + b, size, scratch.moments + b * size, moment_max[b]);
-    }
+    maxima[0] = moments.value();
   }
 
   template <typename P, typename G>
@@ -845,39 +833,34 @@ struct AdEMAMix {
     new_param = Vec::add(param, Vec::mul(Vec::fma(param, c.weight_decay, update), c.neg_lr));
   }
 
+  // What each state encodes from: the new fast and slow averages, the square roots of the new second moments.
+  static float* encoded(Scratch& scratch, int64_t k) {
+    return k == 0 ? scratch.moments : (k == 1 ? scratch.slow : scratch.roots);
+  }
+
+  // See AdamW::step_block.
   template <class Codes, typename P, typename G>
-  static void blocks(P* p, const G* g, const State* states, int64_t first, int64_t count, int64_t size,
-                     const Constants& c, const Rounding& rounding, int64_t index, Scratch& scratch) {
-    const ParamWriter<P> writer(p, rounding, index, scratch.updated);
-    float fast_max[kMaxRunBlocks], slow_max[kMaxRunBlocks], second_max[kMaxRunBlocks];
-    for (int64_t b = 0; b < count; ++b) {
-      const typename Codes::SignedDecoder old_fast(states[0], first + b, size);
-      const typename Codes::SignedDecoder old_slow(states[1], first + b, size);
-      const typename Codes::UnsignedDecoder old_seconds(states[2], first + b, size);
-      AbsMax fasts, slows, seconds;
-      for (int64_t i = 0; i < size; i += kWidth) {
-        const int64_t e = b * size + i;
-        F new_param, fast, slow, second, root;
-        step(c, Vec::load(p + e), Vec::load(g + e), old_fast(i), old_slow(i), old_seconds(i), new_param, fast, slow,
-             second, root);
-        writer.store(e, new_param);
-        Vec::store(scratch.moments + e, fast);
-        Vec::store(scratch.slow + e, slow);
-        Vec::store(scratch.roots + e, root);  // the encoding takes sqrt(v)
-        fasts.add(fast);
-        slows.add(slow);
-        seconds.add(second);
-      }
-      fast_max[b] = fasts.value();
-      slow_max[b] = slows.value();
-      second_max[b] = seconds.value();
+  static void step_block(const ParamWriter<P>& writer, const P* p, const G* g, const State* states, int64_t block,
+                         int64_t e, int64_t size, const Constants& c, Scratch& scratch, float* maxima) {
+    const typename Codes::SignedDecoder old_fast(states[0], block, size);
+    const typename Codes::SignedDecoder old_slow(states[1], block, size);
+    const typename Codes::UnsignedDecoder old_seconds(states[2], block, size);
+    AbsMax fasts, slows, seconds;
+    for (int64_t i = 0; i < size; i += kWidth) {
+      F new_param, fast, slow, second, root;
+      step(c, Vec::load(p + e + i), Vec::load(g + e + i), old_fast(i), old_slow(i), old_seconds(i), new_param, fast,
+           slow, second, root);
+      writer.store(e + i, new_param);
+      Vec::store(scratch.moments + e + i, fast);
+      Vec::store(scratch.slow + e + i, slow);
+      Vec::store(scratch.roots + e + i, root);
+      fasts.add(fast);
+      slows.add(slow);
+      seconds.add(second);
     }
-    writer.finish(count * size);
-    for (int64_t b = 0; b < count; ++b) {
-      Codes::encode_signed(states[0], first + b, size, scratch.moments + b * size, fast_max[b]);
-      Codes::encode_signed(states[1], first + b, size, scratch.slow + b * size, slow_max[b]);
-      Codes::encode_unsigned_roots(states[2], first + b, size, scratch.roots + b * size, second_max[b]);
-    }
+    maxima[0] = fasts.value();
+    maxima[1] = slows.value();
+    maxima[2] = seconds.value();
   }
 
   template <typename P, typename G>
@@ -895,6 +878,30 @@ struct AdEMAMix {
 
 int64_t grain_blocks(int64_t block_size) { return std::max<int64_t>(1, 32768 / block_size); }
 
+// Blocks [first, first + count) of blockwise `states`, whose parameter and gradient elements are p[0, count size) and
+// g[0, count size), count size <= kMaxBlockSize (see kRunElements): every block steps, then every block's states are
+// encoded from what it left in the scratch buffers (the square roots of non-negative states).
+template <class Rule, class Codes, typename P, typename G>
+void update_blocks(P* p, const G* g, const State* states, int64_t first, int64_t count, int64_t size,
+                   const typename Rule::Constants& c, const Rounding& rounding, int64_t index, Scratch& scratch) {
+  const ParamWriter<P> writer(p, rounding, index, scratch.updated);
+  float maxima[kMaxRunBlocks][Rule::kStates];
+  for (int64_t b = 0; b < count; ++b) {
+    Rule::template step_block<Codes>(writer, p, g, states, first + b, b * size, size, c, scratch, maxima[b]);
+  }
+  writer.finish(count * size);
+  for (int64_t b = 0; b < count; ++b) {
+    for (int64_t k = 0; k < Rule::kStates; ++k) {
+      const float* values = Rule::encoded(scratch, k) + b * size;
+      if (Rule::kSigned[k]) {
+        Codes::encode_signed(states[k], first + b, size, values, maxima[b][k]);
+      } else {
+        Codes::encode_unsigned_roots(states[k], first + b, size, values, maxima[b][k]);
+      }
+    }
+  }
+}
+
 // The rule on every block of a segment of whole blocks (the per-segment operators); `start` is the index in its
 // parameter of the segment's first element.
 template <class Rule, class Codes, typename P, typename G>
@@ -905,9 +912,8 @@ void segment_blocks(P* param, const G* grad, const State* states, int64_t blocks
     const typename Rule::Constants constants(scalars);
     for (int64_t block = begin; block < end; block += run_blocks(size)) {
       const int64_t first = block * size;
-      Rule::template blocks<Codes>(param + first, grad + first, states, block,
-                                   std::min(run_blocks(size), end - block), size, constants, rounding, start + first,
-                                   scratch);
+      update_blocks<Rule, Codes>(param + first, grad + first, states, block, std::min(run_blocks(size), end - block),
+                                 size, constants, rounding, start + first, scratch);
     }
   });
 }
@@ -940,14 +946,14 @@ void batch_blocks(P* p, const G* g, const State* states, int64_t first_block, in
   const int64_t whole = std::min(last, length / size);  // blocks [first, whole) are whole
   for (int64_t j = first; j < whole; j += run_blocks(size)) {
     const int64_t e = j * size;
-    Rule::template blocks<Codes>(p + e, g + e, states, first_block + j, std::min(run_blocks(size), whole - j), size,
-                                 constants, rounding, index + e, scratch);
+    update_blocks<Rule, Codes>(p + e, g + e, states, first_block + j, std::min(run_blocks(size), whole - j), size,
+                               constants, rounding, index + e, scratch);
   }
   for (int64_t j = std::max(first, whole); j < last; ++j) {
     const int64_t e = j * size;
     on_padded_block(p + e, g + e, length - e, size, [&](P* block_p, const G* block_g) {
-      Rule::template blocks<Codes>(block_p, block_g, states, first_block + j, 1, size, constants, rounding, index + e,
-                                   scratch);
+      update_blocks<Rule, Codes>(block_p, block_g, states, first_block + j, 1, size, constants, rounding, index + e,
+                                 scratch);
     });
   }
 }
