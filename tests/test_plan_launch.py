@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+import hf_paged.cli
 import hf_paged.cli.train
 from hf_paged.cli.config import ConfigError, load_config
 from hf_paged.cli.plan import launch_setup, setup_from_config
@@ -117,3 +118,15 @@ def test_the_training_device_is_found_without_starting_the_launchs_process_group
     assert training_device(load_config(None, ["training.use_cpu=true"])) == "cpu"
     monkeypatch.setattr(hf_paged.cli.train, "_accelerator_available", lambda: False)
     assert training_device(load_config(None, [])) == "cpu"
+
+
+def test_a_launch_the_planner_does_not_model_trains_without_a_plan(monkeypatch, capsys) -> None:
+    """``train --plan`` of a launch whose strategy is not modelled says so in one line and trains without a plan."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert hf_paged.cli._plan_training(load_config(None, [_zero(1)])) is None
+    out = capsys.readouterr().out
+    assert (
+        out == "hf-paged train --plan: training.deepspeed: ZeRO stage 1 is not planned (stage 2, with or without "
+        "optimizer offload, and stage 3, with no offload, the optimizer's or both, are); training without one\n"
+    ), out

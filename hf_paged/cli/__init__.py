@@ -158,14 +158,14 @@ def _plan_training(config: Config) -> Any:
     device = training_device(config)
     why = f"plans are for cpu and cuda, not {device}"
     if device in ("cpu", "cuda"):
-        processes = launched_processes()
+        processes, setup = launched_processes(), setup_from_config(config)
         try:
-            setup = launch_setup(setup_from_config(config), processes, device)
-            plan_of = report if processes == 1 else report_apart
-            outcome = plan_of(setup, device, _capacity(config, None, device))
-        except ConfigError as error:
+            setup = launch_setup(setup, processes, device)
+        except ConfigError as error:  # a strategy the planner does not model
             why = str(error)
         else:
+            plan_of = report if processes == 1 else report_apart
+            outcome = plan_of(setup, device, _capacity(config, None, device))
             if is_main_process():
                 print(format_report(outcome), flush=True)
             return outcome.plan
