@@ -130,3 +130,11 @@ def test_a_launch_the_planner_does_not_model_trains_without_a_plan(monkeypatch, 
         out == "hf-paged train --plan: training.deepspeed: ZeRO stage 1 is not planned (stage 2, with or without "
         "optimizer offload, and stage 3, with no offload, the optimizer's or both, are); training without one\n"
     ), out
+
+
+def test_accelerates_variables_are_read_as_accelerate_reads_them() -> None:
+    """accelerate turns FSDP on only for ``ACCELERATE_USE_FSDP=true`` (any case), and reads the offload flag as a truth
+    value (``1``, ``yes``, ``on``...)."""
+    assert launch_setup(_setup(), 2, "cuda", {"ACCELERATE_USE_FSDP": "1", "FSDP_VERSION": "2"}).strategy == "ddp"
+    environ = {"ACCELERATE_USE_FSDP": "True", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "1"}
+    assert launch_setup(_setup(), 2, "cuda", environ).strategy == "fsdp2_offload"

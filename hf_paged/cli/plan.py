@@ -446,8 +446,9 @@ _ZERO_KEYS = {
 """``zero_optimization`` keys of a DeepSpeed config and the :class:`~hf_paged.zero_model.ZeroSettings` field of each."""
 
 
-def _set(environ: Mapping[str, str], name: str) -> bool:
-    return environ.get(name, "").strip().lower() in ("1", "true", "yes")
+def _accelerate_uses(environ: Mapping[str, str], engine: str) -> bool:
+    """Whether accelerate's variables turn ``engine`` (``DEEPSPEED``, ``FSDP``) on, read as accelerate reads them."""
+    return environ.get(f"ACCELERATE_USE_{engine}", "false").lower() == "true"
 
 
 def _zero_strategy(zero: Mapping[str, Any], source: str) -> str:
@@ -484,7 +485,7 @@ def launch_setup(
     if world_size == 1:
         return setup
     training = setup.config.training
-    if training.get("deepspeed") is None and _set(environ, "ACCELERATE_USE_DEEPSPEED"):
+    if training.get("deepspeed") is None and _accelerate_uses(environ, "DEEPSPEED"):
         path = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
         if path:
             setup = setup.with_changes(training={"deepspeed": path})
@@ -499,11 +500,16 @@ def launch_setup(
         zero = deepspeed_config(setup).get("zero_optimization") or {}
         return setup.with_changes(world_size=world_size, strategy=_zero_strategy(zero, "training.deepspeed"))
     options = str(training.get("fsdp") or "").split()  # TrainingArguments' fsdp: "full_shard offload", say
-    if device != "cpu" and (options or _set(environ, "ACCELERATE_USE_FSDP")):
+    if device != "cpu" and (options or _accelerate_uses(environ, "FSDP")):
         version = (training.get("fsdp_config") or {}).get("version") if options else environ.get("FSDP_VERSION", "1")
         if str(version or 2) != "2":
             raise ConfigError(f"FSDP version {version} is not planned (FSDP2 is: fsdp_version 2)")
-        offload = "offload" in options if options else _set(environ, "FSDP_OFFLOAD_PARAMS")
+        if options:
+            offload = "offload" in options
+        else:
+            from accelerate.utils import str_to_bool  # as accelerate's FSDP plugin reads the variable
+
+            offload = str_to_bool(environ.get("FSDP_OFFLOAD_PARAMS", "false")) == 1
         return setup.with_changes(world_size=world_size, strategy="fsdp2_offload" if offload else "fsdp2")
     return setup.with_changes(world_size=world_size, strategy="ddp")
 
