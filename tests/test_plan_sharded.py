@@ -21,6 +21,7 @@ in-process tests of DDP and FSDP2; the other launches are marked slow.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -467,11 +468,16 @@ class _Peak:
         return self.peak_bytes <= capacity
 
 
-@pytest.mark.parametrize(("capacity", "expected"), [(100, 1), (60, 2), (47, 3), (40, 4), (33, 7), (30, 8), (29, None)])
-def test_the_search_finds_the_fewest_count_with_few_plans(capacity: int, expected: int | None) -> None:
-    """Counts double until one fits, then the gap is bisected: a rank holding 20 bytes plus 80 shared out fits
-    ``capacity`` from the count ``expected`` on, found with at most twice log2 of the count plans; none fits past the
-    limit (8), whose plan says by how much."""
+@pytest.mark.parametrize(
+    ("capacity", "expected", "plans"),
+    [(100, 1, 1), (60, 2, 2), (47, 3, 4), (40, 4, 4), (33, 7, 5), (30, 8, 5), (29, None, 4)],
+)
+def test_the_search_finds_the_fewest_count_with_few_plans(capacity: int, expected: int | None, plans: int) -> None:
+    """A rank holding 20 bytes plus 80 shared out fits ``capacity`` from the count ``expected`` on. Counts 1, 2 and
+    4 are planned as the plain search plans them; then the line ``a + b/n`` through 2 and 4 predicts the count, and
+    the count below confirms it (7 and 6), or the limit (8) is planned at once where the line says none fits; the
+    plain search (doubling, then bisection) takes 6 plans for 7 and 8. None fits past the limit, whose plan says by
+    how much."""
     from hf_paged.cli.plan import _fewest
 
     tried: list[int] = []
@@ -483,7 +489,107 @@ def test_the_search_finds_the_fewest_count_with_few_plans(capacity: int, expecte
     found, planned = _fewest(plan_at, capacity, 8)
     assert found == expected, tried
     assert planned.peak_bytes == 20 + -(-80 // (8 if expected is None else expected))
-    assert len(tried) == len(set(tried)) <= 6, tried
+    assert len(tried) == len(set(tried)) == plans, tried
+
+
+def _doubling_then_bisection(plan_at, capacity: int, limit: int):
+    """The search before predictions (``_fewest`` until issue 39's 70B table): counts double until one fits, then
+    the gap is bisected; the reference for the answers."""
+    failing, count = 0, 1
+    while True:
+        planned = plan_at(count)
+        if planned.fits(capacity):
+            break
+        if count >= limit:
+            return None, planned
+        failing, count = count, min(2 * count, limit)
+    fitting, fitting_plan = count, planned
+    while fitting - failing > 1:
+        middle = (failing + fitting) // 2
+        planned = plan_at(middle)
+        if planned.fits(capacity):
+            fitting, fitting_plan = middle, planned
+        else:
+            failing = middle
+    return fitting, fitting_plan
+
+
+def _searched(search, peak, capacity: int, limit: int) -> tuple[int | None, int, list[int]]:
+    tried: list[int] = []
+
+    def plan_at(count: int) -> _Peak:
+        tried.append(count)
+        return _Peak(peak(count))
+
+    found, planned = search(plan_at, capacity, limit)
+    return found, planned.peak_bytes, tried
+
+
+def _sharded(whole: int, shared: int, one: int | None = None):
+    """``whole + shared/n`` bytes rounded up, and ``one`` at one GPU (planned without a strategy) where given."""
+    return lambda count: one if count == 1 and one is not None else whole + -(-shared // count)
+
+
+GIB = 2**30
+LINES = {
+    "20 + 80/n": _sharded(20, 80),
+    "1000 + 1e6/n": _sharded(1000, 10**6),
+    # the 70B shape's full fine-tune under FSDP2: about 8 GiB whole and 380 GiB shared, one GPU unsharded
+    "70B fsdp2": _sharded(8 * GIB + 12345, 380 * GIB + 678, one=402 * GIB),
+    "70B fsdp2, one GPU low": _sharded(8 * GIB, 380 * GIB, one=300 * GIB),
+}
+OTHER_SHAPES = {
+    "flat": lambda count: 500,
+    "steps of 1": lambda count: 1000 - 100 * count,
+    "steps of 3": lambda count: 1000 - 100 * (count // 3),
+    "steps of 7": lambda count: 1000 - 100 * (count // 7),
+    "floor 1000/n": lambda count: 1000 // count,
+    "7/n rounded up": _sharded(0, 7),  # rounding moves the line
+    "1/sqrt(n)": lambda count: 100 + int(1000 / count**0.5),
+    "log2(n)": lambda count: 1000 - int(200 * math.log2(count)),
+    "a plateau, then a + b/n": lambda count: 900 if count < 6 else 100 + 4000 // count,
+}
+
+
+def _capacities(peak, limit: int) -> list[int]:
+    """Every capacity that changes an answer: each count's peak, a byte below and a byte above it."""
+    return sorted({peak(count) + step for count in range(1, limit + 1) for step in (-1, 0, 1)})
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3, 8, 13, 64])
+@pytest.mark.parametrize("shape", list(LINES) + list(OTHER_SHAPES))
+def test_the_search_gives_the_answers_of_doubling_and_bisection(shape: str, limit: int) -> None:
+    """For every capacity that changes the answer, on peaks of the form ``a + b/n`` and on others that only
+    shrink with the count (steps, plateaus, ``1/sqrt(n)``, ``log2(n)``): the same count and plan as the plain search
+    (:func:`_doubling_then_bisection`), no count planned twice, and, on the others, at most twice its plans plus 2
+    (each prediction that is off costs at most a count and its confirmation before the plain search's next)."""
+    from hf_paged.cli.plan import _fewest
+
+    peak = {**LINES, **OTHER_SHAPES}[shape]
+    for capacity in _capacities(peak, limit):
+        found, planned, tried = _searched(_fewest, peak, capacity, limit)
+        plain_found, plain_planned, plain_tried = _searched(_doubling_then_bisection, peak, capacity, limit)
+        assert (found, planned) == (plain_found, plain_planned), (capacity, tried, plain_tried)
+        assert len(tried) == len(set(tried)) <= 2 * len(plain_tried) + 2, (capacity, tried, plain_tried)
+
+
+@pytest.mark.parametrize("shape", list(LINES))
+def test_where_the_peak_is_a_plus_b_over_n_the_search_takes_at_most_five_plans(shape: str) -> None:
+    """Where a rank's peak is ``a + b/n`` (one GPU may be off the line), any answer up to 64 GPUs, or none, takes at
+    most five plans (1, 2, 4, the predicted count and the count below it), where doubling and bisection take up to
+    12; seven where the capacity is a count's peak to the byte, as rounding can put the line's prediction one count
+    high there (the plain search's step, then a prediction between the counts known, settle it)."""
+    from hf_paged.cli.plan import _fewest
+
+    peak, limit = LINES[shape], 64
+    peaks = {peak(count) for count in range(1, limit + 1)}
+    total = plain_total = 0
+    for capacity in _capacities(peak, limit):
+        found, _, tried = _searched(_fewest, peak, capacity, limit)
+        _, _, plain_tried = _searched(_doubling_then_bisection, peak, capacity, limit)
+        assert len(tried) <= (7 if capacity in peaks else 5), (capacity, found, tried)
+        total, plain_total = total + len(tried), plain_total + len(plain_tried)
+    assert total < plain_total * 3 / 4, (total, plain_total)
 
 
 @pytest.mark.slow  # three plans of the embedded QLoRA run: about 35 s of CPU

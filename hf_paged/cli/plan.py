@@ -17,6 +17,7 @@ import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -911,25 +912,63 @@ class GpuCount:
 
 def _fewest(plan_at: Callable[[int], MemoryPlan], capacity: int, limit: int) -> tuple[int | None, MemoryPlan]:
     """The fewest ``n`` in 1..``limit`` whose ``plan_at(n)`` fits ``capacity``, and its plan (``None`` and the plan at
-    ``limit`` when none does): counts double until one fits, then the gap is bisected, since a rank's peak does not
-    grow with the count."""
-    failing, count = 0, 1
-    while True:
-        planned = plan_at(count)
-        if planned.fits(capacity):
-            break
-        if count >= limit:
-            return None, planned
-        failing, count = count, min(2 * count, limit)
-    fitting, fitting_plan = count, planned
-    while fitting - failing > 1:
-        middle = (failing + fitting) // 2
-        planned = plan_at(middle)
-        if planned.fits(capacity):
-            fitting, fitting_plan = middle, planned
+    ``limit`` when none does), where what fits at a count fits at every larger one (a rank's peak does not grow with
+    the count).
+
+    A rank's peak is close to ``a + b/n``: what every rank holds whole, and its share of what is sharded. Once two
+    counts from 2 up are planned (one GPU is often planned without a strategy, off that line), the search predicts
+    where the line through the two nearest the answer meets ``capacity`` (:func:`_predicted`) and plans that count;
+    one that fits is confirmed by planning the count below it. Where no prediction can be made, or the last one was
+    off (its count did not fit, or the count below fitted too), the next count is the plain search's: counts double
+    until one fits, then the gap is bisected. Every count planned lies strictly between the largest count known not
+    to fit and the smallest known to fit, so the answer is the one the plain search gives. Where the peak is
+    ``a + b/n`` it takes at most five plans (1, 2, 4, the predicted count and the one below it; seven where rounding
+    puts the prediction one count off), where the plain search takes up to twice log2 of the count."""
+    plans: dict[int, MemoryPlan] = {}
+    failing, fitting = 0, None  # the largest count planned that does not fit, the smallest that does
+    confirming, trusted = False, True
+    while fitting is None or fitting - failing > 1:
+        if fitting is None and failing == limit:
+            return None, plans[limit]
+        if confirming:
+            guess = fitting - 1
         else:
-            failing = middle
-    return fitting, fitting_plan
+            guess = _predicted(plans, capacity, failing, fitting) if trusted else None
+        guessed = guess is not None
+        if guessed:  # between the counts known, beyond ``limit`` at ``limit``
+            count = min(max(guess, failing + 1), limit if fitting is None else fitting - 1)
+        elif fitting is None:
+            count = min(2 * failing or 1, limit)
+        else:
+            count = (failing + fitting) // 2
+        plans[count] = plan_at(count)
+        fits = plans[count].fits(capacity)
+        if fits:
+            fitting = count
+        else:
+            failing = count
+        # a predicted count that fits is confirmed next; one that does not, or a confirmation that fits, was off
+        trusted = not guessed or (fits and not confirming)
+        confirming = guessed and fits and not confirming
+    return fitting, plans[fitting]
+
+
+def _predicted(plans: dict[int, MemoryPlan], capacity: int, failing: int, fitting: int | None) -> int | float | None:
+    """The smallest count from which the line ``a + b/n`` through two planned peaks is at most ``capacity``: through
+    the largest count that does not fit and the smallest that does, or, before one fits, the two largest that do not
+    (``math.inf`` where the line never comes down to ``capacity``). ``None`` without two such counts from 2 up."""
+    if fitting is not None and failing >= 2:
+        counts = [failing, fitting]
+    else:
+        counts = sorted(count for count in plans if 2 <= count <= failing)[-2:]
+        if len(counts) < 2:
+            return None
+    (n1, p1), (n2, p2) = ((count, plans[count].peak_bytes) for count in counts)  # n1 < n2
+    b = Fraction(p1 - p2) / (Fraction(1, n1) - Fraction(1, n2))
+    a = p1 - b / n1
+    if b <= 0 or capacity <= a:
+        return math.inf  # the line does not come down to capacity as the count grows
+    return math.ceil(b / (capacity - a))
 
 
 def fewest_gpus(
