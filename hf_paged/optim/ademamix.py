@@ -35,7 +35,7 @@ import torch
 
 from ..kernels.rules import ademamix_scalars, ademamix_update_
 from ..stochastic_rounding import check_stochastic_rounding, rounding_defaults
-from .base import DEFAULT_PAGE_SIZE, PagedOptimizer, check_eps, check_lr, check_weight_decay
+from .base import DEFAULT_PAGE_SIZE, PagedOptimizer, check_eps, check_lr, check_weight_decay, real_number
 
 
 def check_ademamix_betas(betas: Any, scheduled: bool) -> None:
@@ -43,16 +43,18 @@ def check_ademamix_betas(betas: Any, scheduled: bool) -> None:
     (``scheduled``), ``beta1`` and ``beta3`` must be above 0 (it takes their logarithms)."""
     sequence = isinstance(betas, (tuple, list))
     for i, beta in enumerate(betas if sequence else ()):
-        if not isinstance(beta, (int, float)) or isinstance(beta, bool) or not 0.0 <= beta < 1.0:
+        value = real_number(beta)
+        if value is None or not 0.0 <= value < 1.0:
             raise ValueError(f"betas[{i}] must be in [0, 1), got {beta!r}")
     if not sequence or len(betas) != 3:
         raise ValueError(f"betas must be a triple (beta1, beta2, beta3), got {betas!r}")
-    if scheduled and (betas[0] == 0 or betas[2] == 0):
+    if scheduled and (real_number(betas[0]) == 0 or real_number(betas[2]) == 0):
         raise ValueError(f"with t_beta3, beta1 and beta3 must be in (0, 1), got betas={tuple(betas)!r}")
 
 
 def check_alpha(alpha: Any) -> None:
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha < 0:
+    value = real_number(alpha)
+    if value is None or not math.isfinite(value) or value < 0:
         raise ValueError(f"alpha must be a finite number >= 0, got {alpha!r}")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import numbers
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -76,12 +77,22 @@ _LAYOUT_KEYS = ("block_size", "min_8bit_size", "min_4bit_size", "normalization",
 """Group entries that fix the state layout: saved with the state, never taken from a loaded state dict."""
 
 
+def real_number(value: Any) -> float | None:
+    """``value`` as a float where ``torch.optim.AdamW`` takes it as a number: a Python or NumPy real (not a bool), or
+    a one-element tensor of a real dtype (a learning-rate scheduler may write either); else ``None``."""
+    if isinstance(value, torch.Tensor):
+        real = value.numel() == 1 and not value.dtype.is_complex and value.dtype != torch.bool
+        return float(value) if real else None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
 def check_lr(lr: Any) -> None:
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        lr = lr.item()
-    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr < 0:
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    value = real_number(lr)
+    if value is None or not math.isfinite(value) or value < 0:
         raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
 
 
@@ -89,23 +100,21 @@ def check_betas(betas: Any) -> None:
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
     for i, beta in enumerate(betas):
-        if not isinstance(beta, (int, float)) or isinstance(beta, bool) or not 0.0 <= beta < 1.0:
+        value = real_number(beta)
+        if value is None or not 0.0 <= value < 1.0:
             raise ValueError(f"betas[{i}] must be in [0, 1), got {beta!r}")
 
 
 def check_eps(eps: Any) -> None:
     """What ``torch.optim.AdamW`` accepts: a number >= 0 (0 and infinity included)."""
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
+    value = real_number(eps)
+    if value is None or not value >= 0:
         raise ValueError(f"eps must be a number >= 0, got {eps!r}")
 
 
 def check_weight_decay(weight_decay: Any) -> None:
-    if (
-        not isinstance(weight_decay, (int, float))
-        or isinstance(weight_decay, bool)
-        or not math.isfinite(weight_decay)
-        or weight_decay < 0
-    ):
+    value = real_number(weight_decay)
+    if value is None or not math.isfinite(value) or value < 0:
         raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
 
 

@@ -651,12 +651,20 @@ def _to_device(backend: HostToDevice, host: torch.Tensor) -> torch.Tensor:
     return backend.to_device(pinned)
 
 
+_NUMBERS = ("lr", "eps", "weight_decay", "alpha")
+"""The numeric hyperparameters of a group that a step reads (with each of ``betas``)."""
+
+
 def _read_once(group: dict[str, Any]) -> dict[str, Any]:
-    """``group`` as one step reads it: a tensor ``lr`` (as schedulers keep it for capturable optimizers) read here,
-    once per step, as a float. Reading a device tensor waits for the device; each page reading it would stall the
-    host and stop page copies from overlapping the updates."""
-    lr = group["lr"]
-    return {**group, "lr": float(lr)} if isinstance(lr, torch.Tensor) else group
+    """``group`` as one step reads it: its numbers as Python floats, read here once per step. A tensor ``lr`` (as
+    schedulers keep it for capturable optimizers) is read once: reading a device tensor waits for the device, and each
+    page reading it would stall the host and stop page copies from overlapping the updates. A NumPy number (a
+    scheduler computed in NumPy) would carry its own precision into the rule's scalars."""
+    read = {key: float(group[key]) for key in _NUMBERS if key in group and type(group[key]) is not float}
+    betas = group.get("betas")
+    if betas is not None and any(type(beta) is not float for beta in betas):
+        read["betas"] = tuple(float(beta) for beta in betas)
+    return {**group, **read} if read else group
 
 
 def _rounding_keys(plan: StepPlan, groups: list[dict[str, Any]], steps: list[float]) -> dict[int, tuple[int, int]]:
