@@ -272,6 +272,7 @@ class PagedOptimizer(Optimizer):
         try:
             check_update_rule_options(param_group, type(self).__name__)
             check_state_format(param_group, self.state_bits, type(self).__name__)
+            self._check_layout_keys(param_group)
             self.check_group({**self.defaults, **param_group})
         except ValueError as error:
             raise ValueError(f"param group {len(self.param_groups)}: {error}") from None
@@ -282,6 +283,23 @@ class PagedOptimizer(Optimizer):
         self._stepped_params[id(added)] = (added, list(added["params"]), len(self.param_groups) - 1)
         for device in sorted(new_devices):
             self._store.store_for(device)  # an automatic budget measures from now
+
+    def _check_layout_keys(self, group: dict[str, Any]) -> None:
+        """Raise ValueError where ``group`` sets a quantized state's ``block_size`` or ``normalization`` other than
+        the optimizer's (they fix the one page format of all its quantized state), or a smallest quantized tensor
+        (``min_8bit_size``, ``min_4bit_size``: a group's own) that is not an integer >= 0. An fp32 optimizer has
+        no such state and ignores them (a group copied from a quantized optimizer's carries them)."""
+        if self.state_bits == 32:
+            return
+        for key, value in (("block_size", self.defaults["block_size"]), ("normalization", self.normalization)):
+            if key in group and group[key] != value:
+                raise ValueError(
+                    f"{key}={group[key]!r} differs from the optimizer's {key}={value!r}: one page format holds all "
+                    f"its {self.state_bits}-bit state; give {key} to the optimizer, or use another optimizer"
+                )
+        min_size = f"min_{self.state_bits}bit_size"
+        if min_size in group:
+            _check_int(min_size, group[min_size], 0)
 
     def _state_device(self, param: torch.Tensor) -> str:
         """The device that holds the state of ``param``: its own (tests give parameters pseudo devices)."""
