@@ -11,14 +11,13 @@ the call, for an input of 4,194,304 bytes).
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as multiprocessing
+from torch import multiprocessing
 
 import device_memory
 

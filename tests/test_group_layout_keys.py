@@ -49,7 +49,9 @@ def test_a_group_cannot_set_another_layout(build, group: dict, message: str) -> 
 
 def test_a_groups_own_smallest_quantized_tensor_is_kept_and_resumes() -> None:
     small, large = _params((40,), (64, 64))
-    optimizer = hf_paged.PagedAdamW8bit([{"params": [small], "min_8bit_size": 0, "block_size": 256}, {"params": [large]}])
+    optimizer = hf_paged.PagedAdamW8bit(
+        [{"params": [small], "min_8bit_size": 0, "block_size": 256}, {"params": [large]}]
+    )
     _step(optimizer)
     saved = optimizer.state_dict()
     assert "exp_avg_codes" in saved["state"][0] and "exp_avg_codes" in saved["state"][1]

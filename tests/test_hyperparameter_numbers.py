@@ -15,13 +15,24 @@ import hf_paged
 
 SHAPES = [(64, 64), (300,)]
 OPTIMIZERS = {
-    "PagedAdamW": dict(lr=np.float32(1e-3), betas=(np.float32(0.9), torch.tensor(0.999)), eps=np.float64(1e-8)),
-    "PagedAdamW8bit": dict(lr=np.float32(1e-3), betas=(torch.tensor(0.9), np.float32(0.999)), weight_decay=np.float32(0.1)),
-    "PagedAdamW4bit": dict(lr=torch.tensor(1e-3), betas=(np.float32(0.9), 0.999), eps=np.float32(1e-8)),
-    "PagedLion8bit": dict(lr=np.float32(1e-4), betas=(np.float32(0.9), np.float32(0.99)), weight_decay=np.float16(0.01)),
-    "PagedAdEMAMix8bit": dict(
-        lr=np.float32(1e-3), betas=(np.float32(0.9), 0.999, torch.tensor(0.9999)), alpha=np.float32(5.0), t_alpha=3
-    ),
+    "PagedAdamW": {"lr": np.float32(1e-3), "betas": (np.float32(0.9), torch.tensor(0.999)), "eps": np.float64(1e-8)},
+    "PagedAdamW8bit": {
+        "lr": np.float32(1e-3),
+        "betas": (torch.tensor(0.9), np.float32(0.999)),
+        "weight_decay": np.float32(0.1),
+    },
+    "PagedAdamW4bit": {"lr": torch.tensor(1e-3), "betas": (np.float32(0.9), 0.999), "eps": np.float32(1e-8)},
+    "PagedLion8bit": {
+        "lr": np.float32(1e-4),
+        "betas": (np.float32(0.9), np.float32(0.99)),
+        "weight_decay": np.float16(0.01),
+    },
+    "PagedAdEMAMix8bit": {
+        "lr": np.float32(1e-3),
+        "betas": (np.float32(0.9), 0.999, torch.tensor(0.9999)),
+        "alpha": np.float32(5.0),
+        "t_alpha": 3,
+    },
 }
 
 
@@ -49,7 +60,9 @@ def _as_floats(options: dict) -> dict:
 def test_numpy_and_tensor_numbers_step_as_their_floats(name: str) -> None:
     build = getattr(hf_paged, name)
     numbers, floats = _params(), _params()
-    given = build(numbers, min_8bit_size=0, **OPTIMIZERS[name]) if "8bit" in name else build(numbers, **OPTIMIZERS[name])
+    given = (
+        build(numbers, min_8bit_size=0, **OPTIMIZERS[name]) if "8bit" in name else build(numbers, **OPTIMIZERS[name])
+    )
     as_floats = _as_floats(OPTIMIZERS[name])
     reference = build(floats, min_8bit_size=0, **as_floats) if "8bit" in name else build(floats, **as_floats)
     _train(given, numbers, 3)
@@ -85,15 +98,15 @@ def test_a_numpy_schedule_leaves_checkpoints_copies_and_pickles_that_resume_bitw
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (dict(lr=np.float32(-1e-3)), "lr must be a finite number >= 0"),
-        (dict(lr=torch.tensor([1e-3, 1e-3])), "Tensor lr must be 1-element"),
-        (dict(lr=torch.tensor(1e-3, dtype=torch.complex64)), "lr must be a finite number >= 0"),
-        (dict(betas=(torch.tensor([0.9, 0.9]), 0.999)), r"betas\[0\] must be in \[0, 1\)"),
-        (dict(betas=(0.9, np.float32(1.0))), r"betas\[1\] must be in \[0, 1\)"),
-        (dict(betas=(True, 0.999)), r"betas\[0\] must be in \[0, 1\)"),
-        (dict(eps=np.float32(-1.0)), "eps must be a number >= 0"),
-        (dict(weight_decay=np.float64("nan")), "weight_decay must be a finite number >= 0"),
-        (dict(weight_decay="0.01"), "weight_decay must be a finite number >= 0"),
+        ({"lr": np.float32(-1e-3)}, "lr must be a finite number >= 0"),
+        ({"lr": torch.tensor([1e-3, 1e-3])}, "Tensor lr must be 1-element"),
+        ({"lr": torch.tensor(1e-3, dtype=torch.complex64)}, "lr must be a finite number >= 0"),
+        ({"betas": (torch.tensor([0.9, 0.9]), 0.999)}, r"betas\[0\] must be in \[0, 1\)"),
+        ({"betas": (0.9, np.float32(1.0))}, r"betas\[1\] must be in \[0, 1\)"),
+        ({"betas": (True, 0.999)}, r"betas\[0\] must be in \[0, 1\)"),
+        ({"eps": np.float32(-1.0)}, "eps must be a number >= 0"),
+        ({"weight_decay": np.float64("nan")}, "weight_decay must be a finite number >= 0"),
+        ({"weight_decay": "0.01"}, "weight_decay must be a finite number >= 0"),
     ],
 )
 def test_bad_numbers_are_still_refused(options: dict, message: str) -> None:

@@ -199,3 +199,39 @@ def test_state_saved_in_one_format_loads_into_another():
         torch.equal(a, b)
         for a, b in zip(back.state_dict()["state"][0].values(), quantized.state_dict()["state"][0].values())
     )
+
+
+@pytest.mark.parametrize(
+    ("params", "modules", "error", "message"),
+    [
+        ("set", "embedding", TypeError, "a set has no fixed order"),
+        ("group of a set", "embedding", TypeError, r"param group 0: params must be an ordered collection"),
+        ("tensor", "embedding", TypeError, "params must be an ordered iterable"),
+        (
+            "group and tensor",
+            "embedding",
+            TypeError,
+            r"params mixes param groups \(entry 0\) and parameters \(entry 1\)",
+        ),
+        ("list", None, TypeError, "fp32_state_modules must be an iterable of torch.nn.Module .*, got NoneType"),
+        ("list", "parameter", TypeError, "fp32_state_modules must be an iterable of torch.nn.Module .*, got Parameter"),
+    ],
+)
+def test_keep_fp32_state_refuses_what_an_optimizer_refuses(params, modules, error, message):
+    """Sets of parameters have no fixed order (torch.optim refuses them: a resumed state could follow another
+    tensor of the same shape); the splitting refused them too late, after making lists of them."""
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8))
+    weights = list(model.parameters())
+    given = {
+        "set": set(weights),
+        "group of a set": [{"params": set(weights)}],
+        "tensor": weights[0],
+        "group and tensor": [{"params": weights[:1]}, weights[1]],
+        "list": weights,
+    }[params]
+    chosen = {"embedding": [model[0]], "parameter": [weights[0]], None: None}[modules]
+    with pytest.raises(error, match=message):
+        hf_paged.PagedAdamW8bit(given, fp32_state_modules=chosen)
+    if modules is not None:
+        with pytest.raises(error, match=message.replace("fp32_state_modules", "modules")):
+            keep_fp32_state(given, chosen)

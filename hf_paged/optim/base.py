@@ -41,7 +41,7 @@ from .state_dict import (
     sharded_entry,
     write_state_values,
 )
-from .state_format import FP32, STATE_FORMAT, check_state_format, keep_fp32_state
+from .state_format import FP32, STATE_FORMAT, check_modules, check_state_format, keep_fp32_state
 
 DEFAULT_PAGE_SIZE = 4 * 2**20
 """Default page size in bytes (see ``benchmarks/optimizer_step.py``)."""
@@ -239,7 +239,7 @@ class PagedOptimizer(Optimizer):
         self._budget = DeviceBudget.parse(device_budget, "device_budget", self.page_size)
         self._auto_budgets: dict[str, AutoBudget] = {}
         self.check_group(defaults)
-        fp32_state_modules = list(fp32_state_modules)
+        fp32_state_modules = check_modules(fp32_state_modules, "fp32_state_modules")
         if fp32_state_modules:
             params = keep_fp32_state(params, fp32_state_modules)
         super().__init__(params, defaults)

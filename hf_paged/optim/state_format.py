@@ -40,6 +40,20 @@ def check_state_format(group: dict[str, Any], state_bits: int, optimizer_name: s
         )
 
 
+def check_modules(modules: Any, name: str) -> list[torch.nn.Module]:
+    """``modules`` as a list, or TypeError naming ``name`` where it is not an iterable of ``torch.nn.Module``."""
+    if not isinstance(modules, Iterable) or isinstance(modules, torch.Tensor):
+        found = type(modules).__name__
+    else:
+        modules = list(modules)
+        found = next((type(module).__name__ for module in modules if not isinstance(module, torch.nn.Module)), None)
+    if found is not None:
+        raise TypeError(
+            f"{name} must be an iterable of torch.nn.Module (whose parameters keep fp32 state), got {found}"
+        )
+    return modules
+
+
 def keep_fp32_state(
     params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]],
     modules: Iterable[torch.nn.Module],
@@ -54,13 +68,26 @@ def keep_fp32_state(
     >>> groups = keep_fp32_state(model.named_parameters(), [model.embed_tokens])
     >>> optimizer = PagedAdamW8bit(groups, lr=2e-4)
     """
-    chosen = {id(param) for module in modules for param in module.parameters()}
+    chosen = {id(param) for module in check_modules(modules, "modules") for param in module.parameters()}
+    if isinstance(params, (torch.Tensor, set)):
+        raise TypeError(
+            "params must be an ordered iterable of tensors, (name, tensor) pairs or param groups (a set has no fixed "
+            f"order), got {type(params).__name__}"
+        )
     entries = list(params)
-    groups = entries if entries and isinstance(entries[0], dict) else [{"params": entries}]
+    dicts = [isinstance(entry, dict) for entry in entries]
+    if any(dicts) and not all(dicts):
+        raise TypeError(
+            f"params mixes param groups (entry {dicts.index(True)}) and parameters (entry {dicts.index(False)}); give "
+            "all as param groups (dicts) or none"
+        )
+    groups = entries if any(dicts) else [{"params": entries}]
     split = []
-    for group in groups:
-        members = group["params"]
-        members = [members] if isinstance(members, torch.Tensor) else list(members)
+    for index, group in enumerate(groups):
+        members = group.get("params")
+        if isinstance(members, set):
+            raise TypeError(f"param group {index}: params must be an ordered collection (a set has no fixed order)")
+        members = [members] if isinstance(members, torch.Tensor) else list(members or ())
         names = group.get("param_names")
         moved = [id(member[1] if isinstance(member, tuple) else member) in chosen for member in members]
         for keeps_fp32 in (False, True):
