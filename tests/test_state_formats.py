@@ -235,3 +235,55 @@ def test_keep_fp32_state_refuses_what_an_optimizer_refuses(params, modules, erro
     if modules is not None:
         with pytest.raises(error, match=message.replace("fp32_state_modules", "modules")):
             keep_fp32_state(given, chosen)
+
+
+@pytest.mark.parametrize("how", ["appended", "added"])
+def test_a_tensor_moved_into_an_fp32_group_takes_its_format(how):
+    """A tensor moved with its 8-bit state into a group that keeps fp32 state gets fp32 state at its next step, its
+    values decoded as a state dict loaded into the new grouping decodes them; it kept its 8-bit pages before, so that a
+    resumed run (laid out by its groups) stepped otherwise than the uninterrupted one."""
+    generator = torch.Generator().manual_seed(0)
+    moving, staying = (torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in ((64, 64), (40, 40)))
+    gradients = [[torch.randn(p.shape, generator=generator) for p in (moving, staying)] for _ in range(6)]
+
+    def run(optimizer, params, steps):
+        for step_gradients in steps:
+            for param, gradient in zip(params, step_gradients):
+                param.grad = gradient.clone()
+            optimizer.step()
+
+    optimizer = hf_paged.PagedAdamW8bit(
+        [{"params": [moving]}, {"params": [staying], "state_format": "fp32"}], lr=1e-2, min_8bit_size=100
+    )
+    run(optimizer, (moving, staying), gradients[:2])
+    before = {name: optimizer.get_state_tensor(moving, name) for name in optimizer.state_names}
+    saved_before = optimizer.state_dict()
+    if how == "appended":
+        optimizer.param_groups[1]["params"].append(optimizer.param_groups[0]["params"].pop(0))
+    else:
+        optimizer.param_groups[0]["params"].clear()
+        optimizer.add_param_group({"params": [moving], "state_format": "fp32"})
+    copies = [torch.nn.Parameter(param.detach().clone()) for param in (moving, staying)]
+    regrouped = hf_paged.PagedAdamW8bit(
+        [{"params": []}, {"params": [copies[0], copies[1]], "state_format": "fp32"}], lr=1e-2, min_8bit_size=100
+    )
+    regrouped.load_state_dict({**saved_before, "param_groups": regrouped.state_dict()["param_groups"]})
+    run(optimizer, (moving, staying), gradients[2:4])
+    run(regrouped, copies, gradients[2:4])
+    assert optimizer._layout[moving].kind == "32bit"
+    saved = optimizer.state_dict()
+    assert "exp_avg" in saved["state"][1] and not any(
+        "codes" in key for entry in saved["state"].values() for key in entry
+    )
+    assert all(torch.equal(mine, theirs) for mine, theirs in zip((moving, staying), copies))
+    resumed_params = [torch.nn.Parameter(param.detach().clone()) for param in (moving, staying)]
+    groups = [{"params": []}, {"params": [resumed_params[1], resumed_params[0]], "state_format": "fp32"}]
+    if how == "added":
+        groups = [{"params": []}, {"params": [resumed_params[1]], "state_format": "fp32"}]
+        groups.append({"params": [resumed_params[0]], "state_format": "fp32"})
+    resumed = hf_paged.PagedAdamW8bit(groups, lr=1e-2, min_8bit_size=100)
+    resumed.load_state_dict(saved)
+    run(optimizer, (moving, staying), gradients[4:])
+    run(resumed, resumed_params, gradients[4:])
+    assert all(torch.equal(mine, theirs) for mine, theirs in zip((moving, staying), resumed_params))
+    assert before["exp_avg"].abs().sum() > 0

@@ -564,6 +564,7 @@ class PagedOptimizer(Optimizer):
             self._place(new)
         params, grads, groups = (list(column) for column in zip(*work))
         if self._plan is None or not self._plan.holds_for(params, groups):
+            self._follow_group_formats(zip(params, groups))
             self._plan = StepPlan(self._layout, params, groups, self._step_parts())
         budgets = {device: store.device_budget for device, store in self._store.stores.items()}
         if self._auto_budgets:
@@ -588,6 +589,21 @@ class PagedOptimizer(Optimizer):
         self._record_stepped()
         self._free_dropped_tensors()
         return loss
+
+    def _follow_group_formats(self, params: Iterable[tuple[torch.Tensor, dict[str, Any]]]) -> None:
+        """Give each tensor whose state is in another format than its group's (a tensor moved with its state into a
+        group that names another ``state_format``, or sets another smallest quantized tensor) pages of its group's
+        format, its state values carried over as a state dict loaded into that group carries them."""
+        moved = [
+            (param, group) for param, group in params if self._layout[param].kind != self._state_format(param, group)
+        ]
+        for param, group in moved:
+            values = {name: self.get_state_tensor(param, name) for name in self.state_names}
+            self._plan = None
+            self._layout.free([self._layout.detach(param)])
+            self._place([(param, group)])
+            for name, value in values.items():
+                self.set_state_tensor(param, name, value)
 
     def _step_parts(self) -> StepParts:
         """What a step plan takes from this optimizer (see :class:`~hf_paged.optim.plan.StepParts`)."""
