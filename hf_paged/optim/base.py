@@ -343,7 +343,8 @@ class PagedOptimizer(Optimizer):
 
     def _place(self, params: Sequence[tuple[torch.Tensor, dict[str, Any]]]) -> None:
         """Lay out pages for the state of ``(param, group)`` pairs, the parameters of each group packed together
-        (a page mixes groups only once a tensor moves to another group: it keeps its pages)."""
+        (a page mixes groups only once a tensor moves to another group of its state's format: it keeps its pages;
+        :meth:`_follow_group_formats` gives one moved into another format new pages)."""
         by_group: dict[int, list[tuple[torch.Tensor, str]]] = defaultdict(list)
         for param, group in params:
             by_group[id(group)].append((param, self._state_format(param, group)))
