@@ -27,8 +27,37 @@ from ..codecs import Float32Codec
 from ..kernels.rules import adamw_moments_, adamw_scalars, adamw_update_, adamw_update_multi_
 from ..stochastic_rounding import check_stochastic_rounding, rounding_defaults
 from ..store import Page
+from ._params import check_update_rule_options
 from .base import DEFAULT_PAGE_SIZE, PagedOptimizer, check_betas, check_eps, check_lr, check_weight_decay
 from .executor import StateViews, WorkItem
+
+
+def check_torch_options(
+    name: str,
+    amsgrad: Any,
+    maximize: Any,
+    foreach: Any,
+    capturable: Any,
+    differentiable: Any,
+    fused: Any,
+) -> None:
+    """Raise for ``torch.optim.AdamW``'s arguments that a paged AdamW does not have: ``amsgrad`` and ``maximize``
+    (another update rule), ``capturable`` (a CUDA graph of the step) and ``differentiable`` (a step autograd follows)
+    must be off; ``foreach`` and ``fused`` choose among torch's implementations and may be anything it takes."""
+    check_update_rule_options({"amsgrad": amsgrad, "maximize": maximize}, name)
+    if capturable is not False:
+        raise ValueError(
+            f"capturable={capturable!r} is not supported: {name}'s step moves pages between host and device, which "
+            "a CUDA graph cannot capture (allowed: capturable=False)"
+        )
+    if differentiable is not False:
+        raise ValueError(
+            f"differentiable={differentiable!r} is not supported: {name}'s step is not followed by autograd "
+            "(allowed: differentiable=False)"
+        )
+    for option, value in (("foreach", foreach), ("fused", fused)):
+        if value not in (None, True, False) or isinstance(value, int) and not isinstance(value, bool):
+            raise TypeError(f"{option} must be None, True or False, got {value!r}")
 
 
 class _PagedAdamWBase(PagedOptimizer):
@@ -117,6 +146,8 @@ class PagedAdamW(_PagedAdamWBase):
         betas: :math:`(\\beta_1, \\beta_2)`, each in [0, 1).
         eps: :math:`\\epsilon` >= 0, added to the denominator.
         weight_decay: decoupled weight decay :math:`\\lambda` >= 0.
+        amsgrad, maximize, foreach, capturable, differentiable, fused: ``torch.optim.AdamW``'s, so that a call written
+            for it runs: ``foreach`` and ``fused`` (which of its implementations) are ignored, the others must be off.
         page_size, device_budget, prefetch, compiled: paging settings, see :class:`PagedOptimizer`.
         bf16_stochastic_round: round bf16 parameters' updated values to bf16 stochastically instead of to nearest,
             so that updates below half a bf16 spacing are kept in expectation (no effect on other dtypes).
@@ -130,7 +161,13 @@ class PagedAdamW(_PagedAdamWBase):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         page_size: int | str = DEFAULT_PAGE_SIZE,
         device_budget: int | str | None = None,
         prefetch: int = 2,
@@ -138,6 +175,7 @@ class PagedAdamW(_PagedAdamWBase):
         bf16_stochastic_round: bool = False,
         stochastic_round_seed: int = 0,
     ) -> None:
+        check_torch_options(type(self).__name__, amsgrad, maximize, foreach, capturable, differentiable, fused)
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         defaults.update(rounding_defaults(bf16_stochastic_round, stochastic_round_seed))
         super().__init__(
@@ -151,7 +189,8 @@ class PagedAdamW8bit(_PagedAdamWBase):
     Tensors with fewer than ``min_8bit_size`` elements keep fp32 moments.
 
     Args:
-        params, lr, betas, eps, weight_decay: as :class:`PagedAdamW`.
+        params, lr, betas, eps, weight_decay, amsgrad, maximize, foreach, capturable, differentiable, fused: as
+            :class:`PagedAdamW`.
         block_size: elements per quantization block (one fp32 scale each).
         min_8bit_size: tensors with fewer elements keep fp32 state.
         page_size, device_budget, prefetch, compiled: paging settings, see :class:`PagedOptimizer`.
@@ -169,7 +208,13 @@ class PagedAdamW8bit(_PagedAdamWBase):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         block_size: int = 256,
         min_8bit_size: int = 4096,
         page_size: int | str = DEFAULT_PAGE_SIZE,
@@ -180,6 +225,7 @@ class PagedAdamW8bit(_PagedAdamWBase):
         stochastic_round_seed: int = 0,
         fp32_state_modules: Iterable[torch.nn.Module] = (),
     ) -> None:
+        check_torch_options(type(self).__name__, amsgrad, maximize, foreach, capturable, differentiable, fused)
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         defaults.update(rounding_defaults(bf16_stochastic_round, stochastic_round_seed))
         super().__init__(
@@ -206,7 +252,8 @@ class PagedAdamW4bit(_PagedAdamWBase):
     than ``min_4bit_size`` elements keep fp32 moments.
 
     Args:
-        params, lr, betas, eps, weight_decay: as :class:`PagedAdamW`.
+        params, lr, betas, eps, weight_decay, amsgrad, maximize, foreach, capturable, differentiable, fused: as
+            :class:`PagedAdamW`.
         block_size: elements per quantization block (one fp32 scale each), a power of two from 16 to 4096.
         min_4bit_size: tensors with fewer elements keep fp32 state.
         normalization: ``"block"`` (one scale per block) or ``"rank1"`` (rank-1 statistics for 2-D tensors whose
@@ -226,7 +273,13 @@ class PagedAdamW4bit(_PagedAdamWBase):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         block_size: int = 128,
         min_4bit_size: int = 4096,
         normalization: str = "block",
@@ -238,6 +291,7 @@ class PagedAdamW4bit(_PagedAdamWBase):
         stochastic_round_seed: int = 0,
         fp32_state_modules: Iterable[torch.nn.Module] = (),
     ) -> None:
+        check_torch_options(type(self).__name__, amsgrad, maximize, foreach, capturable, differentiable, fused)
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         defaults.update(rounding_defaults(bf16_stochastic_round, stochastic_round_seed))
         super().__init__(
