@@ -31,6 +31,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -159,6 +160,37 @@ class _HostApartBackend(device_module.SyncBackend):
             return super().empty_host(specs)
 
 
+GLOO_COPY_WAIT_SECONDS = 2.0
+"""How long a collective waits, at most, for gloo's worker to free the copy it made (see :func:`free_gloo_copies`)."""
+
+
+def free_gloo_copies() -> None:
+    """FSDP2's reduce-scatters and all-gathers return once gloo's worker thread has freed what it made for them.
+
+    Gloo's reduce-scatter copies its input on its worker thread and frees the copy when the collective's work ends,
+    sometimes after FSDP2 has gone on to gather the next layer (``tests/test_gloo_copies.py``; README.md, Planning
+    memory): a rank's forward and backward then measures one layer's gradients more, on any rank and step from run to
+    run. NCCL writes into its output and keeps no such copy, and the plan has none: waiting here until the live bytes
+    are back to those before the call measures what the plan models, the same in every run."""
+
+    def waiting(collective):
+        def call(*args, **kwargs):
+            if kwargs.get("async_op", False):
+                return collective(*args, **kwargs)
+            before = device_memory.live()
+            result = collective(*args, **kwargs)
+            deadline = time.monotonic() + GLOO_COPY_WAIT_SECONDS
+            while device_memory.live() > before and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            return result
+
+        return call
+
+    for name in ("reduce_scatter_single", "all_gather_single"):  # FSDP2's, with async_op=False
+        if hasattr(dist, name):
+            setattr(dist, name, waiting(getattr(dist, name)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", choices=("ddp", "fsdp2", "fsdp2_offload", *ZERO_CONFIGS), required=True)
@@ -216,6 +248,8 @@ def main() -> None:
     phases = PhasePeaks()
     result_file = os.path.join(args.output, f"rank{dist.get_rank()}.json")
     device_memory.install(args.cap)
+    if args.strategy.startswith("fsdp2"):
+        free_gloo_copies()
     try:
         model = build_model(setup)
         trainer = Trainer(
