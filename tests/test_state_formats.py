@@ -213,6 +213,7 @@ def test_state_saved_in_one_format_loads_into_another():
             TypeError,
             r"params mixes param groups \(entry 0\) and parameters \(entry 1\)",
         ),
+        ("group without params", "embedding", ValueError, "param group 0 has no 'params'"),
         ("list", None, TypeError, "fp32_state_modules must be an iterable of torch.nn.Module .*, got NoneType"),
         ("list", "parameter", TypeError, "fp32_state_modules must be an iterable of torch.nn.Module .*, got Parameter"),
     ],
@@ -227,6 +228,7 @@ def test_keep_fp32_state_refuses_what_an_optimizer_refuses(params, modules, erro
         "group of a set": [{"params": set(weights)}],
         "tensor": weights[0],
         "group and tensor": [{"params": weights[:1]}, weights[1]],
+        "group without params": [{"lr": 1e-3}],
         "list": weights,
     }[params]
     chosen = {"embedding": [model[0]], "parameter": [weights[0]], None: None}[modules]

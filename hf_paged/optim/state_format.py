@@ -84,10 +84,12 @@ def keep_fp32_state(
     groups = entries if any(dicts) else [{"params": entries}]
     split = []
     for index, group in enumerate(groups):
-        members = group.get("params")
+        if "params" not in group:
+            raise ValueError(f"param group {index} has no 'params'")
+        members = group["params"]
         if isinstance(members, set):
             raise TypeError(f"param group {index}: params must be an ordered collection (a set has no fixed order)")
-        members = [members] if isinstance(members, torch.Tensor) else list(members or ())
+        members = [members] if isinstance(members, torch.Tensor) else list(members)
         names = group.get("param_names")
         moved = [id(member[1] if isinstance(member, tuple) else member) in chosen for member in members]
         for keeps_fp32 in (False, True):
