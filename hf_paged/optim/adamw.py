@@ -56,7 +56,7 @@ def check_torch_options(
             "(allowed: differentiable=False)"
         )
     for option, value in (("foreach", foreach), ("fused", fused)):
-        if value not in (None, True, False) or isinstance(value, int) and not isinstance(value, bool):
+        if value is not None and not isinstance(value, bool):
             raise TypeError(f"{option} must be None, True or False, got {value!r}")
 
 
