@@ -248,6 +248,34 @@ def test_a_seed_gives_the_same_run(tmp_path):
     assert all(weights[0][key].equal(weights[1][key]) for key in weights[0])
 
 
+def test_resume_from_checkpoint_continues_the_saved_run(tmp_path, capsys):
+    """``training.resume_from_checkpoint`` reaches ``Trainer.train``: resumed from step 2 of a 4-step run, under
+    another seed (which a run from scratch would initialise its adapters from; the data's order has its own seed), the
+    run ends with the uninterrupted run's adapter and losses bitwise."""
+    from safetensors.torch import load_file
+
+    from hf_paged.cli.train import run
+
+    def train(name: str, *overrides: str) -> dict:
+        fixed = ["training.max_steps=4", "training.logging_steps=1", "training.data_seed=42", "memory.enabled=false"]
+        fast = [item for item in FAST if item != "--set"]
+        return run(load_config(overrides=[*fixed, *fast, f"training.output_dir={tmp_path / name}", *overrides]))
+
+    whole = train("whole", "training.save_strategy=steps", "training.save_steps=2")
+    checkpoint = tmp_path / "whole" / "checkpoint-2"
+    resumed = train("resumed", "training.seed=7", f"training.resume_from_checkpoint={checkpoint}")
+    expected, got = load_file(whole["adapter_path"]), load_file(resumed["adapter_path"])
+    assert expected.keys() == got.keys() and all(expected[key].equal(got[key]) for key in expected)
+    assert resumed["steps"] == 4 and _losses(tmp_path / "resumed") == _losses(tmp_path / "whole")
+    assert f"resuming from {checkpoint}" in capsys.readouterr().out
+
+
+def test_resume_from_a_folder_that_is_no_checkpoint_is_a_config_error(tmp_path, capsys):
+    for path, found in ((tmp_path / "missing", "no such folder"), (tmp_path, "a folder without trainer_state.json")):
+        assert main(["train", "--set", f"training.resume_from_checkpoint={path}", "--output-dir", str(tmp_path)]) == 2
+        assert f"training.resume_from_checkpoint: {str(path)!r} is {found}" in capsys.readouterr().err
+
+
 def test_adamw_4bit_from_a_config(tmp_path):
     from hf_paged.cli.train import run
 

@@ -298,6 +298,21 @@ def training_device(config: Config) -> str:
     return accelerator.current_accelerator().type if accelerator is not None else "cuda"
 
 
+def resume_checkpoint(path: str | None) -> str | None:
+    """``training.resume_from_checkpoint``, the checkpoint folder (``checkpoint-N``, written by a run with
+    ``save_strategy`` steps or epoch) that ``Trainer.train`` resumes from, checked before anything loads: transformers
+    leaves this field to the script, and ``hf-paged train`` is that script."""
+    if path is None:
+        return None
+    folder = Path(path)
+    if not (folder / "trainer_state.json").is_file():
+        found = "a folder without trainer_state.json" if folder.is_dir() else "no such folder"
+        raise ConfigError(
+            f"training.resume_from_checkpoint: {path!r} is {found}; give a checkpoint-N folder that a run saved"
+        )
+    return str(folder)
+
+
 def _accelerator_available() -> bool:
     accelerator = getattr(torch, "accelerator", None)  # torch 2.6 and later
     return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
@@ -358,6 +373,7 @@ def run(config: Config | None = None, plan: MemoryPlan | None = None) -> dict[st
     from transformers import DataCollatorForSeq2Seq, Trainer, set_seed
 
     args = training_arguments(config)
+    checkpoint = resume_checkpoint(args.resume_from_checkpoint)
     set_seed(args.seed)  # before the adapters are initialised, so that a seed gives the same run
     if not is_main_process():
         from datasets import disable_progress_bars
@@ -389,7 +405,9 @@ def run(config: Config | None = None, plan: MemoryPlan | None = None) -> dict[st
         processing_class=tokenizer,
         callbacks=callbacks or None,
     )
-    result = trainer.train()
+    if checkpoint is not None:
+        _progress(f"resuming from {checkpoint}")
+    result = trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_model()
     trainer.save_state()
     if trainer.is_world_process_zero():
