@@ -2,7 +2,7 @@
 
 The script needs no change: the names are registered before it builds its ``HfArgumentParser``, so
 ``--optim hf_paged_adamw_8bit`` works. Under ``accelerate launch -m hf_paged.run SCRIPT.py ARGS...`` every
-process does the same, and once the script returns, a process group it left open is ended (all ranks meet, then
+process does the same, and once the script returns (or exits with status 0), a process group it left open is ended (all ranks meet, then
 the group is destroyed, as PyTorch asks of a program before it exits) and the process ends without the
 interpreter's finalization, in which gloo's threads can abort it (see :mod:`hf_paged.process_exit`).
 ``HF_PAGED_REPLACE_BITSANDBYTES=1`` also routes bitsandbytes' paged names to ours.
@@ -29,7 +29,11 @@ def main(argv: list[str] | None = None) -> None:
     register()
     sys.argv = [script, *argv[1:]]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit_request:  # sys.exit(main()), as example scripts end
+        if exit_request.code not in (None, 0):
+            raise
     end_distributed_run()
 
 

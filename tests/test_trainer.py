@@ -296,16 +296,19 @@ def test_runner_replaces_bitsandbytes_names_only_when_asked(tmp_path):
     assert json.loads(default.stdout.strip().splitlines()[-1])["optimizer"] != "PagedAdamW8bit"
 
 
-def test_runner_ends_the_process_group_a_script_leaves_open(tmp_path):
+@pytest.mark.parametrize(
+    "ending", ["", "import sys\nsys.exit(0)\n", "import sys\nsys.exit()\n"], ids=["returns", "exit-0", "exit"]
+)
+def test_runner_ends_the_process_group_a_script_leaves_open(tmp_path, ending):
     """As PyTorch asks of a program before it exits (the ranks meet first, so none tears down a live peer); then the
     runner ends the process after its exit handlers, without the interpreter's finalization (hf_paged/process_exit.py),
-    with status 0."""
+    with status 0: whether the script returns or ends with ``sys.exit(main())`` as example scripts do."""
     script = tmp_path / "leaves_a_group.py"
     script.write_text(
         "import atexit\n"
         "import torch.distributed as dist\n"
         "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
-        "atexit.register(lambda: print('initialized at exit:', dist.is_initialized(), flush=True))\n"
+        "atexit.register(lambda: print('initialized at exit:', dist.is_initialized(), flush=True))\n" + ending
     )
     code = (
         "import sys\n"
@@ -317,6 +320,16 @@ def test_runner_ends_the_process_group_a_script_leaves_open(tmp_path):
                             env={**os.environ, "PYTHONPATH": REPO}, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["initialized at exit: False"]
+
+
+def test_runner_keeps_a_failing_scripts_exit_status(tmp_path):
+    """A script that exits with an error status is not taken for one that finished: the runner does not wait for the
+    other ranks (which may never arrive), and the status reaches the launcher."""
+    script = tmp_path / "fails.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    result = subprocess.run([sys.executable, "-m", "hf_paged.run", str(script)], check=False, capture_output=True,
+                            text=True, env={**os.environ, "PYTHONPATH": REPO, "WORLD_SIZE": "2"}, timeout=120)
+    assert result.returncode == 3, result.stderr
 
 
 def test_runner_without_a_script_explains_usage():
