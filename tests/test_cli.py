@@ -46,21 +46,50 @@ def _losses(output_dir: Path) -> list[float]:
 # The default run, once for the module -----------------------------------------------------------------
 
 
+NETWORK_GUARD = """
+import sys, traceback
+
+def _record(event, args):
+    if event in ("socket.connect", "socket.getaddrinfo", "socket.gethostbyname"):
+        with open({path!r}, "a") as attempts:
+            stack = [f"{{frame.filename}}:{{frame.lineno}}" for frame in traceback.extract_stack()]
+            attempts.write(f"{{event}} {{args[:2]}} from {{' <- '.join(reversed(stack[-12:-1]))}}\\n")
+
+sys.addaudithook(_record)
+"""
+"""A ``sitecustomize`` that records every attempt of the process to reach the network, in a file."""
+
+
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
-    """``hf-paged train`` with no config, as a subprocess, offline."""
+    """``hf-paged train`` with no config, as a subprocess, as a user runs it: the Hub's offline variables unset, and
+    every attempt to reach the network recorded (``network_attempts.txt`` in the output's parent)."""
     tmp_path = tmp_path_factory.mktemp("default-run")
     output_dir = tmp_path / "out"
+    guard = tmp_path / "guard"
+    guard.mkdir()
+    (guard / "sitecustomize.py").write_text(NETWORK_GUARD.format(path=str(tmp_path / "network_attempts.txt")))
+    environment = {key: value for key, value in _env(tmp_path).items() if key not in OFFLINE}
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(guard), environment.get("PYTHONPATH")]))
     completed = subprocess.run(
         ["hf-paged", "train", "--output-dir", str(output_dir)],
         check=False,
         cwd=tmp_path,
-        env=_env(tmp_path),
+        env=environment,
         capture_output=True,
         text=True,
         timeout=540,
     )
     return completed, output_dir
+
+
+def test_default_run_reaches_no_network(default_run):
+    """The default run needs nothing from the network and asks nothing of it: not bitsandbytes' kernel lookup on
+    the Hub when it is imported, not datasets' count of a load."""
+    completed, output_dir = default_run
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    attempts = output_dir.parent / "network_attempts.txt"
+    assert not attempts.exists(), attempts.read_text()
 
 
 def test_default_run_succeeds_and_the_loss_falls(default_run):

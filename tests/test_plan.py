@@ -278,8 +278,10 @@ def test_train_prints_the_plan_first(capsys: pytest.CaptureFixture[str]) -> None
     assert output.index("verdict: fits in 1.0 GiB") < output.index("model:\n  name: tiny")
 
 
-def test_cli_rejects_bad_device_memory(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--device-memory", "lots"]) == 2
+@pytest.mark.parametrize("size", ["lots", "0", "0GiB"])
+def test_cli_rejects_bad_device_memory(capsys: pytest.CaptureFixture[str], size: str) -> None:
+    """A size that is no size, or none, is an argument error (exit status 2), not a plan that does not fit (1)."""
+    assert main(["plan", "--device-memory", size]) == 2
     assert "--device-memory" in capsys.readouterr().err
 
 

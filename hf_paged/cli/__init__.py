@@ -10,6 +10,7 @@ prints the versions, devices and optimizer names. Importing ``hf_paged`` does no
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -106,6 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(report())
             return 0
+        from .sources import import_bitsandbytes_offline
+
+        import_bitsandbytes_offline()
         if args.command == "plan":
             return _plan(args)
         return _train(args)
@@ -122,7 +126,7 @@ def _train(args: argparse.Namespace) -> int:
     summary, and each process ends once it has trained (see :func:`~hf_paged.process_exit.end_distributed_run`)."""
     from ..process_exit import end_distributed_run
     from .config import load_config, to_dict, update
-    from .sources import check_sources
+    from .sources import check_sources, hub_offline, is_local
     from .train import is_main_process
 
     config = load_config(args.config, args.overrides)
@@ -130,18 +134,17 @@ def _train(args: argparse.Namespace) -> int:
         update(config, {"training": {"output_dir": args.output_dir}}, source="--output-dir")
     if args.plan or not args.print_config:
         check_sources(config)
-    planned = None
-    if args.plan:
-        planned = _plan_training(config)
-    if args.print_config:
-        import yaml
+    with hub_offline() if is_local(config) else contextlib.nullcontext():
+        planned = _plan_training(config) if args.plan else None
+        if args.print_config:
+            import yaml
 
-        if is_main_process():
-            print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
-        return 0
-    from .train import format_summary, run
+            if is_main_process():
+                print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+            return 0
+        from .train import format_summary, run
 
-    summary = run(config, plan=planned)
+        summary = run(config, plan=planned)
     if is_main_process():
         print(format_summary(summary), flush=True)
     end_distributed_run()  # a process of a launch ends here, without the interpreter's finalization
@@ -178,7 +181,7 @@ def _plan(args: argparse.Namespace) -> int:
     from ..sizes import parse_size
     from .config import load_config
     from .plan import format_report, report, setup_from_config
-    from .sources import check_sources
+    from .sources import check_sources, hub_offline, is_local
 
     capacity = None
     if args.device_memory is not None:
@@ -186,14 +189,17 @@ def _plan(args: argparse.Namespace) -> int:
             capacity = parse_size(args.device_memory, "--device-memory")
         except (TypeError, ValueError) as error:
             raise ConfigError(str(error)) from None
+        if capacity < 1:
+            raise ConfigError(f"--device-memory must be at least 1 byte, got {args.device_memory!r}")
     config = load_config(args.config, args.overrides)
     check_sources(config)
     setup = setup_from_config(config, args.method)
     capacity = _capacity(config, capacity, args.device)
-    if args.fewest_gpus:
-        return _fewest_gpus(args, setup, capacity)
-    setup = setup.with_changes(world_size=args.gpus, strategy=args.strategy)
-    outcome = report(setup, args.device, capacity)
+    with hub_offline() if is_local(config) else contextlib.nullcontext():
+        if args.fewest_gpus:
+            return _fewest_gpus(args, setup, capacity)
+        setup = setup.with_changes(world_size=args.gpus, strategy=args.strategy)
+        outcome = report(setup, args.device, capacity)
     print(format_report(outcome), flush=True)
     return 1 if outcome.fits is False else 0
 

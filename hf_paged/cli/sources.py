@@ -2,11 +2,16 @@
 
 A name is the embedded one, a local directory, a name in the Hugging Face cache or, online, a model on the Hub.
 Anything else is a :class:`ConfigError` at once: offline (``HF_HUB_OFFLINE``) without asking the Hub, online after
-one request to it, instead of transformers' retries of every file and its traceback.
+one request to it, instead of transformers' retries of every file and its traceback. A run whose model, tokenizer
+and data are all embedded or local (the default) runs with the Hub offline: it needs nothing from the network.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from .config import Config, ConfigError
@@ -76,3 +81,59 @@ def _check_on_hub(key: str, name: str, where: str) -> None:
             f"{key}: {name!r} is {where}, and the Hugging Face Hub cannot be reached ({type(error).__name__}: "
             f"{error}); set HF_HUB_OFFLINE=1 to use local and cached models only"
         ) from None
+
+
+def is_local(config: Config) -> bool:
+    """Whether everything ``config`` loads is embedded or on this machine: the model and tokenizer (the embedded ones
+    or local directories) and the data (the shipped instructions, a local file or a local dataset's directory)."""
+    names = {"model.name": config.model.name, "tokenizer.name": config.tokenizer.name}
+    for key, name in names.items():
+        if name is not None and name != EMBEDDED[key] and not Path(name).expanduser().is_dir():
+            return False
+    return config.data.path is None or Path(config.data.path).expanduser().exists()
+
+
+@contextlib.contextmanager
+def hub_offline() -> Iterator[None]:
+    """The Hugging Face Hub offline while the block runs, for a run that needs nothing from the network, where
+    libraries would still reach it: bitsandbytes' CPU backend asks the Hub for a kernel repository when it is
+    imported on a CPU with AVX512-bf16, and ``datasets`` counts each load, even of a local file, with a request.
+    huggingface_hub and datasets read ``HF_HUB_OFFLINE`` once, when imported: the environment is set for the
+    libraries imported in the block, and the flag of those already imported; both are restored after it."""
+    flags = [
+        (module, name)
+        for module, name in (("huggingface_hub.constants", "HF_HUB_OFFLINE"), ("datasets.config", "HF_HUB_OFFLINE"))
+        if module in sys.modules
+    ]
+    saved_environment = {key: os.environ.get(key) for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    saved_flags = [getattr(sys.modules[module], name) for module, name in flags]
+    os.environ.update(dict.fromkeys(saved_environment, "1"))
+    for module, name in flags:
+        setattr(sys.modules[module], name, True)
+    try:
+        yield
+    finally:
+        for key, value in saved_environment.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        for (module, name), value in zip(flags, saved_flags):
+            setattr(sys.modules[module], name, value)
+
+
+def import_bitsandbytes_offline() -> None:
+    """Import bitsandbytes (if installed) with the Hub offline, before anything else imports it (peft does, with
+    transformers' Trainer): its CPU backend asks the Hub for a kernel repository when imported on a CPU with
+    AVX512-bf16, which it cannot load unless that repository is trusted, and it goes on without it. hf-paged's
+    command line does without the request, which online is a wait and offline a failed lookup."""
+    import huggingface_hub.constants as hub
+
+    offline = hub.HF_HUB_OFFLINE
+    hub.HF_HUB_OFFLINE = True
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        hub.HF_HUB_OFFLINE = offline
