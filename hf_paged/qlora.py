@@ -115,8 +115,13 @@ def _linear_names(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if isinstance(module, (nn.Linear, Conv1D))]
 
 
-def _check_target_modules(model: nn.Module, target_modules: Any) -> None:
-    """Each requested target matches a module name the way peft matches it."""
+class TargetModulesError(ValueError):
+    """``target_modules`` names no module of the model, or is not a target specification."""
+
+
+def check_target_modules(model: nn.Module, target_modules: Any) -> None:
+    """Each requested target matches a module name of ``model`` the way peft matches it; else
+    :class:`TargetModulesError` names the targets and the model's linear modules."""
     if isinstance(target_modules, str) and target_modules.lower() == "all-linear":
         return
     if isinstance(target_modules, str):
@@ -126,7 +131,7 @@ def _check_target_modules(model: nn.Module, target_modules: Any) -> None:
         targets = sorted(target_modules)
         configs = [LoraConfig(target_modules=[target]) for target in targets]
     else:
-        raise ValueError(
+        raise TargetModulesError(
             "target_modules must be 'all-linear', a regular expression or a non-empty list of module names, "
             f"got {target_modules!r}"
         )
@@ -134,7 +139,7 @@ def _check_target_modules(model: nn.Module, target_modules: Any) -> None:
     for target, config in zip(targets, configs):
         if not any(check_target_module_exists(config, name) for name in names):
             available = sorted({name.rsplit(".", 1)[-1] for name in _linear_names(model)})
-            raise ValueError(
+            raise TargetModulesError(
                 f"target_modules: {target!r} matches no module of {type(model).__name__}; "
                 f"its linear modules are named {', '.join(available[:12]) or '(none)'}"
             )
@@ -294,10 +299,10 @@ def prepare_qlora(
         device = _load_device(load_kwargs.get("device_map"))
         config = _bnb_config(quant_type, double_quant, requested_dtype or _auto_compute_dtype(device))
         model = AutoModelForCausalLM.from_pretrained(model_or_path, quantization_config=config, **load_kwargs)
-        _check_target_modules(model, target_modules)
+        check_target_modules(model, target_modules)
     elif isinstance(model_or_path, PreTrainedModel):
         model = model_or_path
-        _check_target_modules(model, target_modules)
+        check_target_modules(model, target_modules)
         if not _is_quantized(model):
             device = next(model.parameters()).device
             config = _bnb_config(quant_type, double_quant, requested_dtype or _auto_compute_dtype(device))

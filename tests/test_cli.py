@@ -208,6 +208,16 @@ def test_default_run_writes_the_memory_timeline_and_summary(default_run):
 # Mechanics with few steps ---------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    ("first", "final", "said"),
+    [(6.0, 2.0, ", 3.0x lower"), (2.0, 4.0, ", 2.0x higher"), (6.0644, 6.0644, ""), (6.0, 6.01, ""), (1.0, 0.0, "")],
+)
+def test_summary_says_how_the_loss_changed(first, final, said):
+    from hf_paged.cli.train import _loss_change
+
+    assert _loss_change(first, final) == said
+
+
 def test_set_overrides_reach_the_run(tmp_path, capsys):
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps({"q": f"say {word}", "a": word}) + "\n" for word in ("red", "blue", "green")))
@@ -337,6 +347,19 @@ def test_typo_in_set_names_the_nearest_key(capsys):
     assert "unknown key 'lora.rr' in --set lora.rr=8" in error and "did you mean 'lora.r'?" in error
     assert main(["train", "--set", "training.learnig_rate=0.1"]) == 2
     assert "did you mean 'training.learning_rate'?" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("quantize", [True, False])
+def test_lora_targets_that_match_nothing_are_a_config_error(tmp_path, capsys, quantize):
+    """An empty list at once; a name no module has once the model is built (QLoRA and LoRA alike): one error line
+    naming ``lora.target_modules`` and exit status 2, not a traceback."""
+    assert main(["train", "--set", "lora.target_modules=[]", "--output-dir", str(tmp_path)]) == 2
+    assert "lora.target_modules in --set lora.target_modules=[] must be 'all-linear'" in capsys.readouterr().err
+    overrides = ["lora.target_modules=[q_proj, bogus_proj]", f"lora.quantize={str(quantize).lower()}", *FAST[1::2]]
+    status = main(["train", *(f"--set={item}" for item in overrides), "--output-dir", str(tmp_path)])
+    error = capsys.readouterr().err
+    assert status == 2 and error.startswith("hf-paged: error: lora.target_modules: 'bogus_proj' matches no module")
+    assert "Traceback" not in error
 
 
 def test_typo_in_yaml_names_the_nearest_key_at_any_depth(tmp_path):

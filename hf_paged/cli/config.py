@@ -252,6 +252,11 @@ def _update_dataclass(instance: Any, mapping: Mapping[str, Any], prefix: str, so
             _check_size(value, fields[key], name, source)
             if name == "prompt.template":
                 _check_template(value, source)
+            if name == "lora.target_modules" and (value in ("", []) or (isinstance(value, list) and "" in value)):
+                raise ConfigError(
+                    f"lora.target_modules in {source} must be 'all-linear', a regular expression or a non-empty list "
+                    f"of module names, got {value!r}"
+                )
             setattr(instance, key, value)
 
 

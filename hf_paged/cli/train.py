@@ -177,7 +177,17 @@ def training_data(config: Config, tokenizer: Any, args: Any) -> Any:
 
 
 def build_model(config: Config, tokenizer: Any, device: torch.device) -> Any:
-    """The base model with LoRA adapters (4-bit base weights when ``lora.quantize``), on ``device``."""
+    """The base model with LoRA adapters (4-bit base weights when ``lora.quantize``), on ``device``; targets that
+    match no module of the model are a :class:`ConfigError` naming ``lora.target_modules``."""
+    from ..qlora import TargetModulesError
+
+    try:
+        return _model_with_adapters(config, tokenizer, device)
+    except TargetModulesError as error:
+        raise ConfigError(f"lora.{error}") from None
+
+
+def _model_with_adapters(config: Config, tokenizer: Any, device: torch.device) -> Any:
     from ..qlora import enable_activation_checkpointing, prepare_qlora
 
     model_config, lora = config.model, config.lora
@@ -222,7 +232,9 @@ def add_lora_adapters(model: Any, lora: LoraSettings) -> Any:
     """``model`` wrapped by peft with the LoRA adapters ``lora`` (``config.lora``) describes, for causal LM."""
     from peft import LoraConfig, get_peft_model
 
-    from ..qlora import quiet_peft_checkpointing_check
+    from ..qlora import check_target_modules, quiet_peft_checkpointing_check
+
+    check_target_modules(model, lora.target_modules)
 
     adapters = LoraConfig(
         r=lora.r,
@@ -457,14 +469,21 @@ def _size(value: int | None, suffix: str = "") -> str:
     return "not measured" if value is None else format_size(value) + suffix
 
 
+def _loss_change(first: float, final: float) -> str:
+    """How the logged loss changed, as a ratio: ``", 2.5x lower"``, ``", 1.2x higher"``; empty where no ratio says
+    it (equal losses, a loss at or below zero)."""
+    if first <= 0 or final <= 0 or f"{first / final:.1f}" == "1.0":
+        return ""
+    return f", {first / final:.1f}x lower" if final < first else f", {final / first:.1f}x higher"
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as the lines ``hf-paged train`` prints."""
     first, final = summary["first_loss"], summary["final_loss"]
     if first is None:
         loss = "not logged (no logging step was reached)"
     else:
-        ratio = f", {first / final:.1f}x lower" if final else ""
-        loss = f"{first:.4f} -> {final:.4f} (first -> final logged{ratio})"
+        loss = f"{first:.4f} -> {final:.4f} (first -> final logged{_loss_change(first, final)})"
     rows = [
         ("model", f"{summary['model']} with {summary['method']} on {summary['device']}{_processes(summary)}"),
         ("parameters", f"{summary['trainable_params']:,} trainable of {summary['total_params']:,}"),
