@@ -36,6 +36,17 @@ COMPUTE_DTYPES: dict[str, torch.dtype] = {
 }
 """Names accepted for ``compute_dtype`` besides ``"auto"`` (the dtypes themselves are accepted too)."""
 
+QUANT_STORAGES: dict[str, torch.dtype] = {
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+"""Names accepted for ``quant_storage``, the dtype the packed 4-bit codes are stored in (the dtypes are accepted
+too): the ones ``BitsAndBytesConfig(bnb_4bit_quant_storage=...)`` takes."""
+
 _PLACEMENT_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
@@ -87,6 +98,16 @@ def _parse_compute_dtype(compute_dtype: Any) -> torch.dtype | None:
         return None
     allowed = ", ".join(f"{name!r}" for name in ("auto", *COMPUTE_DTYPES))
     raise ValueError(f"compute_dtype must be one of {allowed} or the torch dtype of one, got {compute_dtype!r}")
+
+
+def _parse_quant_storage(quant_storage: Any) -> torch.dtype:
+    """The requested storage dtype of the packed 4-bit codes."""
+    if isinstance(quant_storage, torch.dtype) and quant_storage in QUANT_STORAGES.values():
+        return quant_storage
+    if isinstance(quant_storage, str) and quant_storage in QUANT_STORAGES:
+        return QUANT_STORAGES[quant_storage]
+    allowed = ", ".join(map(repr, QUANT_STORAGES))
+    raise ValueError(f"quant_storage must be one of {allowed} or the torch dtype of one, got {quant_storage!r}")
 
 
 def _auto_compute_dtype(device: torch.device) -> torch.dtype:
@@ -145,12 +166,15 @@ def check_target_modules(model: nn.Module, target_modules: Any) -> None:
             )
 
 
-def _bnb_config(quant_type: str, double_quant: bool, compute_dtype: torch.dtype) -> BitsAndBytesConfig:
+def _bnb_config(
+    quant_type: str, double_quant: bool, compute_dtype: torch.dtype, quant_storage: torch.dtype
+) -> BitsAndBytesConfig:
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=quant_type,
         bnb_4bit_use_double_quant=double_quant,
         bnb_4bit_compute_dtype=compute_dtype,
+        bnb_4bit_quant_storage=quant_storage,
     )
 
 
@@ -266,6 +290,7 @@ def prepare_qlora(
     quant_type: str = "nf4",
     double_quant: bool = True,
     compute_dtype: str | torch.dtype = "auto",
+    quant_storage: str | torch.dtype = torch.uint8,
     gradient_checkpointing: bool = True,
     **load_kwargs: Any,
 ) -> PeftModel:
@@ -280,7 +305,10 @@ def prepare_qlora(
     ``quant_type`` is ``"nf4"`` or ``"fp4"``; ``double_quant`` also quantizes the absmax scales (QLoRA's
     double quantization). ``compute_dtype`` is the dtype of the 4-bit matmuls: ``"auto"`` (bfloat16 on a
     CUDA device that supports it, float32 elsewhere), ``"bfloat16"``, ``"float16"``, ``"float32"`` or
-    the torch dtype. Then peft's ``prepare_model_for_kbit_training`` runs (with non-reentrant gradient
+    the torch dtype. ``quant_storage`` is the dtype the packed codes are stored in (two codes a byte, viewed as
+    that dtype): ``torch.uint8`` by default; a floating-point one (``"bfloat16"``, the weights' dtype) lets
+    FSDP and DeepSpeed ZeRO-3 shard the 4-bit weights with the other parameters of their dtype, where they
+    would keep uint8 ones whole. Then peft's ``prepare_model_for_kbit_training`` runs (with non-reentrant gradient
     checkpointing when ``gradient_checkpointing``) and LoRA adapters of rank ``r`` are attached to
     ``target_modules`` (``"all-linear"``, a regular expression or module names, matched as peft does).
 
@@ -289,15 +317,16 @@ def prepare_qlora(
     """
     _check_hyperparameters(r, lora_alpha, lora_dropout, quant_type)
     requested_dtype = _parse_compute_dtype(compute_dtype)
+    storage = _parse_quant_storage(quant_storage)
     if "quantization_config" in load_kwargs:
         raise TypeError(
-            "prepare_qlora builds the quantization_config itself: pass quant_type, double_quant and "
-            "compute_dtype instead"
+            "prepare_qlora builds the quantization_config itself: pass quant_type, double_quant, "
+            "compute_dtype and quant_storage instead"
         )
     bnb = _bitsandbytes()
     if isinstance(model_or_path, (str, os.PathLike)):
         device = _load_device(load_kwargs.get("device_map"))
-        config = _bnb_config(quant_type, double_quant, requested_dtype or _auto_compute_dtype(device))
+        config = _bnb_config(quant_type, double_quant, requested_dtype or _auto_compute_dtype(device), storage)
         model = AutoModelForCausalLM.from_pretrained(model_or_path, quantization_config=config, **load_kwargs)
         check_target_modules(model, target_modules)
     elif isinstance(model_or_path, PreTrainedModel):
@@ -305,7 +334,7 @@ def prepare_qlora(
         check_target_modules(model, target_modules)
         if not _is_quantized(model):
             device = next(model.parameters()).device
-            config = _bnb_config(quant_type, double_quant, requested_dtype or _auto_compute_dtype(device))
+            config = _bnb_config(quant_type, double_quant, requested_dtype or _auto_compute_dtype(device), storage)
             _quantize_in_place(model, config, bnb)
     else:
         raise TypeError(

@@ -287,6 +287,33 @@ def test_a_seed_gives_the_same_run(tmp_path):
     assert all(weights[0][key].equal(weights[1][key]) for key in weights[0])
 
 
+def test_quant_storage_in_bfloat16_trains_as_uint8_does(tmp_path):
+    """``lora.quant_storage=bfloat16`` builds 4-bit weights stored in bfloat16 (what FSDP2 and ZeRO-3 shard) over the
+    same codes, and training gives the losses and adapter of uint8 storage, bitwise."""
+    import bitsandbytes as bnb
+    import torch
+    from safetensors.torch import load_file
+
+    from hf_paged.cli.train import build_model, run
+
+    fast = [item for item in FAST if item != "--set"]
+    config = load_config(overrides=[*fast, "lora.quant_storage=bfloat16"])
+    model = build_model(config, byte_tokenizer(), torch.device("cpu"))
+    weights = [module.weight for module in model.modules() if isinstance(module, bnb.nn.Linear4bit)]
+    assert weights and all(type(w) is bnb.nn.Params4bit and w.dtype == torch.bfloat16 for w in weights)
+    assert model.config.quantization_config.bnb_4bit_quant_storage == torch.bfloat16
+    summaries = {}
+    for storage in ("uint8", "bfloat16"):
+        overrides = ["training.max_steps=3", "training.logging_steps=1", "memory.enabled=false"]
+        overrides += [f"lora.quant_storage={storage}", f"training.output_dir={tmp_path / storage}"]
+        summaries[storage] = run(load_config(overrides=[*fast, *overrides]))
+    assert summaries["uint8"]["total_params"] == summaries["bfloat16"]["total_params"]
+    losses = _losses(tmp_path / "uint8")
+    assert len(losses) == 3 and _losses(tmp_path / "bfloat16") == losses
+    expected, got = (load_file(summaries[storage]["adapter_path"]) for storage in ("uint8", "bfloat16"))
+    assert expected.keys() == got.keys() and all(expected[key].equal(got[key]) for key in expected)
+
+
 def test_resume_from_checkpoint_continues_the_saved_run(tmp_path, capsys):
     """``training.resume_from_checkpoint`` reaches ``Trainer.train``: resumed from step 2 of a 4-step run, under
     another seed (which a run from scratch would initialise its adapters from; the data's order has its own seed), the
@@ -386,6 +413,8 @@ def test_wrong_types_and_values_are_named():
     cases = {
         "lora.r=abc": "lora.r in --set lora.r=abc must be an integer, got 'abc'",
         "lora.quant_type=nf5": "must be one of 'nf4', 'fp4', got 'nf5'",
+        "lora.quant_storage=int4": "lora.quant_storage in --set lora.quant_storage=int4 must be one of 'uint8', 'int8', "
+        "'bfloat16', 'float16', 'float32', 'float64', got 'int4'",
         "lora.lora_dropout=1.5": "lora.lora_dropout in --set lora.lora_dropout=1.5 must be in [0, 1), got 1.5",
         "training.max_steps=ten": "training.max_steps in --set training.max_steps=ten must be an integer",
         "memory.plot=maybe": "memory.plot in --set memory.plot=maybe must be true or false",
@@ -451,11 +480,13 @@ def test_qlora_7b_recipe_parses_and_validates():
     assert args.optim_args == training["optim_args"] and args.warmup_steps == 0.03
 
 
-
 def test_bad_optim_args_are_a_config_error_before_anything_loads(tmp_path):
     config = default_config()
-    update(config, {"training": {"output_dir": str(tmp_path / "out"), "optim_args": "device_budget=auto,budget=1GiB"}},
-           source="test")
+    update(
+        config,
+        {"training": {"output_dir": str(tmp_path / "out"), "optim_args": "device_budget=auto,budget=1GiB"}},
+        source="test",
+    )
     with pytest.raises(ConfigError, match=r"training: .*optim_args key 'budget' is not accepted by PagedAdamW8bit"):
         training_arguments(config)
     assert not (tmp_path / "out").exists()

@@ -68,9 +68,9 @@ def test_loading_passes_load_kwargs_to_from_pretrained(tmp_path):
     tiny_llama().save_pretrained(tmp_path)
     model = prepare_qlora(tmp_path, device_map="cpu", dtype=torch.bfloat16)
     assert model.base_model.model.model.embed_tokens.weight.device.type == "cpu"
-    assert layers4bit(model)["base_model.model.model.layers.0.self_attn.q_proj.base_layer"].weight.quant_state.dtype == (
-        torch.bfloat16
-    )
+    assert layers4bit(model)[
+        "base_model.model.model.layers.0.self_attn.q_proj.base_layer"
+    ].weight.quant_state.dtype == (torch.bfloat16)
 
 
 @pytest.mark.parametrize(("quant_type", "double_quant"), [("nf4", True), ("fp4", False)])
@@ -194,9 +194,40 @@ def test_compute_dtype():
         return {layer.compute_dtype for layer in layers4bit(model).values()}
 
     auto = prepare_qlora(tiny_llama())
-    assert compute_dtypes(auto) == {torch.float32} and auto.config.quantization_config.bnb_4bit_compute_dtype == torch.float32
+    assert (
+        compute_dtypes(auto) == {torch.float32}
+        and auto.config.quantization_config.bnb_4bit_compute_dtype == torch.float32
+    )
     assert compute_dtypes(prepare_qlora(tiny_llama(), compute_dtype="bfloat16")) == {torch.bfloat16}
     assert compute_dtypes(prepare_qlora(tiny_llama(), compute_dtype=torch.float16)) == {torch.float16}
+
+
+@pytest.mark.parametrize("storage", ["bfloat16", torch.float16, "float32"])
+def test_quant_storage_holds_the_same_packed_codes_in_another_dtype(tmp_path, storage):
+    """Stored in a floating-point dtype (what FSDP and ZeRO-3 shard), the 4-bit weights are that dtype's
+    ``Params4bit`` over the same bytes as uint8 storage, counted alike, and the model computes the same logits (in
+    training mode: in eval mode bitsandbytes repacks the codes for its CPU kernel at the first forward)."""
+    dtype = getattr(torch, storage) if isinstance(storage, str) else storage
+    tiny_llama().save_pretrained(tmp_path)
+    reference = prepare_qlora(tiny_llama(), lora_dropout=0.0)
+    packed = {name: layer.weight.data.clone() for name, layer in layers4bit(reference).items()}
+    inputs = torch.arange(16)[None]
+    with torch.no_grad():
+        expected = reference.train()(inputs).logits
+    loaded = prepare_qlora(tmp_path, quant_storage=storage, lora_dropout=0.0)
+    for model in (prepare_qlora(tiny_llama(), quant_storage=storage, lora_dropout=0.0), loaded):
+        assert model.config.quantization_config.bnb_4bit_quant_storage == dtype
+        layers = layers4bit(model)
+        assert layers.keys() == packed.keys()
+        for name, layer in layers.items():
+            weight = layer.weight
+            assert isinstance(weight, bnb.nn.Params4bit) and weight.dtype == dtype and weight.quant_storage == dtype
+            assert weight.is_floating_point() and not weight.requires_grad
+            assert weight.numel() * dtype.itemsize == packed[name].numel()
+            assert torch.equal(weight.data.view(torch.uint8).flatten(), packed[name].flatten()), name
+        assert model.hf_paged_qlora_report == reference.hf_paged_qlora_report
+        with torch.no_grad():
+            assert torch.equal(model.train()(inputs).logits, expected)
 
 
 def test_report_is_logged_in_one_line(caplog):
@@ -223,6 +254,15 @@ def test_report_is_logged_in_one_line(caplog):
         ({"quant_type": "int4"}, "quant_type must be one of 'nf4', 'fp4', got 'int4'"),
         ({"compute_dtype": "int8"}, "compute_dtype must be one of 'auto', 'bfloat16', 'float16', 'float32'"),
         ({"compute_dtype": torch.int8}, "compute_dtype must be one of .* got torch.int8"),
+        (
+            {"quant_storage": "int4"},
+            (
+                "quant_storage must be one of 'uint8', 'int8', 'bfloat16', 'float16', 'float32', 'float64' or the "
+                "torch dtype of one, got 'int4'"
+            ),
+        ),
+        ({"quant_storage": torch.int32}, "quant_storage must be one of .* got torch.int32"),
+        ({"quant_storage": None}, "quant_storage must be one of .* got None"),
         ({"target_modules": []}, "target_modules must be 'all-linear', a regular expression or a non-empty list"),
         (
             {"target_modules": ["q_proj", "qkv"]},
@@ -250,7 +290,7 @@ def test_a_model_without_linear_layers_is_refused():
 def test_other_inputs_are_refused(monkeypatch):
     with pytest.raises(TypeError, match="model_or_path must be a hub name or local path .* got Linear"):
         prepare_qlora(torch.nn.Linear(4, 4))
-    with pytest.raises(TypeError, match="pass quant_type, double_quant and compute_dtype instead"):
+    with pytest.raises(TypeError, match="pass quant_type, double_quant, compute_dtype and quant_storage instead"):
         prepare_qlora(tiny_llama(), quantization_config=BitsAndBytesConfig(load_in_4bit=True))
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
     with pytest.raises(ImportError, match="pip install bitsandbytes"):
@@ -270,8 +310,9 @@ def test_auto_compute_dtype_on_cuda(tmp_path):
     assert {layer.compute_dtype for layer in layers4bit(loaded).values()} == {expected}
     trainer = Trainer(
         model=model,
-        args=training_args(tmp_path, optim="hf_paged_adamw_8bit", max_steps=12, learning_rate=1e-2, use_cpu=False,
-                           bf16=bf16),
+        args=training_args(
+            tmp_path, optim="hf_paged_adamw_8bit", max_steps=12, learning_rate=1e-2, use_cpu=False, bf16=bf16
+        ),
         train_dataset=token_dataset(),
     )
     trainer.train()

@@ -115,6 +115,8 @@ class LoraConfig:
     quant_type: Literal["nf4", "fp4"] = "nf4"
     double_quant: bool = True
     compute_dtype: Dtype = "auto"
+    quant_storage: Literal["uint8", "int8", "bfloat16", "float16", "float32", "float64"] = "uint8"
+    """Dtype the packed 4-bit codes are stored in; ``bfloat16`` (the weights' dtype) lets FSDP2 and ZeRO-3 shard them."""
     gradient_checkpointing: bool = True
     """Non-reentrant gradient checkpointing of the decoder layers."""
 

@@ -200,6 +200,7 @@ def _model_with_adapters(config: Config, tokenizer: Any, device: torch.device) -
         "quant_type": lora.quant_type,
         "double_quant": lora.double_quant,
         "compute_dtype": lora.compute_dtype,
+        "quant_storage": lora.quant_storage,
         "gradient_checkpointing": lora.gradient_checkpointing,
     }
     if model_config.name == "tiny":
