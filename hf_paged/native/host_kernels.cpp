@@ -110,7 +110,7 @@ struct Vec {
   }
   // Bit k set where lane k of a is greater than that of b.
   static uint32_t greater(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
-  // The largest lane of non-negative, non-NaN lanes (magnitudes), by halves: any order gives the same lane.
+  // The largest lane of non-negative, non-NaN lanes, by halves: any order gives the same lane.
   static float reduce_max(F a) {
     const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
     const __m256 half = _mm256_max_ps(_mm512_castps512_ps256(a), high);
@@ -150,13 +150,24 @@ struct Vec {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))));
   }
   static F load_codes(const uint8_t* x) { return _mm512_cvtepi32_ps(load_bytes(x)); }
-  // Integer-valued magnitudes in [0, 127] with the sign bits of source (a zero magnitude stays code 0).
-  static void store_signed_codes(int8_t* x, F magnitude, F source) {
-    const __m512i values = _mm512_cvttps_epi32(signed_like(magnitude, source));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(x), _mm512_cvtsepi32_epi8(values));
+  // The 8-bit codes of normalized values n (Codes8): rint(sqrt(|s|) top) with the sign of s, and
+  // max(rint(sqrt(s) top), 1) for s > 0, else 0, with s = codecs.saturate_(n) (n clamped to [-1, 1], NaN as 0).
+  // Here min(|n|, 1) (vrangeps, 1 for a NaN) is s's magnitude but for a NaN n, whose code is then set to 0, and a
+  // conversion rounding to nearest even is rint's then an exact conversion.
+  static void store_signed_root_codes(int8_t* x, F n, F top) {
+    const F magnitude = mul(sqrt(_mm512_range_ps(n, splat(1.0f), 0x0A)), top);
+    const __m512i codes = _mm512_maskz_cvt_roundps_epi32(_mm512_cmp_ps_mask(n, n, _CMP_ORD_Q), signed_like(magnitude, n),
+                                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(x), _mm512_cvtsepi32_epi8(codes));
   }
-  // Integer-valued codes in [0, 255].
-  static void store_codes(uint8_t* x, F codes) { store_bytes(x, _mm512_cvttps_epi32(codes)); }
+  // min(n, 1) is s but for a NaN or non-positive n, whose code is then set to 0.
+  static void store_unsigned_root_codes(uint8_t* x, F n, F top) {
+    const __m512i codes =
+        _mm512_cvt_roundps_epi32(mul(sqrt(min(n, splat(1.0f))), top), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i positive =
+        _mm512_maskz_max_epi32(_mm512_cmp_ps_mask(n, zero(), _CMP_GT_OQ), codes, _mm512_set1_epi32(1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(x), _mm512_cvtepi32_epi8(positive));  // each in [0, 255]
+  }
   // Integers in [0, 255], as bytes (saturated as the AVX2 code's packs saturate).
   static void store_bytes(uint8_t* x, __m512i values) {
     const __m512i nonnegative = _mm512_max_epi32(values, _mm512_setzero_si512());
@@ -223,7 +234,7 @@ struct Vec {
   }
   // Bit k set where lane k of a is greater than that of b.
   static uint32_t greater(F a, F b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
-  // The largest lane of non-negative, non-NaN lanes (magnitudes), by halves: any order gives the same lane.
+  // The largest lane of non-negative, non-NaN lanes, by halves: any order gives the same lane.
   static float reduce_max(F a) {
     __m128 quarter = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     quarter = _mm_max_ps(quarter, _mm_movehl_ps(quarter, quarter));
@@ -262,6 +273,16 @@ struct Vec {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x))));
   }
   static F load_codes(const uint8_t* x) { return _mm256_cvtepi32_ps(load_bytes(x)); }
+  // The 8-bit codes of normalized values n (Codes8): rint(sqrt(|s|) top) with the sign of s, and
+  // max(rint(sqrt(s) top), 1) for s > 0, else 0, with s = codecs.saturate_(n) (n clamped to [-1, 1], NaN as 0).
+  static void store_signed_root_codes(int8_t* x, F n, F top) {
+    const F normalized = saturate(n);
+    store_signed_codes(x, rint_root_times(abs(normalized), top), normalized);
+  }
+  static void store_unsigned_root_codes(uint8_t* x, F n, F top) {
+    const F normalized = saturate(n);
+    store_codes(x, max(rint_root_times(normalized, top), positive(normalized)));
+  }
   // Integer-valued magnitudes in [0, 127] with the sign bits of source (a zero magnitude stays code 0).
   static void store_signed_codes(int8_t* x, F magnitude, F source) {
     const __m256i values = _mm256_cvttps_epi32(signed_like(magnitude, source));
@@ -334,6 +355,16 @@ struct Vec {
   }
   static F load_codes(const int8_t* x) { return static_cast<float>(*x); }
   static F load_codes(const uint8_t* x) { return static_cast<float>(*x); }
+  // The 8-bit codes of normalized values n (Codes8): rint(sqrt(|s|) top) with the sign of s, and
+  // max(rint(sqrt(s) top), 1) for s > 0, else 0, with s = codecs.saturate_(n) (n clamped to [-1, 1], NaN as 0).
+  static void store_signed_root_codes(int8_t* x, F n, F top) {
+    const F normalized = saturate(n);
+    store_signed_codes(x, rint_root_times(abs(normalized), top), normalized);
+  }
+  static void store_unsigned_root_codes(uint8_t* x, F n, F top) {
+    const F normalized = saturate(n);
+    store_codes(x, max(rint_root_times(normalized, top), positive(normalized)));
+  }
   static void store_signed_codes(int8_t* x, F magnitude, F source) {
     *x = static_cast<int8_t>(static_cast<int32_t>(signed_like(magnitude, source)));
   }
@@ -368,11 +399,13 @@ inline F magnitude(F values) { return Vec::min(Vec::splat(FLT_MAX), Vec::zero_na
 // stored (codecs.scaled).
 inline F unsigned_scaled(F normalized, F scale) { return Vec::infinity_at_max(Vec::mul(normalized, scale)); }
 
-// The running largest finite magnitude of a block (_BlockScaled.block_scales).
+// The running largest finite magnitude of a block (_BlockScaled.block_scales): the largest of the magnitudes
+// (values) is the largest |value| but NaN, which Vec::max passes over (it takes its second operand, the running
+// largest, for a NaN), with an infinity read as FLT_MAX once at the end.
 struct AbsMax {
   F largest = Vec::zero();
-  void add(F values) { largest = Vec::max(magnitude(values), largest); }
-  float value() const { return Vec::reduce_max(largest); }
+  void add(F values) { largest = Vec::max(Vec::abs(values), largest); }
+  float value() const { return std::min(FLT_MAX, Vec::reduce_max(largest)); }
 };
 
 // 1 / scale, and 0 for a zero or subnormal scale (codecs.inverse_scales).
@@ -420,9 +453,7 @@ struct Codes8 {
     const F inverse = Vec::splat(inverse_scale(scale));
     const F top = Vec::splat(127.0f);
     for (int64_t i = 0; i < size; i += kWidth) {
-      const F normalized = Vec::saturate(Vec::mul(Vec::load(values + i), inverse));
-      const F magnitude = Vec::rint_root_times(Vec::abs(normalized), top);
-      Vec::store_signed_codes(codes + i, magnitude, normalized);
+      Vec::store_signed_root_codes(codes + i, Vec::mul(Vec::load(values + i), inverse), top);
     }
     state.scales[block] = scale;
   }
@@ -435,8 +466,7 @@ struct Codes8 {
     const F top = Vec::splat(255.0f);
     for (int64_t i = 0; i < size; i += kWidth) {
       // sqrt(x / s), whose square root is coded
-      const F normalized = Vec::saturate(Vec::mul(Vec::load(roots + i), inverse_root));
-      Vec::store_codes(codes + i, Vec::max(Vec::rint_root_times(normalized, top), Vec::positive(normalized)));
+      Vec::store_unsigned_root_codes(codes + i, Vec::mul(Vec::load(roots + i), inverse_root), top);
     }
     state.scales[block] = scale;
   }
@@ -663,7 +693,8 @@ struct AdamW {
   // through `writer`, what each state encodes into encoded(scratch, k) + e, each state's largest magnitude.
   template <class Codes, typename P, typename G>
   static void step_block(const ParamWriter<P>& writer, const P* p, const G* g, const State* states, int64_t block,
-                         int64_t e, int64_t size, const Constants& c, Scratch& scratch, float* maxima) {
+                         int64_t e, int64_t size, const Constants& constants, Scratch& scratch, float* maxima) {
+    const Constants c = constants;  // a local copy, which the loop's stores cannot alias: read once, not per vector
     const typename Codes::SignedDecoder old_moments(states[0], block, size);
     const typename Codes::UnsignedDecoder old_seconds(states[1], block, size);
     AbsMax moments, seconds;
