@@ -209,6 +209,7 @@ def build_model(setup: TrainingSetup, device: str = "cpu", shapes_only: bool = F
                 quant_type=lora.quant_type,
                 double_quant=lora.double_quant,
                 compute_dtype=compute_dtype(setup, device),
+                quant_storage=lora.quant_storage,
                 gradient_checkpointing=setup.gradient_checkpointing,
             )
     if setup.gradient_checkpointing:
@@ -305,7 +306,38 @@ def _linear4bit_shell(module: nn.Module, config: Any, bnb: Any) -> nn.Module:
     layer.quant_state = state
     layer.bias = module.bias
     layer.requires_grad_(False)
+    attributes = {name: getattr(weight, name) for name in _SHELL_ATTRIBUTES}
+    layer.register_forward_pre_hook(functools.partial(_restore_shell_attributes, attributes=attributes))
     return layer
+
+
+_SHELL_ATTRIBUTES = ("quant_state", "blocksize", "compress_statistics", "quant_type", "quant_storage", "bnb_quantized")
+"""What bitsandbytes and peft read of a 4-bit weight besides its tensor."""
+
+
+def _restore_shell_attributes(layer: nn.Module, args: Any, attributes: dict[str, Any]) -> None:
+    """Before a shell's forward: a weight FSDP2 replaced by its gathered parameter (a floating-point storage is
+    sharded) gets the shell's attributes, which bitsandbytes would restore by wrapping it in a ``Params4bit``, which
+    a fake tensor cannot be."""
+    weight = layer.weight
+    if getattr(weight, "quant_state", None) is None:
+        for name, value in attributes.items():
+            setattr(weight, name, value)
+        weight.module = layer
+
+
+def _prepare_keeping_shells(prepare: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """peft's ``prepare_model_for_kbit_training``, but the shells keep their storage dtype: peft casts every 16-bit
+    parameter but a ``Params4bit`` (by class name) to float32, which would double a shell stored in bfloat16."""
+
+    def prepare_model(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        shells = {param: param.data for param in model.parameters() if getattr(param, "bnb_quantized", False)}
+        prepared = prepare(model, *args, **kwargs)
+        for param, data in shells.items():
+            param.data = data
+        return prepared
+
+    return prepare_model
 
 
 @contextlib.contextmanager
@@ -313,12 +345,13 @@ def _shell_quantization() -> Iterator[None]:
     """:func:`hf_paged.qlora.prepare_qlora` makes 4-bit shells instead of quantizing (see :func:`_linear4bit_shell`)."""
     from .. import qlora
 
-    original = qlora._linear4bit
+    original = qlora._linear4bit, qlora.prepare_model_for_kbit_training
     qlora._linear4bit = _linear4bit_shell
+    qlora.prepare_model_for_kbit_training = _prepare_keeping_shells(original[1])
     try:
         yield
     finally:
-        qlora._linear4bit = original
+        qlora._linear4bit, qlora.prepare_model_for_kbit_training = original
 
 
 def quantization_state(model: nn.Module) -> dict[str, list[torch.Tensor]]:
@@ -327,8 +360,10 @@ def quantization_state(model: nn.Module) -> dict[str, list[torch.Tensor]]:
 
     tensors: list[torch.Tensor] = []
     for module in model.modules():
-        state = getattr(module, "weight", None)
-        state = getattr(state, "quant_state", None) if isinstance(module, bnb.nn.Linear4bit) else None
+        if not isinstance(module, bnb.nn.Linear4bit):
+            continue
+        # The layer's own reference: a weight FSDP2 shards (floating-point storage) is a DTensor without it.
+        state = getattr(module.weight, "quant_state", None) or getattr(module, "quant_state", None)
         if state is None:
             continue
         tensors += [state.absmax, state.code]
