@@ -59,6 +59,23 @@ namespace {
 
 constexpr int64_t kMaxBlockSize = 4096;
 
+// The 8-bit codes of normalized values n (Codes8), operation by operation, for the AVX2 and scalar `Vec`s (the AVX-512
+// one has fewer operations of its own): rint(sqrt(|s|) top) with the sign of s, and max(rint(sqrt(s) top), 1) for
+// s > 0, else 0, with s = codecs.saturate_(n) (n clamped to [-1, 1], NaN as 0).
+template <class V>
+struct RootCodesByOperations {
+  template <typename F>
+  static void store_signed_root_codes(int8_t* x, F n, F top) {
+    const F normalized = V::saturate(n);
+    V::store_signed_codes(x, V::rint_root_times(V::abs(normalized), top), normalized);
+  }
+  template <typename F>
+  static void store_unsigned_root_codes(uint8_t* x, F n, F top) {
+    const F normalized = V::saturate(n);
+    V::store_codes(x, V::max(V::rint_root_times(normalized, top), V::positive(normalized)));
+  }
+};
+
 #ifdef HF_PAGED_AVX512
 
 // Sixteen fp32 lanes (AVX-512 F, BW and DQ): lane by lane the operations of the eight-lane AVX2 code below.
@@ -187,7 +204,7 @@ struct Vec {
 #elif defined(HF_PAGED_AVX2)
 
 // Eight fp32 lanes (AVX2 and FMA).
-struct Vec {
+struct Vec : RootCodesByOperations<Vec> {
   static constexpr int64_t kWidth = 8;
   using F = __m256;
 
@@ -273,16 +290,6 @@ struct Vec {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x))));
   }
   static F load_codes(const uint8_t* x) { return _mm256_cvtepi32_ps(load_bytes(x)); }
-  // The 8-bit codes of normalized values n (Codes8): rint(sqrt(|s|) top) with the sign of s, and
-  // max(rint(sqrt(s) top), 1) for s > 0, else 0, with s = codecs.saturate_(n) (n clamped to [-1, 1], NaN as 0).
-  static void store_signed_root_codes(int8_t* x, F n, F top) {
-    const F normalized = saturate(n);
-    store_signed_codes(x, rint_root_times(abs(normalized), top), normalized);
-  }
-  static void store_unsigned_root_codes(uint8_t* x, F n, F top) {
-    const F normalized = saturate(n);
-    store_codes(x, max(rint_root_times(normalized, top), positive(normalized)));
-  }
   // Integer-valued magnitudes in [0, 127] with the sign bits of source (a zero magnitude stays code 0).
   static void store_signed_codes(int8_t* x, F magnitude, F source) {
     const __m256i values = _mm256_cvttps_epi32(signed_like(magnitude, source));
@@ -309,7 +316,7 @@ struct Vec {
 #else
 
 // One scalar lane: the same operations where the build does not target AVX2.
-struct Vec {
+struct Vec : RootCodesByOperations<Vec> {
   static constexpr int64_t kWidth = 1;
   using F = float;
 
@@ -355,16 +362,6 @@ struct Vec {
   }
   static F load_codes(const int8_t* x) { return static_cast<float>(*x); }
   static F load_codes(const uint8_t* x) { return static_cast<float>(*x); }
-  // The 8-bit codes of normalized values n (Codes8): rint(sqrt(|s|) top) with the sign of s, and
-  // max(rint(sqrt(s) top), 1) for s > 0, else 0, with s = codecs.saturate_(n) (n clamped to [-1, 1], NaN as 0).
-  static void store_signed_root_codes(int8_t* x, F n, F top) {
-    const F normalized = saturate(n);
-    store_signed_codes(x, rint_root_times(abs(normalized), top), normalized);
-  }
-  static void store_unsigned_root_codes(uint8_t* x, F n, F top) {
-    const F normalized = saturate(n);
-    store_codes(x, max(rint_root_times(normalized, top), positive(normalized)));
-  }
   static void store_signed_codes(int8_t* x, F magnitude, F source) {
     *x = static_cast<int8_t>(static_cast<int32_t>(signed_like(magnitude, source)));
   }
