@@ -59,11 +59,12 @@ namespace {
 
 constexpr int64_t kMaxBlockSize = 4096;
 
-// The 8-bit codes of normalized values n (Codes8), operation by operation, for the AVX2 and scalar `Vec`s (the AVX-512
-// one has fewer operations of its own): rint(sqrt(|s|) top) with the sign of s, and max(rint(sqrt(s) top), 1) for
-// s > 0, else 0, with s = codecs.saturate_(n) (n clamped to [-1, 1], NaN as 0).
+// The codes of normalized values n, operation by operation, for the AVX2 and scalar `Vec`s (the AVX-512 one has fewer
+// operations of its own), with s = codecs.saturate_(n) (n clamped to [-1, 1], NaN as 0). 8-bit (Codes8):
+// rint(sqrt(|s|) top) with the sign of s, and max(rint(sqrt(s) top), 1) for s > 0, else 0. 4-bit (Codes4), as floats:
+// 7 + floor((sqrt(max(196 |s| - 1, 0)) + 1) / 2) with the sign of s, and max(rint(sqrt(s) 16) - 1, 0).
 template <class V>
-struct RootCodesByOperations {
+struct CodesByOperations {
   template <typename F>
   static void store_signed_root_codes(int8_t* x, F n, F top) {
     const F normalized = V::saturate(n);
@@ -73,6 +74,18 @@ struct RootCodesByOperations {
   static void store_unsigned_root_codes(uint8_t* x, F n, F top) {
     const F normalized = V::saturate(n);
     V::store_codes(x, V::max(V::rint_root_times(normalized, top), V::positive(normalized)));
+  }
+  template <typename F>
+  static F signed_level_code(F n) {
+    const F normalized = V::saturate(n);
+    const F excess = V::sub(V::mul(V::abs(normalized), V::splat(196.0f)), V::splat(1.0f));
+    const F level = V::floor_half_root_plus_half(V::max(excess, V::zero()));
+    return V::add(V::signed_like(level, normalized), V::splat(7.0f));
+  }
+  template <typename F>
+  static F unsigned_root_code(F n) {
+    const F code = V::rint_root_times(V::saturate(n), V::splat(16.0f));
+    return V::max(V::sub(code, V::splat(1.0f)), V::zero());
   }
 };
 
@@ -195,16 +208,34 @@ struct Vec {
     const __m512i bytes = load_bytes(x);
     return _mm512_cvtepi32_ps(high ? _mm512_srli_epi32(bytes, 4) : _mm512_and_si512(bytes, _mm512_set1_epi32(15)));
   }
-  // Integer-valued codes in [0, 15].
-  static void store_nibbles(uint8_t* x, F low, F high) {
-    store_bytes(x, _mm512_or_si512(_mm512_cvttps_epi32(low), _mm512_slli_epi32(_mm512_cvttps_epi32(high), 4)));
+  // Codes4's codes of normalized values n (see CodesByOperations), as integers: the level's floor and the code's
+  // rint are the conversions' rounding, n's sign and NaN lanes masks.
+  using Codes = __m512i;
+  static Codes signed_level_code(F n) {
+    const F excess = max(sub(mul(_mm512_range_ps(n, splat(1.0f), 0x0A), splat(196.0f)), splat(1.0f)), zero());
+    const __m512i level = _mm512_maskz_cvt_roundps_epi32(_mm512_cmp_ps_mask(n, n, _CMP_ORD_Q),
+                                                         mul(add(sqrt(excess), splat(1.0f)), splat(0.5f)),
+                                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512i seven = _mm512_set1_epi32(7);
+    return _mm512_mask_sub_epi32(_mm512_add_epi32(seven, level), _mm512_cmp_ps_mask(n, zero(), _CMP_LT_OQ), seven,
+                                 level);
+  }
+  static Codes unsigned_root_code(F n) {
+    const __m512i code = _mm512_cvt_roundps_epi32(mul(sqrt(min(n, splat(1.0f))), splat(16.0f)),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_maskz_max_epi32(_mm512_cmp_ps_mask(n, zero(), _CMP_GT_OQ), _mm512_sub_epi32(code, _mm512_set1_epi32(1)),
+                                  _mm512_setzero_si512());
+  }
+  // Codes in [0, 15].
+  static void store_nibbles(uint8_t* x, Codes low, Codes high) {
+    store_bytes(x, _mm512_or_si512(low, _mm512_slli_epi32(high, 4)));
   }
 };
 
 #elif defined(HF_PAGED_AVX2)
 
 // Eight fp32 lanes (AVX2 and FMA).
-struct Vec : RootCodesByOperations<Vec> {
+struct Vec : CodesByOperations<Vec> {
   static constexpr int64_t kWidth = 8;
   using F = __m256;
 
@@ -307,7 +338,8 @@ struct Vec : RootCodesByOperations<Vec> {
     const __m256i bytes = load_bytes(x);
     return _mm256_cvtepi32_ps(high ? _mm256_srli_epi32(bytes, 4) : _mm256_and_si256(bytes, _mm256_set1_epi32(15)));
   }
-  // Integer-valued codes in [0, 15].
+  // Codes4's codes (CodesByOperations) are integer-valued floats in [0, 15].
+  using Codes = F;
   static void store_nibbles(uint8_t* x, F low, F high) {
     store_bytes(x, _mm256_or_si256(_mm256_cvttps_epi32(low), _mm256_slli_epi32(_mm256_cvttps_epi32(high), 4)));
   }
@@ -316,7 +348,7 @@ struct Vec : RootCodesByOperations<Vec> {
 #else
 
 // One scalar lane: the same operations where the build does not target AVX2.
-struct Vec : RootCodesByOperations<Vec> {
+struct Vec : CodesByOperations<Vec> {
   static constexpr int64_t kWidth = 1;
   using F = float;
 
@@ -367,6 +399,7 @@ struct Vec : RootCodesByOperations<Vec> {
   }
   static void store_codes(uint8_t* x, F codes) { *x = static_cast<uint8_t>(static_cast<int32_t>(codes)); }
   static F load_nibble(const uint8_t* x, bool high) { return static_cast<float>(high ? *x >> 4 : *x & 15); }
+  using Codes = F;
   static void store_nibbles(uint8_t* x, F low, F high) {
     *x = static_cast<uint8_t>(static_cast<int32_t>(low) | (static_cast<int32_t>(high) << 4));
   }
@@ -510,12 +543,7 @@ struct Codes4 {
 
   // Nearest level (k / 7)^2: |x| >= the midpoint of levels k - 1 and k iff 196 |x| - 1 >= (2k - 1)^2. The level
   // is at most 7 (floor((sqrt(195) + 1) / 2)) as |x| <= 1, and 0 where x is zero, so its sign may be x's sign bit.
-  static F signed_code(F values, F inverse) {
-    const F normalized = Vec::saturate(Vec::mul(values, inverse));
-    const F excess = Vec::sub(Vec::mul(Vec::abs(normalized), Vec::splat(196.0f)), Vec::splat(1.0f));
-    const F level = Vec::floor_half_root_plus_half(Vec::max(excess, Vec::zero()));
-    return Vec::add(Vec::signed_like(level, normalized), Vec::splat(7.0f));
-  }
+  static Vec::Codes signed_code(F values, F inverse) { return Vec::signed_level_code(Vec::mul(values, inverse)); }
 
   static void encode_signed(const State& state, int64_t block, int64_t size, const float* values, float scale) {
     const int64_t half = size / 2;
@@ -530,9 +558,8 @@ struct Codes4 {
 
   // Nearest of the 16 codes in the (x / s)^(1/4) domain, from roots = sqrt(x); zero is not a level. The code is at
   // most 15 as x / s <= 1.
-  static F unsigned_code(F roots, F inverse_root) {
-    const F code = Vec::rint_root_times(Vec::saturate(Vec::mul(roots, inverse_root)), Vec::splat(16.0f));
-    return Vec::max(Vec::sub(code, Vec::splat(1.0f)), Vec::zero());
+  static Vec::Codes unsigned_code(F roots, F inverse_root) {
+    return Vec::unsigned_root_code(Vec::mul(roots, inverse_root));
   }
 
   static void encode_unsigned_roots(const State& state, int64_t block, int64_t size, const float* roots,
