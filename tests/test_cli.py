@@ -92,6 +92,23 @@ def test_default_run_reaches_no_network(default_run):
     assert not attempts.exists(), attempts.read_text()
 
 
+def test_hub_offline_restores_the_flags_and_environment_it_set(monkeypatch):
+    import datasets.config
+    import huggingface_hub.constants
+
+    from hf_paged.cli.sources import hub_offline
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    with hub_offline():
+        assert huggingface_hub.constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE
+        assert os.environ["HF_HUB_OFFLINE"] == os.environ["HF_DATASETS_OFFLINE"] == "1"
+    assert not huggingface_hub.constants.HF_HUB_OFFLINE and not datasets.config.HF_HUB_OFFLINE
+    assert "HF_HUB_OFFLINE" not in os.environ and os.environ["HF_DATASETS_OFFLINE"] == "0"
+
+
 def test_default_run_succeeds_and_the_loss_falls(default_run):
     completed, output_dir = default_run
     assert completed.returncode == 0, completed.stderr[-4000:]

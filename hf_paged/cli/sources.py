@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -96,20 +95,18 @@ def is_local(config: Config) -> bool:
 @contextlib.contextmanager
 def hub_offline() -> Iterator[None]:
     """The Hugging Face Hub offline while the block runs, for a run that needs nothing from the network, where
-    libraries would still reach it: bitsandbytes' CPU backend asks the Hub for a kernel repository when it is
-    imported on a CPU with AVX512-bf16, and ``datasets`` counts each load, even of a local file, with a request.
-    huggingface_hub and datasets read ``HF_HUB_OFFLINE`` once, when imported: the environment is set for the
-    libraries imported in the block, and the flag of those already imported; both are restored after it."""
-    flags = [
-        (module, name)
-        for module, name in (("huggingface_hub.constants", "HF_HUB_OFFLINE"), ("datasets.config", "HF_HUB_OFFLINE"))
-        if module in sys.modules
-    ]
+    libraries would still reach it: ``datasets`` counts each load, even of a local file, with a request.
+    huggingface_hub and datasets read ``HF_HUB_OFFLINE`` once, when imported: both are imported first and their
+    flags set, and the environment for libraries imported in the block; all are restored after it."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    flags = (huggingface_hub.constants, datasets.config)
+    saved_flags = [module.HF_HUB_OFFLINE for module in flags]
     saved_environment = {key: os.environ.get(key) for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
-    saved_flags = [getattr(sys.modules[module], name) for module, name in flags]
     os.environ.update(dict.fromkeys(saved_environment, "1"))
-    for module, name in flags:
-        setattr(sys.modules[module], name, True)
+    for module in flags:
+        module.HF_HUB_OFFLINE = True
     try:
         yield
     finally:
@@ -118,8 +115,8 @@ def hub_offline() -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        for (module, name), value in zip(flags, saved_flags):
-            setattr(sys.modules[module], name, value)
+        for module, value in zip(flags, saved_flags):
+            module.HF_HUB_OFFLINE = value
 
 
 def import_bitsandbytes_offline() -> None:
