@@ -249,7 +249,10 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
                 self._warn_not_paged(kwargs.get("optimizer"))
         else:
             self._enable_recovery()
-        if state.global_step > 0:
+        if state.global_step == 0:  # a run from the start measures afresh, in a callback used before too
+            self.rows, self._logged_rows, self.warned, self.plan_differences = [], 0, False, None
+            self._resume_from_rows()
+        else:
             resumed = read_rows(os.path.join(args.output_dir, TIMELINE_NAME))
             self.rows = [row for row in resumed if row["step"] <= state.global_step]
             self._logged_rows = len(self.rows)

@@ -183,6 +183,18 @@ def test_callback_state_survives_resume(tmp_path):
         assert [json.loads(line)["step"] for line in file] == [1, 2, 3, 4]
 
 
+def test_a_callback_used_for_a_second_run_from_the_start_measures_it_afresh(tmp_path):
+    """As ``Trainer.hyperparameter_search`` reuses the callbacks for every trial: the second run's timeline, detector
+    and summary hold its own steps only, not the first run's too."""
+    callback = MemorySpikeCallback(warmup=2, plot=False)
+    for run in ("first", "second"):
+        _train(tmp_path / run, callback, max_steps=3)
+        with open(tmp_path / run / "memory_timeline.jsonl") as file:
+            assert [json.loads(line)["step"] for line in file] == [1, 2, 3]
+        assert [row["step"] for row in callback.rows] == [1, 2, 3] and len(callback.detector.peaks) == 3
+        assert callback.summary()["steps"] == 3
+
+
 def _scripted_steps(tmp_path, monkeypatch, callback, peaks, optimizer_factory=None):
     """Run ``callback`` over steps whose forward/backward and optimizer-step peaks the probe reports as scripted."""
     memory = ScriptedMemory(total=64 * GIB, level=1 * GIB)
