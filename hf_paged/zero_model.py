@@ -32,8 +32,12 @@ Collectives move nothing; the figures are rank 0's (the partitions are padded to
 partition differs between ranks by the parameters across its ends). Planned for the CPU, ZeRO-2's all-gather of the
 weights at the end of a step holds a copy of them, as gloo's does; ZeRO-3's gathers of many parameters at once (the
 persistent ones at the end of a step, a prefetch) are not given gloo's copies, which depend on how far its threads got
-(see the README). LoRA's frozen weights are partitioned and gathered as the trainable ones. The planner keeps the last
-micro-batch's loss and inputs through the step, which DeepSpeed's engine takes inside accelerate's backward.
+(see the README). LoRA's frozen weights are partitioned and gathered as the trainable ones, and so are QLoRA's 4-bit
+weights whatever their storage (uint8 too); DeepSpeed releases a gathered parameter by making ``param.data`` an empty
+tensor, which for a 4-bit weight frees nothing while bitsandbytes' ``MatMul4Bit`` keeps a view of it in
+``ctx.tensors`` (a plain attribute, which backward does not free): each 4-bit weight stays whole from its forward until
+its graph goes, so the model releases them so too. The planner keeps the last micro-batch's loss and inputs (and so
+that graph) through the step, which DeepSpeed's engine takes inside accelerate's backward.
 
 Only torch is imported.
 """
@@ -317,8 +321,13 @@ class ZeroModel:
     def _build_stage3(self, model: nn.Module) -> None:
         self._model = model
         trainable = [param for group in self.groups for param in group]
-        frozen = [p for p in model.parameters() if not p.requires_grad and p.is_floating_point()]
+        frozen = [p for p in model.parameters() if not p.requires_grad]
         self._partitioned = {id(param) for param in (*trainable, *frozen)}
+        self._swapped = {id(param): param.shape for param in frozen if getattr(param, "bnb_quantized", False)}
+        """4-bit weights (bitsandbytes' packed ones, of any storage dtype), released as DeepSpeed's ``free_param`` releases
+        every parameter: ``param.data`` becomes an empty tensor, and the gathered tensor lives while anything else holds
+        it (bitsandbytes' ``MatMul4Bit`` keeps a view of it in ``ctx.tensors``, a plain attribute, while its graph
+        lives: under DeepSpeed until after the engine's step, which runs while the Trainer holds the loss)."""
         threshold = self.settings.param_persistence_threshold
         self._persistent = {id(param) for param in (*trainable, *frozen) if param.numel() <= threshold}
         self._persisting = False
@@ -388,18 +397,30 @@ class ZeroModel:
         """Allocate ``param``'s whole tensor again (its storage, which autograd's saved tensors share)."""
         storage = param.untyped_storage()
         if storage.nbytes() == 0:
-            storage.resize_(param.numel() * param.element_size())
-            self.ledger.resized(storage)
-            self._available += param.numel()
+            if id(param) in self._swapped:
+                with self.ledger.labelling("frozen_weights"):
+                    param.data = torch.empty(self._swapped[id(param)], dtype=param.dtype)
+            else:
+                storage.resize_(param.numel() * param.element_size())
+                self.ledger.resized(storage)
+            self._available += self._elements(param)
 
     def _release(self, param: torch.Tensor, after_use: bool = False) -> None:
         """Free ``param``'s whole tensor (its storage, also for the tensors autograd saved); ``after_use``: unless it
         persists (a small parameter, after the first step)."""
         storage = param.untyped_storage()
         if storage.nbytes() and not (after_use and self._persisting and id(param) in self._persistent):
-            storage.resize_(0)
-            self.ledger.resized(storage)
-            self._available -= param.numel()
+            self._available -= self._elements(param)
+            if id(param) in self._swapped:
+                param.data = torch.empty(0, dtype=param.dtype)
+            else:
+                storage.resize_(0)
+                self.ledger.resized(storage)
+
+    def _elements(self, param: torch.Tensor) -> int:
+        """``param``'s elements, whole (a released 4-bit weight's tensor is empty)."""
+        shape = self._swapped.get(id(param))
+        return param.numel() if shape is None else math.prod(shape)
 
     def _fetch(self, module: nn.Module) -> None:
         """``module`` runs (forward, or backward when the gradient of its output arrives): its parameters are gathered;
@@ -422,7 +443,7 @@ class ZeroModel:
             for param in self._own(self._trace[self._next]):
                 if param.untyped_storage().nbytes() == 0:
                     self._gather(param)
-                    ahead += param.numel()
+                    ahead += self._elements(param)
                 self._prefetched_for[id(param)] = max(self._prefetched_for.get(id(param), -1), self._next)
             self._next += 1
 
@@ -474,7 +495,7 @@ class ZeroModel:
             self._release_used(self._frozen_in_backward)
             self._frozen_in_backward = []
             if not self._distance:
-                elements = [sum(param.numel() for param in self._own(module)) for module in self._order]
+                elements = [sum(self._elements(param) for param in self._own(module)) for module in self._order]
                 for index, module in enumerate(self._order):
                     self._distance[id(module)] = 2 * sum(elements[index + 1 :])
             self._position, self._next = -1, 0

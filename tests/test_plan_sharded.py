@@ -122,6 +122,10 @@ CASES = {
     "fsdp2_offload-2-qlora-checkpointing": ("fsdp2_offload", 2, "qlora", ADAMW),
     # The 4-bit weights stored in bfloat16, which accelerate's FSDP2 shards (see CASE_TOLERANCE).
     "fsdp2-2-qlora-bfloat16-storage": ("fsdp2", 2, "qlora", [*ADAMW, "lora.quant_storage=bfloat16"]),
+    # DeepSpeed's ZeRO-3 partitions the 4-bit weights of either storage, and holds each whole from its forward to the
+    # end of the step (see test_zero3_partitions_qlora_4bit_weights_and_holds_them_whole_through_the_step).
+    "zero3-2-qlora-checkpointing-gathered": ("zero3", 2, "qlora", [*ADAMW, GATHERED]),
+    "zero3-2-qlora-bfloat16-storage-gathered": ("zero3", 2, "qlora", [*ADAMW, GATHERED, "lora.quant_storage=bfloat16"]),
 }
 DEFAULT_RUN = ("fsdp2-2-full-float32-paged",)
 
@@ -312,19 +316,8 @@ def test_fsdp2_keeps_qlora_4bit_weights_whole_and_shards_the_rest() -> None:
     assert 0 <= half["frozen_weights"] - (packed + (whole["frozen_weights"] - packed) // 2) < 1024, (half, whole)
 
 
-@pytest.mark.parametrize(
-    ("strategy", "overrides"),
-    [
-        ("fsdp2", []),
-        ("zero3", ["training.deepspeed={zero_optimization: {stage3_param_persistence_threshold: 0}}"]),
-    ],
-)
-def test_qlora_4bit_weights_stored_in_bfloat16_are_sharded(strategy: str, overrides: list[str]) -> None:
-    """With ``lora.quant_storage=bfloat16`` the packed 4-bit weights are floating-point parameters, which FSDP2 (through
-    accelerate) and ZeRO-3 shard: at the step a rank of 2 holds half of every frozen weight, the packed ones included
-    (within a row of padding per tensor), and the whole quantization state, which is no parameter. Before, the plan
-    built uint8 shells whatever the key said; then peft's k-bit preparation cast the bfloat16 shells to float32
-    (it spares bitsandbytes' ``Params4bit`` by class name), and FSDP2's gathered weight lacked the quantization state."""
+def _qlora_step_kinds(strategy: str, overrides: list[str]) -> dict[str, tuple[dict, dict]]:
+    """For each 4-bit storage, the kinds at the step's peak of a one-layer QLoRA on one device and on a rank of 2."""
     lines = [*SMALL_LLAMA, "model.tiny.num_hidden_layers=1", "tokenizer.max_length=16", *ADAMW, *BFLOAT16, *overrides]
     stored = {}
     for storage in ("uint8", "bfloat16"):
@@ -333,11 +326,42 @@ def test_qlora_4bit_weights_stored_in_bfloat16_are_sharded(strategy: str, overri
         half = plan_setup(setup.with_changes(world_size=2, strategy=strategy), "cpu").peak(OPTIMIZER_STEP).by_kind
         assert half["quantization_state"] == whole["quantization_state"] > 0
         stored[storage] = (whole, half)
-    packed = (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 344) // 2  # q, o; k, v; gate, up, down at 4 bits
+    assert stored["bfloat16"][0] == stored["uint8"][0]  # one device: the same bytes, only their dtype differs
+    return stored
+
+
+PACKED = (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 344) // 2
+"""The one-layer small Llama's packed 4-bit weights (bytes): q, o; k, v; gate, up, down at 4 bits."""
+
+
+def test_qlora_4bit_weights_stored_in_bfloat16_are_sharded() -> None:
+    """With ``lora.quant_storage=bfloat16`` the packed 4-bit weights are floating-point parameters, which FSDP2 (through
+    accelerate) shards: at the step a rank of 2 holds half of every frozen weight, the packed ones included (within a
+    row of padding per tensor), and the whole quantization state, which is no parameter. Before, the plan built uint8
+    shells whatever the key said; then peft's k-bit preparation cast the bfloat16 shells to float32 (it spares
+    bitsandbytes' ``Params4bit`` by class name), and FSDP2's gathered weight lacked the quantization state."""
+    stored = _qlora_step_kinds("fsdp2", [])
     whole, half = stored["bfloat16"]
-    assert whole == stored["uint8"][0]  # one device: the same bytes, only their dtype differs
     assert 0 <= half["frozen_weights"] - whole["frozen_weights"] // 2 < 1024, (half, whole)
-    assert stored["uint8"][1]["frozen_weights"] - half["frozen_weights"] == packed // 2
+    assert stored["uint8"][1]["frozen_weights"] - half["frozen_weights"] == PACKED // 2
+
+
+def test_zero3_partitions_qlora_4bit_weights_and_holds_them_whole_through_the_step() -> None:
+    """DeepSpeed's ZeRO-3 partitions QLoRA's 4-bit weights whatever their storage (uint8 ones too: each rank's
+    ``ds_tensor`` holds half), and releases a gathered one as every parameter, by making ``param.data`` an empty tensor.
+    bitsandbytes' ``MatMul4Bit`` keeps a view of the gathered weight in ``ctx.tensors`` (a plain attribute, not a saved
+    tensor, so backward does not free it), and under DeepSpeed the graph lives through the engine's step, which runs
+    inside accelerate's backward while the Trainer holds the loss: at the step a rank holds its half of every frozen
+    weight and the whole packed weights again, with either storage (measured in ``zero3-2-qlora-*`` of :data:`CASES`:
+    14 uint8 tensors of 181,248 bytes in all, each ``(N, 1)``, held by ``MatMul4BitBackward``). Before, the plan kept
+    uint8 weights whole and unpartitioned and freed bfloat16 ones in place, which frees the view too: the step planned
+    0.943 (uint8) and 0.889 (bfloat16) of the measured peak."""
+    stored = _qlora_step_kinds(
+        "zero3", ["training.deepspeed={zero_optimization: {stage3_param_persistence_threshold: 0}}"]
+    )
+    assert stored["uint8"][1] == stored["bfloat16"][1]
+    whole, half = stored["uint8"]
+    assert 0 <= half["frozen_weights"] - (whole["frozen_weights"] // 2 + PACKED) < 1024, (half, whole)
 
 
 def test_bad_sharding_arguments_are_named() -> None:
