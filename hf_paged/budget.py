@@ -56,7 +56,9 @@ class AutoBudget:
     """
 
     _planned: int | None = None
+    _planned_for: str | None = None
     _planned_steps: int = 0
+    _owner: weakref.ref | None = None
 
     def __init__(
         self,
@@ -80,15 +82,37 @@ class AutoBudget:
     def __getstate__(self) -> dict:
         """Copies and pickles keep the settings and measured peaks, not the probe nor the optimizer's state:
         binding measures again."""
-        return {**self.__dict__, "probe": None, "_state": None}
+        return {**self.__dict__, "probe": None, "_state": None, "_owner": None}
 
-    def bind(self, device: torch.device, state: StateBytes | None = None) -> None:
-        """Measure ``device`` with its shared probe unless a probe was given, for an optimizer whose state there
-        ``state`` reports; the automatic budgets of all optimizers on one probe share its memory."""
-        if self.probe is None:
-            self.probe = probe_for(device)
-        self._state = state
+    def bind(self, device: torch.device, state: StateBytes | None = None, owner: object | None = None) -> None:
+        """Measure ``device`` with its shared probe unless a probe was given, for the optimizer ``owner`` whose state
+        there ``state`` reports; the automatic budgets of all optimizers on one probe share its memory.
+
+        Raises ValueError where this budget measures another optimizer still (each needs its own, or their budgets
+        together would take the room twice), or a plan given for another kind of device."""
+        bound = self._owner() if self._owner is not None else None
+        if owner is not None and bound is not None and bound is not owner:
+            raise ValueError(
+                "device_budget: this AutoBudget already sets another optimizer's budget; give each optimizer its own "
+                "('auto', or an AutoBudget each): optimizers on one device share its room through their own budgets"
+            )
+        probe = self.probe if self.probe is not None else probe_for(device)
+        if self._planned_for is not None and self._planned_for != probe.device.type:
+            raise ValueError(
+                f"planned_peak: the plan is for {self._planned_for}, this budget measures {probe.device}: plan for "
+                "the device that trains"
+            )
+        self.probe, self._state = probe, state
+        self._owner = None if owner is None else weakref.ref(owner)
         _PEERS.setdefault(self.probe, weakref.WeakSet()).add(self)
+
+    def unbind(self) -> None:
+        """Stop measuring for the optimizer this budget was bound to (which no longer uses it): it is no longer one
+        of the device's peers, whose shares of the room it would lower."""
+        peers = _PEERS.get(self.probe) if self.probe is not None else None
+        if peers is not None:
+            peers.discard(self)
+        self._state, self._owner = None, None
 
     def alone(self) -> bool:
         """Whether no other bound automatic budget measures this budget's probe."""
@@ -164,6 +188,7 @@ class AutoBudget:
         """
         if isinstance(planned_peak, (int, str)) and not isinstance(planned_peak, bool):
             peak = parse_size(planned_peak, "planned_peak")
+            self._planned_for = None
         elif hasattr(planned_peak, "forward_backward_peak_without_state"):
             # a MemoryPlan, known by what is read of it: hf_paged.planner sits above the optimizers, which use this
             planned_for = torch.device(planned_peak.device).type
@@ -172,6 +197,7 @@ class AutoBudget:
                     f"planned_peak: the plan is for {planned_for}, this budget measures {self.probe.device}: plan for "
                     "the device that trains"
                 )
+            self._planned_for = planned_for
             peak = planned_peak.forward_backward_peak_without_state
         else:
             raise TypeError(

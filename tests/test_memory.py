@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -260,6 +262,38 @@ def test_automatic_budgets_of_two_optimizers_and_another_process_share_one_devic
     assert max(device.peaks_with_state) + other_process <= capacity, device.peaks_with_state
     state = sum(o.paging_stats()["pages_total"] for o in optimizers) * page
     assert state + activations + other_process > capacity  # not everything fits: the budgets had to share
+
+
+def test_one_automatic_budget_is_not_taken_by_two_optimizers():
+    """Each optimizer's budget is its share of the room: one AutoBudget for two would give each all of it."""
+    probe = MemoryProbe("cpu", memory=ScriptedMemory())
+    shared = AutoBudget(probe=probe)
+    first = hf_paged.PagedAdamW(_two_layer(0).parameters(), page_size=4096, device_budget=shared)
+    with pytest.raises(ValueError, match="device_budget: this AutoBudget already sets another optimizer's budget"):
+        hf_paged.PagedAdamW(_two_layer(1).parameters(), page_size=4096, device_budget=shared)
+    first.set_device_budget(None)  # handed back: another optimizer may take it
+    hf_paged.PagedAdamW(_two_layer(1).parameters(), page_size=4096, device_budget=shared)
+
+
+def test_an_optimizer_that_leaves_automatic_budgets_no_longer_shares_the_device():
+    """Even where its AutoBudget lives on (the user's, kept to read its measurements)."""
+    probe = MemoryProbe("cpu", memory=ScriptedMemory())
+    budgets = [AutoBudget(probe=probe), AutoBudget(probe=probe)]
+    optimizers = [
+        hf_paged.PagedAdamW(_two_layer(seed).parameters(), page_size=4096, device_budget=budget)
+        for seed, budget in enumerate(budgets)
+    ]
+    assert not budgets[1].alone() and budgets[1].share() == 0.5
+    optimizers[0].set_device_budget("1MiB")
+    assert budgets[1].alone() and budgets[1].share() == 1.0
+
+
+def test_a_plan_for_another_device_is_refused_when_the_budget_binds():
+    """A plan given to the constructor is checked once the budget knows its device: a plan of the CPU (``plan``'s
+    default device) on a budget measuring an accelerator is a mistake the budget names."""
+    cuda_plan = SimpleNamespace(device="cuda", forward_backward_peak_without_state=1 * GIB)
+    with pytest.raises(ValueError, match="planned_peak: the plan is for cuda, this budget measures cpu"):
+        hf_paged.PagedAdamW(_two_layer(0).parameters(), device_budget=AutoBudget(planned_peak=cuda_plan))
 
 
 def test_a_copy_keeps_the_measured_peaks_and_leaves_the_original_measuring(monkeypatch):

@@ -846,6 +846,10 @@ class PagedOptimizer(Optimizer):
         """
         parsed = DeviceBudget.parse(budget, "budget", self.page_size)
         resolved = parsed.resolve(list(self._store.stores))
+        kept = {id(device_budget) for device_budget in resolved.values()}
+        for auto in self._auto_budgets.values():
+            if id(auto) not in kept:
+                auto.unbind()
         self._budget, self._auto_budgets = parsed, {}
         for device, device_budget in resolved.items():
             if isinstance(device_budget, AutoBudget):
@@ -873,7 +877,7 @@ class PagedOptimizer(Optimizer):
     def _bind_auto_budget(self, device: str) -> None:
         """Measure ``device``; its first forward/backward is measured from now."""
         auto = self._auto_budgets[device]
-        auto.bind(torch.device(device), state=lambda: self._state_bytes_on(device))
+        auto.bind(torch.device(device), state=lambda: self._state_bytes_on(device), owner=self)
         if auto.alone():  # another optimizer measuring the device keeps its phase (a copy must not reset it)
             auto.probe.mark(_BETWEEN_STEPS)
 
