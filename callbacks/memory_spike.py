@@ -308,15 +308,16 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
             capacity=self.device_capacity if self.device_capacity is not None else probe.capacity,
             host_resident=probe.host_resident(),
         )
+        state_bytes = self._state_in_peak(row)
         baseline = self.detector.baseline()
-        row["baseline"] = baseline[0] if baseline is not None else None
-        spike = self.detector.observe(row["step"], row["forward_backward_peak"])
+        row["baseline"] = baseline[0] + state_bytes if baseline is not None else None
+        spike = self.detector.observe(row["step"], row["forward_backward_peak"] - state_bytes)
         row["spike"] = spike is not None
         if spike is not None:
             logger.info(
                 "hf-paged: memory spike at step %d: forward/backward peak %.2f GiB, %.2f GiB above the baseline",
                 spike.step,
-                spike.peak / GIB,
+                row["forward_backward_peak"] / GIB,
                 spike.size / GIB,
             )
         self._warn_near_capacity(row)
@@ -424,12 +425,20 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
             _PAGING_METRICS,
         )
 
+    def _state_in_peak(self, row: dict[str, Any]) -> int:
+        """Bytes of optimizer state in ``row``'s forward/backward peak, which the spike detector leaves out: a peak
+        that rises only by the state an automatic budget lets back onto the device is no spike. None where the probe
+        reads the process's resident memory, which holds the state wherever its pages are."""
+        if isinstance(getattr(self._probe, "_memory", None), HostMemory):
+            return 0
+        return row.get("state_bytes_forward") or 0
+
     def _resume_from_rows(self) -> None:
         """Rebuild the spike detector (its recent peaks and the spikes it flagged) and the recovery count from the
         rows read back at a resume, as they were when those steps were measured."""
-        peaks = [row["forward_backward_peak"] for row in self.rows]
+        peaks = [row["forward_backward_peak"] - self._state_in_peak(row) for row in self.rows]
         spikes = [
-            {"step": row["step"], "peak": peak, "size": peak - row["baseline"]}
+            {"step": row["step"], "peak": peak, "size": row["forward_backward_peak"] - row["baseline"]}
             for row, peak in zip(self.rows, peaks)
             if row["spike"]
         ]

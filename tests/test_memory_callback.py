@@ -23,6 +23,7 @@ from hf_paged.memory import MemoryProbe
 from memory_utils import GIB, ScriptedMemory
 from trainer_utils import tiny_llama, token_dataset, training_args
 
+KIB = 2**10
 MIB = 2**20
 
 
@@ -193,6 +194,72 @@ def test_a_callback_used_for_a_second_run_from_the_start_measures_it_afresh(tmp_
             assert [json.loads(line)["step"] for line in file] == [1, 2, 3]
         assert [row["step"] for row in callback.rows] == [1, 2, 3] and len(callback.detector.peaks) == 3
         assert callback.summary()["steps"] == 3
+
+
+class _DeviceWithPages:
+    """A simulated accelerator's memory: what training allocates (``level``) plus the optimizer's resident pages."""
+
+    can_reset_peak = True
+
+    def __init__(self, total: int) -> None:
+        self._total, self.level, self.optimizer, self._peak = total, 0, None, 0
+
+    def allocated(self) -> int:
+        pages = self.optimizer.paging_stats()["device_bytes"] if self.optimizer is not None else 0
+        self._peak = max(self._peak, self.level + pages)
+        return self.level + pages
+
+    reserved = resident = allocated
+
+    def peak(self) -> int:
+        self.allocated()
+        return self._peak
+
+    def reset_peak(self) -> None:
+        self._peak = 0
+        self.allocated()
+
+    def total(self) -> int:
+        return self._total
+
+    def free(self) -> int:
+        return self._total - self.allocated()
+
+    def set(self, level: int) -> None:
+        self.level = level
+        self.allocated()
+
+
+def test_state_an_automatic_budget_lets_back_is_no_spike(tmp_path, monkeypatch):
+    """One real spike (step 6) makes the automatic budget move the state to the host until the spike leaves its
+    window; the state's return raises the measured peaks again by its bytes, which is the optimizer's own doing,
+    not a spike: only step 6 is flagged (before, every step of the state's return was)."""
+    memory = _DeviceWithPages(total=4 * MIB)
+    monkeypatch.setitem(hf_paged.memory._probes, "cpu", MemoryProbe("cpu", memory=memory))
+    model = torch.nn.Linear(256, 256)  # 514 KiB of fp32 AdamW state
+    optimizer = hf_paged.PagedAdamW(
+        model.parameters(), page_size="64KiB", device_budget=AutoBudget(window=6, probe=hf_paged.memory._probes["cpu"])
+    )
+    memory.optimizer = optimizer
+    callback = MemorySpikeCallback(window=8, warmup=3, plot=False, oom_retries=0)
+    args = training_args(tmp_path, optim="adamw_torch")
+    state = TrainerState()
+    callback.on_train_begin(args, state, TrainerControl(), optimizer=optimizer)
+    memory.set(1000 * KIB)
+    for step in range(1, 21):
+        callback.on_step_begin(args, state, TrainerControl(), optimizer=optimizer)
+        memory.set((3600 if step == 6 else 3000) * KIB)  # the activations' peak
+        memory.set(1000 * KIB)
+        model(torch.randn(4, 256)).sum().backward()
+        callback.on_pre_optimizer_step(args, state, TrainerControl(), optimizer=optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        callback.on_optimizer_step(args, state, TrainerControl(), optimizer=optimizer)
+        state.global_step += 1
+        callback.on_step_end(args, state, TrainerControl(), optimizer=optimizer)
+    resident = [row["state_bytes_forward"] for row in callback.rows]
+    assert min(resident[6:]) < resident[-1] == max(resident)  # the state left the device and came back
+    assert [spike.step for spike in callback.detector.spikes] == [6]
 
 
 def _scripted_steps(tmp_path, monkeypatch, callback, peaks, optimizer_factory=None):
