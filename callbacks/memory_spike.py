@@ -30,6 +30,7 @@ peaks of the first steps with it.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 from collections.abc import Iterable, Mapping, Sequence
@@ -149,8 +150,16 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
             not isinstance(safety_margin, (int, float)) or isinstance(safety_margin, bool) or not 0 <= safety_margin < 1
         ):
             raise ValueError(f"safety_margin must be None or a fraction in [0, 1), got {safety_margin!r}")
+        if (
+            not isinstance(spike_margin, (int, float))
+            or isinstance(spike_margin, bool)
+            or not 0 <= spike_margin < math.inf
+        ):
+            raise ValueError(f"spike_margin must be a finite number >= 0, got {spike_margin!r}")
         self.detector = SpikeDetector(window=window, warmup=warmup, margin=spike_margin)
         self.device_capacity = None if device_capacity is None else parse_size(device_capacity, "device_capacity")
+        if self.device_capacity == 0:
+            raise ValueError("device_capacity must be at least 1 byte (None: the device's), got 0")
         self.safety_margin = safety_margin
         self.warn_fraction = warn_fraction
         self.plot = plot

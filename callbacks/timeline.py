@@ -115,4 +115,6 @@ def plot_rows(rows: Sequence[dict[str, Any]], path: str) -> None:
     state.set_ylabel(unit + (" (log scale)" if logarithmic else ""))
     state.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     figure.tight_layout()
-    figure.savefig(path)
+    partial = f"{path}.partial.png"  # replaced atomically, as the rows are
+    figure.savefig(partial)
+    os.replace(partial, path)

@@ -159,11 +159,20 @@ class AutoBudget:
     @property
     def capacity(self) -> int:
         """Bytes the device offers: the one given, else the probe's."""
-        return self._capacity if self._capacity is not None else self.probe.capacity
+        if self._capacity is not None:
+            return self._capacity
+        if self.probe is None:
+            raise ValueError(
+                "capacity: this AutoBudget measures no device yet; give it capacity=, or an optimizer's device_budget"
+            )
+        return self.probe.capacity
 
     @capacity.setter
     def capacity(self, capacity: int | str | None) -> None:
-        self._capacity = None if capacity is None else parse_size(capacity, "capacity")
+        parsed = None if capacity is None else parse_size(capacity, "capacity")
+        if parsed == 0:
+            raise ValueError("capacity must be at least 1 byte (None: the device's), got 0")
+        self._capacity = parsed
 
     @property
     def usable(self) -> int:

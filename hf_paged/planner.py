@@ -58,7 +58,7 @@ from .sharded_trace import (
     traceable_engines,
 )
 from .sharding import Strategy, Wrap, default_wrap, strategy_named
-from .sizes import format_size
+from .sizes import format_size, parse_size
 from .zero_model import ZeroModel
 
 FORWARD_BACKWARD = "forward_backward"
@@ -166,9 +166,17 @@ class MemoryPlan:
         """Highest bytes live at any time of training."""
         return max(self.forward_backward_peak, self.optimizer_step_peak)
 
-    def fits(self, capacity: int) -> bool:
-        """Whether training fits in ``capacity`` bytes of device memory."""
-        return self.peak_bytes <= capacity
+    def fits(self, capacity: int | str) -> bool:
+        """Whether training fits in ``capacity`` bytes of device memory (or a size string such as ``"24GiB"``)."""
+        return self.peak_bytes <= parse_size(capacity, "capacity")
+
+
+def _device_type(device: str | torch.device) -> str | None:
+    """The type of ``device``, ``None`` where it names none."""
+    try:
+        return torch.device(device).type
+    except RuntimeError:
+        return None
 
 
 class _Ledger:
@@ -1033,6 +1041,11 @@ def plan(
         raise ValueError(f"accumulation must be an integer >= 1, got {accumulation!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    for name, value in (("step_temporaries", step_temporaries), ("host_memory_apart", host_memory_apart)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    if not isinstance(device, (str, torch.device)) or _device_type(device) not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or a CUDA device ('cuda', 'cuda:1' or a torch.device), got {device!r}")
     if strategy is None and (world_size > 1 or wrap is not None):
         raise ValueError("world_size > 1 and wrap need a strategy (one of hf_paged.sharding.STRATEGIES)")
     sharding = None if strategy is None else strategy_named(strategy)

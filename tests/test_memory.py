@@ -296,6 +296,16 @@ def test_a_plan_for_another_device_is_refused_when_the_budget_binds():
         hf_paged.PagedAdamW(_two_layer(0).parameters(), device_budget=AutoBudget(planned_peak=cuda_plan))
 
 
+def test_an_automatic_budget_names_a_capacity_it_cannot_have():
+    with pytest.raises(ValueError, match=r"capacity must be at least 1 byte \(None: the device's\), got 0"):
+        AutoBudget(capacity=0)
+    unbound = AutoBudget(planned_peak="1GiB")
+    for read in (lambda: unbound.usable, unbound.resting_budget):
+        with pytest.raises(ValueError, match="capacity: this AutoBudget measures no device yet"):
+            read()
+    assert AutoBudget(capacity="2GiB", safety_margin=0.5).usable == 1 * GIB
+
+
 def test_a_copy_keeps_the_measured_peaks_and_leaves_the_original_measuring(monkeypatch):
     import copy
 

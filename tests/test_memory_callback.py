@@ -344,8 +344,10 @@ def test_a_plan_is_handed_to_the_automatic_budget_and_not_compared_with_resident
         ({"safety_margin": 1.0}, r"safety_margin must be None or a fraction in \[0, 1\), got 1.0"),
         ({"safety_margin": "0.1"}, r"safety_margin must be None or a fraction in \[0, 1\), got '0.1'"),
         ({"warn_fraction": float("nan")}, r"warn_fraction must be a fraction in \(0, 1\], got nan"),
-        ({"spike_margin": float("inf")}, "margin must be a finite number >= 0, got inf"),
+        ({"spike_margin": float("inf")}, "^spike_margin must be a finite number >= 0, got inf"),
+        ({"spike_margin": -1}, "^spike_margin must be a finite number >= 0, got -1"),
         ({"device_capacity": float("inf")}, "device_capacity must be a finite, non-negative size, got inf"),
+        ({"device_capacity": 0}, r"device_capacity must be at least 1 byte \(None: the device's\), got 0"),
     ],
 )
 def test_callback_rejects_numbers_out_of_range_when_built(kwargs, message):

@@ -222,6 +222,16 @@ def test_bad_arguments_are_named() -> None:
         plan(build(), lambda: torch.zeros(2), lambda m: torch.optim.SGD(m.parameters()))
     with pytest.raises(ValueError, match="no scalar loss"):
         plan(build, lambda: torch.zeros(3, 2), lambda m: torch.optim.SGD(m.parameters()))
+    for device in ("gpu", None, 0, "meta"):
+        with pytest.raises(ValueError, match=f"device must be 'cpu' or a CUDA device .*, got {device!r}"):
+            plan(build, lambda: torch.zeros(2), lambda m: torch.optim.SGD(m.parameters()), device=device)
+    for name in ("step_temporaries", "host_memory_apart"):
+        with pytest.raises(TypeError, match=f"{name} must be True or False, got 'yes'"):
+            plan(build, lambda: torch.zeros(2), lambda m: torch.optim.SGD(m.parameters()), **{name: "yes"})
+    planned = plan(build, lambda: torch.zeros(2), lambda m: torch.optim.SGD(m.parameters()), loss=lambda m, b: m(b).sum())
+    assert planned.fits("1GiB") and not planned.fits(1)
+    with pytest.raises(ValueError, match="capacity must be a finite, non-negative size, got -1"):
+        planned.fits(-1)
 
 
 def test_cli_verdict_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
