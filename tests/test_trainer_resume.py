@@ -11,6 +11,7 @@ import hf_paged  # (registers the optimizer names and the resume path)
 import hf_paged.memory
 from hf_paged.callbacks import MemorySpikeCallback
 from hf_paged.memory import MemoryProbe
+from hf_paged.recovery import paged_optimizer_of
 
 from memory_utils import GIB, ScriptedMemory
 from trainer_utils import tiny_llama, token_dataset, training_args
@@ -145,12 +146,19 @@ SCRIPTED_PEAKS = [2, 2, 2, 2, 4, 2, 2, 4]
 
 
 def _train_scripted(output, callback, resume=None) -> Trainer:
-    """Train 8 steps (a checkpoint at step 6) whose forward/backward peaks the probe reads from SCRIPTED_PEAKS."""
+    """Train 8 steps (a checkpoint at step 6) whose forward/backward peaks the probe reads from SCRIPTED_PEAKS, with
+    the optimizer's pages on the device on top, as an accelerator's memory holds them (a resumed run's state comes
+    back to the device in its first step, not before its forward)."""
     args = training_args(output, optim="hf_paged_adamw_8bit", max_steps=8, save_strategy="steps", save_steps=6)
     model = tiny_llama()
     trainer = Trainer(model=model, args=args, train_dataset=token_dataset(64), callbacks=[callback])
     memory = hf_paged.memory.probe_for("cpu")._memory
-    model.register_forward_hook(lambda *_: memory.spike(int(SCRIPTED_PEAKS[trainer.state.global_step] * GIB), GIB))
+
+    def forward_peak(*_) -> None:
+        state = paged_optimizer_of(trainer.optimizer).paging_stats()["device_bytes"]
+        memory.spike(int(SCRIPTED_PEAKS[trainer.state.global_step] * GIB) + state, GIB)
+
+    model.register_forward_hook(forward_peak)
     trainer.train(resume_from_checkpoint=resume)
     return trainer
 
