@@ -90,24 +90,25 @@ def _check_hyperparameters(r: Any, lora_alpha: Any, lora_dropout: Any, quant_typ
 
 def _parse_compute_dtype(compute_dtype: Any) -> torch.dtype | None:
     """The requested compute dtype, or ``None`` for ``"auto"``."""
-    if isinstance(compute_dtype, torch.dtype) and compute_dtype in COMPUTE_DTYPES.values():
-        return compute_dtype
-    if isinstance(compute_dtype, str) and compute_dtype in COMPUTE_DTYPES:
-        return COMPUTE_DTYPES[compute_dtype]
     if compute_dtype == "auto":
         return None
-    allowed = ", ".join(f"{name!r}" for name in ("auto", *COMPUTE_DTYPES))
-    raise ValueError(f"compute_dtype must be one of {allowed} or the torch dtype of one, got {compute_dtype!r}")
+    return _named_dtype(compute_dtype, COMPUTE_DTYPES, "compute_dtype", also=("auto",))
 
 
 def _parse_quant_storage(quant_storage: Any) -> torch.dtype:
     """The requested storage dtype of the packed 4-bit codes."""
-    if isinstance(quant_storage, torch.dtype) and quant_storage in QUANT_STORAGES.values():
-        return quant_storage
-    if isinstance(quant_storage, str) and quant_storage in QUANT_STORAGES:
-        return QUANT_STORAGES[quant_storage]
-    allowed = ", ".join(map(repr, QUANT_STORAGES))
-    raise ValueError(f"quant_storage must be one of {allowed} or the torch dtype of one, got {quant_storage!r}")
+    return _named_dtype(quant_storage, QUANT_STORAGES, "quant_storage")
+
+
+def _named_dtype(value: Any, names: dict[str, torch.dtype], argument: str, also: tuple[str, ...] = ()) -> torch.dtype:
+    """``value``, one of the dtypes of ``names`` or its name; anything else is a ValueError naming ``argument`` and
+    the names allowed (``also``: those the caller takes besides)."""
+    if isinstance(value, torch.dtype) and value in names.values():
+        return value
+    if isinstance(value, str) and value in names:
+        return names[value]
+    allowed = ", ".join(map(repr, (*also, *names)))
+    raise ValueError(f"{argument} must be one of {allowed} or the torch dtype of one, got {value!r}")
 
 
 def _auto_compute_dtype(device: torch.device) -> torch.dtype:
