@@ -120,17 +120,12 @@ def hub_offline() -> Iterator[None]:
 
 
 def import_bitsandbytes_offline() -> None:
-    """Import bitsandbytes (if installed) with the Hub offline, before anything else imports it (peft does, with
-    transformers' Trainer): its CPU backend asks the Hub for a kernel repository when imported on a CPU with
-    AVX512-bf16, which it cannot load unless that repository is trusted, and it goes on without it. hf-paged's
-    command line does without the request, which online is a wait and offline a failed lookup."""
-    import huggingface_hub.constants as hub
-
-    offline = hub.HF_HUB_OFFLINE
-    hub.HF_HUB_OFFLINE = True
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError:
-        pass
-    finally:
-        hub.HF_HUB_OFFLINE = offline
+    """Import bitsandbytes (if installed) with the Hub offline (:func:`hub_offline`), before anything else imports
+    it (peft does, with transformers' Trainer): its CPU backend asks the Hub for a kernel repository when imported
+    on a CPU with AVX512-bf16, which it cannot load unless that repository is trusted, and it goes on without it.
+    hf-paged's command line does without the request, which online is a wait and offline a failed lookup."""
+    with hub_offline():
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            pass
