@@ -97,11 +97,7 @@ class AutoBudget:
                 "('auto', or an AutoBudget each): optimizers on one device share its room through their own budgets"
             )
         probe = self.probe if self.probe is not None else probe_for(device)
-        if self._planned_for is not None and self._planned_for != probe.device.type:
-            raise ValueError(
-                f"planned_peak: the plan is for {self._planned_for}, this budget measures {probe.device}: plan for "
-                "the device that trains"
-            )
+        _check_plan_device(self._planned_for, probe)
         self.probe, self._state = probe, state
         self._owner = None if owner is None else weakref.ref(owner)
         _PEERS.setdefault(self.probe, weakref.WeakSet()).add(self)
@@ -201,11 +197,8 @@ class AutoBudget:
         elif hasattr(planned_peak, "forward_backward_peak_without_state"):
             # a MemoryPlan, known by what is read of it: hf_paged.planner sits above the optimizers, which use this
             planned_for = torch.device(planned_peak.device).type
-            if self.probe is not None and planned_for != self.probe.device.type:
-                raise ValueError(
-                    f"planned_peak: the plan is for {planned_for}, this budget measures {self.probe.device}: plan for "
-                    "the device that trains"
-                )
+            if self.probe is not None:
+                _check_plan_device(planned_for, self.probe)
             self._planned_for = planned_for
             peak = planned_peak.forward_backward_peak_without_state
         else:
@@ -267,3 +260,12 @@ class AutoBudget:
         """The budget while the optimizer steps: what the step leaves free, at least ``minimum`` bytes."""
         others = self.probe.allocated() - state_bytes
         return max(minimum, self.usable - others - workspace)
+
+
+def _check_plan_device(planned_for: str | None, probe: MemoryProbe) -> None:
+    """A plan for the device type ``planned_for`` (``None``: no plan's) may budget the device ``probe`` measures."""
+    if planned_for is not None and planned_for != probe.device.type:
+        raise ValueError(
+            f"planned_peak: the plan is for {planned_for}, this budget measures {probe.device}: plan for the device "
+            "that trains"
+        )
