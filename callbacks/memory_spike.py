@@ -246,7 +246,7 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
                 auto_budget.expect(self.plan)
         self._automatic_budget, self._state_left_device = auto_budget is not None, False
         self._compare_plan = self.planned_peaks is not None and state.global_step < self.planned_steps
-        if self._compare_plan and isinstance(getattr(self._probe, "_memory", None), HostMemory):
+        if self._compare_plan and self._reads_resident_memory():
             self._compare_plan = False
             logger.info(
                 "hf-paged: the plan is not compared with the measured peaks on %s: its probe reads the process's "
@@ -438,9 +438,11 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
         """Bytes of optimizer state in ``row``'s forward/backward peak, which the spike detector leaves out: a peak
         that rises only by the state an automatic budget lets back onto the device is no spike. None where the probe
         reads the process's resident memory, which holds the state wherever its pages are."""
-        if isinstance(getattr(self._probe, "_memory", None), HostMemory):
-            return 0
-        return row.get("state_bytes_forward") or 0
+        return 0 if self._reads_resident_memory() else row.get("state_bytes_forward") or 0
+
+    def _reads_resident_memory(self) -> bool:
+        """Whether the probe reads the process's resident memory (the CPU), not an accelerator's allocated bytes."""
+        return isinstance(getattr(self._probe, "_memory", None), HostMemory)
 
     def _resume_from_rows(self) -> None:
         """Rebuild the spike detector (its recent peaks and the spikes it flagged) and the recovery count from the
