@@ -702,3 +702,12 @@ def test_for_zero2_paging_halves_the_fewest_processes_that_train_under_a_memory_
     assert [trains(world_size, page, f"paged-{world_size}") for world_size in (1, 2)] == [False, True]
     unpaged = [trains(world_size, None, f"unpaged-{world_size}") for world_size in (1, 2, 3, 4)]
     assert unpaged == [False, False, False, True], unpaged
+
+
+@pytest.mark.parametrize("storage", ["uint8", "bfloat16"])
+def test_the_plan_header_names_the_4bit_storage(storage: str) -> None:
+    """A QLoRA plan's header names the storage of its 4-bit weights, on which the sharded plans depend (FSDP2 shards
+    floating-point storage only); the other methods have none to name."""
+    config = load_config(None, [*SMALL_LLAMA, f"lora.quant_storage={storage}"])
+    assert f"qlora (4-bit weights stored as {storage}), batch 2" in setup_from_config(config, "qlora").describe()
+    assert "4-bit" not in setup_from_config(config, "lora").describe()

@@ -97,8 +97,9 @@ class TrainingSetup:
         if self.gradient_checkpointing:
             checkpointing = "reentrant" if self.reentrant else "on"
         sharded = "" if self.strategy is None else f", {self.strategy} on {self.world_size} GPUs (one rank's memory)"
+        storage = f" (4-bit weights stored as {self.config.lora.quant_storage})" if self.method == "qlora" else ""
         return (
-            f"{self.method}, batch {self.batch_size} x {self.sequence_length} tokens"
+            f"{self.method}{storage}, batch {self.batch_size} x {self.sequence_length} tokens"
             f"{f' (x{self.accumulation} accumulation)' if self.accumulation > 1 else ''}, "
             f"checkpointing {checkpointing}, {self.optimizer_name}{sharded}"
         )
