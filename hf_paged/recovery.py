@@ -209,8 +209,8 @@ class OOMRecovery:
     Call :meth:`start_window` (or enter :meth:`window`) before the first micro-batch of each step, with the
     gradients cleared (``zero_grad()``), and :meth:`run` for each micro-batch. On a
     ``torch.OutOfMemoryError`` it evicts all optimizer state to host memory, frees cached device memory,
-    resets the gradients to ``None`` and replays the step's micro-batches so far, each from its recorded
-    generator state; an automatic budget is told that the step needed at least the whole device. After
+    resets the gradients (of the optimizer's parameters and of every trainable one of ``model``) to ``None`` and
+    replays the step's micro-batches so far, each from its recorded generator state; an automatic budget is told that the step needed at least the whole device. After
     ``retries`` failures within one step the error is raised again with a note on what was tried, what the
     memory held and what to change.
 
@@ -229,8 +229,9 @@ class OOMRecovery:
             replay on every rank).
         model: the model the micro-batches run (the ``DistributedDataParallel`` one where it is); its buffers (which
             forward may change, as BatchNorm's running statistics) are copied when each window opens (under DDP
-            after its broadcast of rank 0's) and put back before a replay, so the replayed micro-batches count once.
-            ``None``: buffers are not restored.
+            after its broadcast of rank 0's) and put back before a replay, so the replayed micro-batches count once;
+            a replay drops the gradients of all its parameters that require one, those another optimizer holds too.
+            ``None``: buffers are not restored, and only the optimizer's parameters' gradients are dropped.
         replay_obstacle: asked at each failure why a replay would not be exact here (a sentence, such as "the other
             ranks wait in the model's collectives"), or ``None`` where it would; with a sentence the error is raised
             with it as a note. ``None``: nothing keeps a replay from being exact.
@@ -283,6 +284,14 @@ class OOMRecovery:
         """The tensors that the optimizer's param groups hold now (engines swap them after construction)."""
         return [param for group in self.optimizer.param_groups for param in group["params"]]
 
+    def _trained(self) -> list[torch.Tensor]:
+        """The tensors whose gradients a micro-batch accumulates: the optimizer's parameters and every parameter of
+        the model that requires a gradient (another optimizer may hold some; a replay must drop theirs too)."""
+        params = {param: None for param in self._params()}
+        if self._module is not None:
+            params.update((param, None) for param in self._module.parameters() if param.requires_grad)
+        return list(params)
+
     def _accelerator_kinds(self) -> set[str]:
         """The accelerator kinds that the optimizer's parameters and the model live on (a model with
         ``device_map`` offload may start on the CPU and run dropout on CUDA)."""
@@ -295,7 +304,7 @@ class OOMRecovery:
         self._open = True
         self._micro_batches.clear()
         self._failures = self._replays = self._attempt = 0
-        self._grads_at_start = any(param.grad is not None for param in self._params())
+        self._grads_at_start = any(param.grad is not None for param in self._trained())
         self._accelerators = self._accelerator_kinds()
         taken_after_broadcast = self._ddp is not None  # by the DDP hook as the window's first forward begins
         keeps_buffers = self.model is not None and self.retries > 0 and not taken_after_broadcast
@@ -420,7 +429,7 @@ class OOMRecovery:
         if synchronized:
             self._ask_every_rank_to_replay(error, failed, evicted)
             return
-        for param in self._params():
+        for param in self._trained():
             param.grad = None
         if self._buffers is not None:
             self._buffers.restore()
@@ -502,7 +511,7 @@ class OOMRecovery:
         """Once this rank's all-reduces of the failed attempt completed: drop the step's gradients, put back the
         buffers and DDP's state as the step began, and report the replay that follows."""
         self._ddp.prepare_replay()
-        for param in {*self._params(), *self._ddp.parameters}:
+        for param in {*self._trained(), *self._ddp.parameters}:
             param.grad = None
         if self._buffers is not None:
             self._buffers.restore()

@@ -389,3 +389,53 @@ def test_replay_restores_python_and_numpy_generators():
     model, losses = run((4,))
     assert losses == reference_losses
     assert torch.equal(model.weight, reference.weight)
+
+
+def test_replay_drops_the_gradients_of_model_parameters_another_optimizer_holds():
+    """The body under PagedAdamW, the head under SGD: a replay after an error mid-backward (the head's gradient
+    already accumulated) counts each micro-batch's gradient once, the head's too."""
+
+    def gradients(fail: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        recovery = hf_paged.OOMRecovery(hf_paged.PagedAdamW(model[0].parameters(), lr=1e-2), model=model)
+        failures = [1 if fail else 0]
+
+        def fail_once(grad: torch.Tensor) -> torch.Tensor:
+            if failures[0]:
+                failures[0] -= 1
+                raise torch.OutOfMemoryError("injected in backward")
+            return grad
+
+        def forward_backward(micro_batch: torch.Tensor, last: bool) -> None:
+            hidden = model[1](model[0](micro_batch))
+            if last:
+                hidden.register_hook(fail_once)  # reached after the head's gradient is accumulated
+            model[2](hidden).square().mean().backward()
+
+        data = torch.randn(2, 4, 8)
+        with recovery.window(1):
+            recovery.run(forward_backward, data[0], False)
+            recovery.run(forward_backward, data[1], True)
+        assert recovery.recoveries == int(fail)
+        return [param.grad for param in model.parameters()]
+
+    for mine, theirs in zip(gradients(fail=True), gradients(fail=False)):
+        assert torch.equal(mine, theirs)
+
+
+def test_gradients_left_on_model_parameters_another_optimizer_holds_are_not_silently_doubled():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    recovery = hf_paged.OOMRecovery(hf_paged.PagedAdamW(model[0].parameters()), model=model)
+    model[1].weight.grad = torch.zeros_like(model[1].weight)  # the head's optimizer zeroed it in place
+    failures = [1]
+
+    def forward_backward() -> None:
+        model(torch.randn(2, 8)).sum().backward()
+        if failures[0]:
+            failures[0] -= 1
+            raise torch.OutOfMemoryError("injected")
+
+    with pytest.raises(torch.OutOfMemoryError) as raised, recovery.window(1):
+        recovery.run(forward_backward)
+    assert "gradients were present before the step's first micro-batch" in raised.value.__notes__[0]
