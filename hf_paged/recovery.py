@@ -166,6 +166,12 @@ def paged_optimizer_of(optimizer: Any) -> Any:
     return found
 
 
+def check_retries(retries: Any) -> None:
+    """Raise a ``ValueError`` unless ``retries`` (recoveries allowed per step) is an integer >= 0."""
+    if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+        raise ValueError(f"retries must be an integer >= 0, got {retries!r}")
+
+
 def _rng_state(device_types: Iterable[str]) -> dict[str, Any]:
     """The state of every generator a micro-batch may draw from: PyTorch's CPU generator, the generators of the
     accelerator kinds ``device_types``, Python's ``random`` and, where it is loaded, NumPy's global generator."""
@@ -245,8 +251,7 @@ class OOMRecovery:
         model: torch.nn.Module | None = None,
         replay_obstacle: Callable[[], str | None] | None = None,
     ) -> None:
-        if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
-            raise ValueError(f"retries must be an integer >= 0, got {retries!r}")
+        check_retries(retries)
         self.optimizer = paged_optimizer_of(optimizer)
         self.retries = retries
         self.on_recovery = on_recovery

@@ -11,6 +11,7 @@ from transformers import Trainer, TrainerCallback
 
 import hf_paged
 from hf_paged.callbacks import MemorySpikeCallback
+from hf_paged.integrations.oom import enable_oom_recovery, oom_recovery_of
 
 from trainer_utils import tiny_llama, token_dataset, training_args
 
@@ -439,3 +440,23 @@ def test_gradients_left_on_model_parameters_another_optimizer_holds_are_not_sile
     with pytest.raises(torch.OutOfMemoryError) as raised, recovery.window(1):
         recovery.run(forward_backward)
     assert "gradients were present before the step's first micro-batch" in raised.value.__notes__[0]
+
+
+def test_enable_oom_recovery_refuses_bad_arguments_before_changing_anything(tmp_path):
+    """A call with bad arguments leaves the recovery enabled before, the optimizer's settings and the wrapped
+    training step as they were."""
+    trainer = Trainer(
+        model=tiny_llama(), args=training_args(tmp_path, optim="hf_paged_adamw_32bit"), train_dataset=token_dataset()
+    )
+    trainer.create_optimizer()
+    recovery = enable_oom_recovery(trainer)
+    optimizer = hf_paged.recovery.paged_optimizer_of(trainer.optimizer)
+    installed = (optimizer.oom_retries, optimizer.on_oom_recovery, vars(trainer)["training_step"])
+    for arguments, error, message in (
+        ({"retries": -1}, ValueError, "retries must be an integer >= 0, got -1"),
+        ({"on_recovery": "print"}, TypeError, "on_recovery must be callable or None, got str"),
+    ):
+        with pytest.raises(error, match=message):
+            enable_oom_recovery(trainer, **arguments)
+        assert oom_recovery_of(trainer) is recovery
+        assert (optimizer.oom_retries, optimizer.on_oom_recovery, vars(trainer)["training_step"]) == installed

@@ -29,7 +29,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..rank_failure import RankFailure, RankFailureWatcher
-from ..recovery import OOMRecovery, Recovery, paged_optimizer_of
+from ..recovery import OOMRecovery, Recovery, check_retries, paged_optimizer_of
 from . import _transformers_internals as internals
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,17 @@ def enable_oom_recovery(
     Returns:
         The recovery (its ``recoveries`` counts them), or ``None`` where none was installed: ``retries`` is 0 or
         the optimizer is not an hf-paged one.
+
+    Raises:
+        ValueError: ``retries`` is not an integer >= 0.
+        TypeError: ``on_recovery`` is neither callable nor ``None``.
+
+    Bad arguments are refused before anything changes: a recovery enabled before stays as it was.
     """
+    check_retries(retries)
+    if on_recovery is not None and not callable(on_recovery):
+        raise TypeError(f"on_recovery must be callable or None, got {type(on_recovery).__name__}")
+    internals.trainer_metric_marks(trainer)  # fails now, not at a recovery, if a trainer's metrics moved
     disable_oom_recovery(trainer)
     try:
         optimizer = paged_optimizer_of(trainer.optimizer)
@@ -84,7 +94,6 @@ def enable_oom_recovery(
                 trainer.args.world_size,
                 obstacle,
             )
-    internals.trainer_metric_marks(trainer)  # fails now, not at a recovery, if a trainer's metrics moved
     marks: dict[str, Any] = {}
 
     def rewind_and_report(recovery: Recovery) -> None:
