@@ -11,7 +11,7 @@ from transformers import Trainer, TrainerCallback
 
 import hf_paged
 from hf_paged.callbacks import MemorySpikeCallback
-from hf_paged.integrations.oom import enable_oom_recovery, oom_recovery_of
+from hf_paged.integrations.oom import disable_oom_recovery, enable_oom_recovery, oom_recovery_of
 
 from trainer_utils import tiny_llama, token_dataset, training_args
 
@@ -460,3 +460,30 @@ def test_enable_oom_recovery_refuses_bad_arguments_before_changing_anything(tmp_
             enable_oom_recovery(trainer, **arguments)
         assert oom_recovery_of(trainer) is recovery
         assert (optimizer.oom_retries, optimizer.on_oom_recovery, vars(trainer)["training_step"]) == installed
+
+
+def test_a_training_step_set_on_the_trainer_survives_enabling_recovery_again(tmp_path):
+    """As MemorySpikeCallback does at each trainer.train(): enabling twice, then disabling, keeps the user's own
+    training_step (set on the instance) under the recovery and gives it back."""
+    trainer = Trainer(
+        model=tiny_llama(), args=training_args(tmp_path, optim="hf_paged_adamw_32bit"), train_dataset=token_dataset()
+    )
+    trainer.create_optimizer()
+    trainer.current_gradient_accumulation_steps = 1
+    calls = []
+    class_step = trainer.training_step
+
+    def own_step(model, inputs, *args, **kwargs):
+        calls.append(trainer.state.global_step)
+        return class_step(model, inputs, *args, **kwargs)
+
+    trainer.training_step = own_step
+    batch = {key: torch.stack([row[key] for row in token_dataset()[:2]]) for key in ("input_ids", "labels")}
+    trainer.model.train()
+    for _ in range(2):
+        enable_oom_recovery(trainer)
+        calls.clear()
+        trainer.training_step(trainer.model, dict(batch))
+        assert calls == [0]
+    disable_oom_recovery(trainer)
+    assert vars(trainer)["training_step"] is own_step

@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 _ATTRIBUTE = "_hf_paged_oom_recovery"
 _FAILURES_ATTRIBUTE = "_hf_paged_rank_failures"
+_OWN_STEP_ATTRIBUTE = "_hf_paged_own_training_step"
+"""The ``training_step`` set on the trainer instance before recovery wrapped it (``None``: the class's)."""
 
 
 def enable_oom_recovery(
@@ -111,6 +113,7 @@ def enable_oom_recovery(
     )
     if retries == 0 and failures is None:
         return None
+    own_step = vars(trainer).get("training_step")
     original = trainer.training_step
     window_step: list[int | None] = [None]
 
@@ -127,13 +130,15 @@ def enable_oom_recovery(
             return recovery.run(original, model, inputs, *args, **kwargs)
 
     trainer.training_step = training_step
+    setattr(trainer, _OWN_STEP_ATTRIBUTE, own_step)
     setattr(trainer, _ATTRIBUTE, recovery)
     return recovery if retries else None
 
 
 def disable_oom_recovery(trainer: Any) -> None:
-    """Give ``trainer`` back its own ``training_step`` and stop watching for failures on other ranks (nothing
-    happens if recovery is not enabled)."""
+    """Give ``trainer`` back its own ``training_step`` (the one set on the instance before recovery was enabled, if
+    any, else its class's) and stop watching for failures on other ranks (nothing happens if recovery is not
+    enabled)."""
     failures = getattr(trainer, _FAILURES_ATTRIBUTE, None)
     if failures is not None:
         failures.close()
@@ -142,7 +147,11 @@ def disable_oom_recovery(trainer: Any) -> None:
     if recovery is None:
         return
     recovery.close()
-    del trainer.training_step
+    own_step = vars(trainer).pop(_OWN_STEP_ATTRIBUTE, None)
+    if own_step is None:
+        del trainer.training_step
+    else:
+        trainer.training_step = own_step
     delattr(trainer, _ATTRIBUTE)
 
 
