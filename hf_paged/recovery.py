@@ -241,6 +241,11 @@ class OOMRecovery:
         replay_obstacle: asked at each failure why a replay would not be exact here (a sentence, such as "the other
             ranks wait in the model's collectives"), or ``None`` where it would; with a sentence the error is raised
             with it as a note. ``None``: nothing keeps a replay from being exact.
+
+    Raises:
+        ValueError: ``retries`` is not an integer >= 0.
+        TypeError: ``optimizer`` is not an hf-paged optimizer nor wraps one, ``on_recovery`` or ``replay_obstacle``
+            is not callable, or ``model`` is not a ``torch.nn.Module`` (each may be ``None``).
     """
 
     def __init__(
@@ -252,6 +257,11 @@ class OOMRecovery:
         replay_obstacle: Callable[[], str | None] | None = None,
     ) -> None:
         check_retries(retries)
+        for name, value in (("on_recovery", on_recovery), ("replay_obstacle", replay_obstacle)):
+            if value is not None and not callable(value):
+                raise TypeError(f"{name} must be callable or None, got {type(value).__name__}")
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
         self.optimizer = paged_optimizer_of(optimizer)
         self.retries = retries
         self.on_recovery = on_recovery

@@ -487,3 +487,18 @@ def test_a_training_step_set_on_the_trainer_survives_enabling_recovery_again(tmp
         assert calls == [0]
     disable_oom_recovery(trainer)
     assert vars(trainer)["training_step"] is own_step
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("on_recovery", "print", "on_recovery must be callable or None, got str"),
+        ("replay_obstacle", "never", "replay_obstacle must be callable or None, got str"),
+        ("model", "my_model", r"model must be a torch.nn.Module or None, got str"),
+    ],
+)
+def test_oom_recovery_refuses_arguments_of_the_wrong_kind_before_changing_the_optimizer(name, value, message):
+    optimizer = hf_paged.PagedAdamW(torch.nn.Linear(2, 2).parameters())
+    with pytest.raises(TypeError, match=message):
+        hf_paged.OOMRecovery(optimizer, retries=3, **{name: value})
+    assert optimizer.oom_retries != 3 and optimizer.on_oom_recovery is None
