@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -83,10 +84,10 @@ class RankFailureWatcher:
     Args:
         store: the job's key-value store; ``None``: the default process group's.
         rank: this process's global rank; ``None``: the default process group's.
-        poll_interval: seconds between two reads of the store.
+        poll_interval: seconds between two reads of the store (finite, > 0).
         grace: seconds a checkpoint being written (see :meth:`checkpointing`) may take to finish before the
-            process ends anyway (its collectives may wait for the failed rank too).
-        store_lost_after: seconds the store may stay unreachable before the job counts as ended.
+            process ends anyway (its collectives may wait for the failed rank too); finite, >= 0.
+        store_lost_after: seconds the store may stay unreachable before the job counts as ended (finite, >= 0).
         end_process: what ends the process, called with the exit status (``os._exit`` by default: the main thread
             may be blocked in a collective that only an exit interrupts).
     """
@@ -102,8 +103,8 @@ class RankFailureWatcher:
         end_process: Callable[[int], None] = os._exit,
     ) -> None:
         for name, value in (("poll_interval", poll_interval), ("grace", grace), ("store_lost_after", store_lost_after)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
         if poll_interval == 0:
             raise ValueError("poll_interval must be a number of seconds > 0, got 0")
         store = default_store() if store is None else store

@@ -272,6 +272,15 @@ def test_watcher_refuses_bad_durations(store, name):
         RankFailureWatcher(store, rank=0, **{name: -1})
 
 
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+@pytest.mark.parametrize("name", ["poll_interval", "grace", "store_lost_after"])
+def test_watcher_refuses_durations_that_are_not_finite(store, name, value):
+    """An infinite or NaN duration would kill the watcher's thread (OverflowError in a wait) or make it read the store
+    in a busy loop, so that it never ends the process when a peer fails."""
+    with pytest.raises(ValueError, match=f"{name} must be a finite number of seconds >= 0, got {value!r}"):
+        RankFailureWatcher(store, rank=0, **{name: value})
+
+
 def replay_request(rank: int, phase: str = "backward") -> ReplayRequest:
     return ReplayRequest(rank, 3, phase, 1, 2, "OutOfMemoryError: injected", 2048, 5, 12, 1, 2)
 
