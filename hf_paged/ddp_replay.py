@@ -10,7 +10,8 @@ Trainer hold the group). Every rank then drops the step's gradients and replays 
 broadcast in the replay's first forward (the buffers a replay restores were taken after the step's broadcast), and,
 when the error came in the iteration whose gradient order DDP rebuilds its buckets from, that order recorded again by
 the replay, so the buckets, and with them the order in which the ranks' gradients are summed, are those of a run
-without the error.
+without the error. Collectives that the model runs itself (``SyncBatchNorm``'s, a tensor-parallel layer's) are not
+DDP's: a rank cannot complete them, and a model with them is not replayed (:func:`collectives_obstacle`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,27 @@ def settings_obstacle(model: DistributedDataParallel) -> str | None:
             )
     if any(getattr(module, "sparse", False) for module in model.module.modules()):
         return "the model has an embedding with sparse gradients, which DDP all-reduces apart."
+    return None
+
+
+_SYNC_BATCH_NORM = "SyncBatchNorm all-reduces its batch statistics in forward and their gradients in backward"
+"""Why a ``SyncBatchNorm`` is a module with collectives of its own (``replay_obstacle``'s place for the others)."""
+
+
+def collectives_obstacle(model: torch.nn.Module) -> str | None:
+    """Why collectives that ``model``'s own modules run keep a rank from completing what it owes after an error (it
+    completes DDP's gradient all-reduces only), or ``None``: the first module that is a ``SyncBatchNorm`` or has a
+    ``replay_obstacle`` attribute, a sentence that a module running collectives (tensor-parallel or MoE layers) sets
+    to say which."""
+    for name, module in model.named_modules():
+        sync_batch_norm = isinstance(module, torch.nn.SyncBatchNorm)
+        why = _SYNC_BATCH_NORM if sync_batch_norm else getattr(module, "replay_obstacle", None)
+        if why:
+            return (
+                f"the model's module {name or '(the model)'!r} ({type(module).__name__}) runs collectives of its own "
+                f"({why}), which the other ranks may wait in and which a rank that failed cannot complete: it "
+                "completes DDP's gradient all-reduces only."
+            )
     return None
 
 
@@ -131,6 +153,8 @@ class DDPReplay:
         self.model = model
         self.obstacle = settings_obstacle(model)
         """Why this model's settings keep a rank from completing its all-reduces after an error (``None``: nothing)."""
+        self.collectives_obstacle = collectives_obstacle(model.module)
+        """Why the model's own collectives keep any replay from being exact, on every rank or on one (``None``: none)."""
         self.parameters = reducer_parameters(model)
         self._device = self.parameters[0].device if self.parameters else torch.device("cpu")
         self._stats_before: list[int] = []
@@ -231,6 +255,8 @@ class DDPReplay:
                 "the error came before DDP's forward ran, whose broadcast of rank 0's buffers the other ranks may "
                 "already wait in."
             )
+        if self.collectives_obstacle is not None:
+            return self.collectives_obstacle
         if not synchronized:
             return None
         if self.obstacle is not None:

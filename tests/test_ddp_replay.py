@@ -1,0 +1,91 @@
+"""A DDP model whose modules run collectives of their own is not replayed (``hf_paged/ddp_replay.py``).
+
+A rank that ran out of memory completes DDP's gradient all-reduces only; the collectives inside the model
+(``SyncBatchNorm``'s, those of a module that sets ``replay_obstacle``) stay unmatched, so the replay is refused and
+the error raised with a note saying why, also for a micro-batch inside ``no_sync``, which a rank would replay alone. A
+process group of one rank runs the recovery's path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import hf_paged
+from hf_paged import ddp_replay
+from hf_paged.recovery import not_recovered_reason
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+
+class TensorParallelStandIn(torch.nn.Linear):
+    """A layer that would all-reduce its output across ranks, flagged as the docs ask."""
+
+    replay_obstacle = "it all-reduces its output across the tensor-parallel group"
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    """A gloo process group of this process alone, destroyed after the test."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def fail_in_forward(middle: torch.nn.Module, synchronized: bool) -> BaseException:
+    """Run a step of ``Linear, middle, Linear`` under DDP whose micro-batch (``synchronized`` or inside ``no_sync``)
+    runs out of memory once, in ``middle``'s forward, and return the error ``OOMRecovery`` raised."""
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 8), middle, torch.nn.Linear(8, 1)))
+    optimizer = hf_paged.PagedAdamW(model.parameters(), lr=1e-2)
+    recovery = hf_paged.OOMRecovery(optimizer, model=model)
+    errors_left = [1]
+
+    def out_of_memory_once(module: torch.nn.Module, args: tuple) -> None:
+        if errors_left[0]:
+            errors_left[0] -= 1
+            raise torch.OutOfMemoryError("injected in forward")
+
+    middle.register_forward_pre_hook(out_of_memory_once)
+
+    def forward_backward(batch: torch.Tensor) -> torch.Tensor:
+        loss = model(batch).pow(2).mean()
+        loss.backward()
+        return loss.detach()
+
+    gradient_sync = contextlib.nullcontext() if synchronized else model.no_sync()
+    with pytest.raises(torch.OutOfMemoryError) as raised, recovery.window(1), gradient_sync:
+        recovery.run(forward_backward, torch.randn(4, 8))
+    assert recovery.recoveries == 0
+    return raised.value
+
+
+def test_sync_batch_norm_counts_as_collectives_of_the_models_own():
+    """DDP takes a ``SyncBatchNorm`` only on an accelerator; the recovery asks the same function for it as for a
+    flagged module (below)."""
+    with_sync = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.SyncBatchNorm(8))
+    assert ddp_replay.collectives_obstacle(with_sync) == (
+        "the model's module '1' (SyncBatchNorm) runs collectives of its own (SyncBatchNorm all-reduces its batch "
+        "statistics in forward and their gradients in backward), which the other ranks may wait in and which a rank "
+        "that failed cannot complete: it completes DDP's gradient all-reduces only."
+    )
+    assert ddp_replay.collectives_obstacle(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))) is None
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("synchronized", [True, False], ids=["synchronized", "no_sync"])
+def test_a_module_flagged_with_replay_obstacle_is_not_replayed(synchronized):
+    """Also inside ``no_sync``: a replay on this rank alone would run the module's collectives without its peers."""
+    error = fail_in_forward(TensorParallelStandIn(8, 8), synchronized)
+    assert not_recovered_reason(error) == (
+        "the model's module '1' (TensorParallelStandIn) runs collectives of its own (it all-reduces its output across "
+        "the tensor-parallel group), which the other ranks may wait in and which a rank that failed cannot complete: "
+        "it completes DDP's gradient all-reduces only."
+    )
