@@ -24,6 +24,21 @@ _WINDOWS = itertools.count()
 the same windows in the same order, so the n-th window names one step on all of them."""
 
 
+_connection: tuple[dist.Store, dist.Store] | None = None
+"""The default process group's store that :class:`ReplayRequests` last used and this process's connection to it: one
+per process and store, since opening one takes hundreds of milliseconds (a new process group brings a new store, a
+restart of ``torchrun`` new processes)."""
+
+
+def _default_connection() -> dist.Store:
+    """This process's connection to the default process group's store, opened at its first use."""
+    global _connection
+    store = default_store()
+    if _connection is None or _connection[0] is not store:
+        _connection = (store, store.clone() if hasattr(store, "clone") else store)
+    return _connection[1]
+
+
 def next_window() -> int:
     """The number of the next window of this process (from 0)."""
     return next(_WINDOWS)
@@ -68,12 +83,15 @@ class ReplayRequests:
     """The replay requests of the job, in its store.
 
     Args:
-        store: the job's key-value store; ``None``: the default process group's (a connection of its own).
+        store: the job's key-value store, reached through a connection of its own; ``None``: the default process
+            group's, through one connection per process that every ``ReplayRequests()`` shares.
     """
 
     def __init__(self, store: dist.Store | None = None) -> None:
-        store = default_store() if store is None else store
-        self.store = store.clone() if hasattr(store, "clone") else store
+        if store is None:
+            self.store = _default_connection()
+        else:
+            self.store = store.clone() if hasattr(store, "clone") else store
         self.prefix = f"hf_paged/replay/{launch_scope()}"
 
     def _key(self, window: int, attempt: int) -> str:

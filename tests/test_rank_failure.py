@@ -35,6 +35,7 @@ import torch.distributed as dist
 from transformers.trainer_utils import get_last_checkpoint
 
 import hf_paged
+from hf_paged import replay_requests
 from hf_paged.rank_failure import EXIT_CODE, RankFailure, RankFailureWatcher, failure_key
 from hf_paged.replay_requests import ReplayRequest, ReplayRequests
 
@@ -298,6 +299,44 @@ def test_replay_requests_of_an_attempt_are_read_by_every_rank_in_order(store):
         "to the all-reduce: OutOfMemoryError: injected); it moved 2.0 KiB of optimizer state to the host, freed cached "
         "memory and joined the all-reduces it owed with zero gradients (retry 1 of 2)"
     )
+
+
+class CountedConnections:
+    """A store standing for the default process group's, counting the connections opened to it (its clones)."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store = store
+        self.connections = 0
+
+    def clone(self) -> dist.Store:
+        self.connections += 1
+        return self.store.clone()
+
+
+def test_replay_requests_share_one_connection_to_the_default_store(store, monkeypatch):
+    """Opening a connection takes hundreds of milliseconds: every ReplayRequests() of a process (one per
+    OOMRecovery, so one per recover_oom call) shares one per default store; a new process group's store gets its own."""
+    monkeypatch.setattr(replay_requests, "_connection", None, raising=False)
+    for _ in range(2):
+        default = CountedConnections(store)
+        monkeypatch.setattr(replay_requests, "default_store", lambda default=default: default)
+        publisher, reader = (ReplayRequests() for _ in range(2))
+        publisher.publish(7, 0, replay_request(1))
+        assert [ReplayRequests().read(7, 0) for _ in range(3)] == [[replay_request(1)]] * 3
+        assert reader.read(7, 0) == [replay_request(1)]
+        assert default.connections == 1
+        store.delete_key(f"{publisher.prefix}/7/0")
+
+
+@needs_torchrun
+@pytest.mark.slow
+def test_recover_oom_with_a_ddp_model_opens_one_store_connection_per_process(tmp_path):
+    """recover_oom(..., model=ddp_model) once per step, as its docstring shows it: 5 steps open one connection to the
+    job's store per rank, not one per step."""
+    script = os.path.join(REPO, "tests", "scripts", "recover_oom_connections.py")
+    run = launch(tmp_path, "--steps", "5", script=script, timeout=120)
+    assert run.returncodes == [0], run.output[-4000:]
+    assert run.results == {rank: {"steps": 5, "connections": 1} for rank in (0, 1)}
 
 
 def test_a_failure_hf_paged_did_not_recover_from_says_why():
