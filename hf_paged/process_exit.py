@@ -8,9 +8,10 @@ a run that succeeded. On a loaded 2-core machine this ended 3 of 31 two-process 
 ``tests/scripts/fsdp2_train.py`` (PyTorch 2.13, Python 3.11), and torchrun then reports the job as failed. Any
 thread blocked in C++ with the GIL released (a store's ``wait``) meets the same end.
 
-:func:`exit_without_finalizing` does what a normal exit does before the finalization (joins the threads that are
-not daemons, runs the ``atexit`` handlers, flushes the standard streams) and then ends the process with
-``os._exit``, so that no thread can meet a finalizing interpreter. :func:`end_distributed_run` first ends the job's
+:func:`exit_without_finalizing` does what a normal exit does before the finalization (``threading``'s shutdown,
+which first runs the callbacks registered with it, as ``concurrent.futures``' that wakes idle pool workers, then joins
+the threads that are not daemons; the ``atexit`` handlers; a flush of the standard streams) and then ends the process
+with ``os._exit``, so that no thread can meet a finalizing interpreter. :func:`end_distributed_run` first ends the job's
 process group as PyTorch asks of a program before it exits.
 """
 
@@ -26,13 +27,11 @@ import torch.distributed as dist
 
 
 def exit_without_finalizing(status: int = 0) -> NoReturn:
-    """End the process with exit ``status`` after the threads that are not daemons, the ``atexit`` handlers and a
-    flush of the standard streams, skipping the interpreter's finalization (objects left in modules are not
-    finalized: write files and close resources before)."""
-    current = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not current and not thread.daemon:
-            thread.join()
+    """End the process with exit ``status`` after ``threading``'s shutdown (its exit callbacks, which stop the idle
+    workers of thread pools a library keeps, then a join of the threads that are not daemons), the ``atexit`` handlers
+    and a flush of the standard streams, skipping the interpreter's finalization (objects left in modules are not
+    finalized: write files and close resources before). Call it from the main thread, as the interpreter's exit runs."""
+    threading._shutdown()  # what the interpreter's exit runs first; a join alone would wait on an idle pool worker
     atexit._run_exitfuncs()  # logging's own shutdown among them
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:

@@ -49,8 +49,11 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def run_python(source: str, tmp_path, *args: str, **environment: str) -> subprocess.CompletedProcess:
-    """Run ``source`` as a script with ``args``, the repo importable and ``environment`` added."""
+def run_python(
+    source: str, tmp_path, *args: str, runner: tuple[str, ...] = (), timeout: float = 120, **environment: str
+) -> subprocess.CompletedProcess:
+    """Run ``source`` as a script with ``args`` (through ``runner``, such as ``("-m", "hf_paged.run")``), the repo
+    importable and ``environment`` added, for at most ``timeout`` seconds."""
     script = tmp_path / "script.py"
     script.write_text(source)
     environment = {
@@ -59,7 +62,12 @@ def run_python(source: str, tmp_path, *args: str, **environment: str) -> subproc
         **environment,
     }
     return subprocess.run(
-        [sys.executable, str(script), *args], check=False, capture_output=True, text=True, env=environment, timeout=120
+        [sys.executable, *runner, str(script), *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=timeout,
     )
 
 
@@ -105,3 +113,22 @@ def test_end_distributed_run_ends_a_process_of_a_job_and_returns_elsewhere(tmp_p
     completed = run_python(END_RUN, tmp_path, case, str(tmp_path / "rendezvous"), WORLD_SIZE=world_size)
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert completed.stdout == expected
+
+
+KEPT_POOL = textwrap.dedent(
+    """
+    import atexit, concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)  # kept alive, as libraries keep theirs
+    atexit.register(lambda: print("pool workers ended:", not any(worker.is_alive() for worker in pool._threads)))
+    print("result", pool.submit(lambda: 42).result())
+    """
+)
+
+
+def test_a_run_ends_while_a_thread_pool_keeps_an_idle_worker(tmp_path):
+    """``python -m hf_paged.run`` of a launch ends a script whose thread pool lives on (huggingface_hub's for
+    ``run_as_future``, Inductor's for compiling): the pool's exit callback stops its idle worker before the join."""
+    completed = run_python(KEPT_POOL, tmp_path, runner=("-m", "hf_paged.run"), timeout=60, WORLD_SIZE="2")
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert completed.stdout.splitlines() == ["result 42", "pool workers ended: True"]
