@@ -15,6 +15,7 @@ memory); others update segment by segment, in chunks that each update whole or n
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import traceback
 from collections.abc import Callable
@@ -59,26 +60,31 @@ def run_step(
     retrying after an out-of-memory error (``oom_retries`` times; ``on_oom_recovery`` hears of each) with the pages
     left under a smaller budget, which the caller restores. ``states`` are the tensors' ``optimizer.state`` entries,
     whose step counts (made at a tensor's first step) advance for the tensors updated in full, even when the step
-    stops part way."""
-    run = StepRun(plan, grads, states, compiled)
+    stops part way. The step's own allocations (its step counts read, its tables) are retried as its pages are."""
+    run: StepRun | None = None
+    pages = plan.pages
     recoveries = 0
     try:
         while True:
-            pages = run.progress.pages_left()
-            if not pages:
-                break
             try:
+                if run is None:
+                    run = StepRun(plan, grads, states, compiled)
+                pages = run.progress.pages_left()
+                if not pages:
+                    break
                 run.stream(pages)
             except RuntimeError as error:  # torch.OutOfMemoryError is one
                 if not is_out_of_memory(error) or recoveries >= oom_retries:
-                    error.add_note(run.progress.describe(recoveries))
+                    note = stopped_before_any_update(recoveries) if run is None else run.progress.describe(recoveries)
+                    error.add_note(note)
                     raise
                 recoveries += 1
                 recover_in_step(plan.stores, error, recoveries, oom_retries, len(pages), on_oom_recovery)
                 del error
     finally:
-        run.release()
-        run.progress.advance_step_counts()
+        if run is not None:
+            run.release()
+            run.progress.advance_step_counts()
 
 
 class StepProgress:
@@ -172,15 +178,21 @@ class StepProgress:
             if index not in done
             and any(self._segment_done(page, segment) or self.reached(segment) for page, segment in segments)
         )
-        after = f" after {recoveries} recoveries from out-of-memory errors" if recoveries else ""
         if not done and not started:
-            return f"hf-paged: the optimizer step stopped{after} before updating any parameter; nothing changed"
+            return stopped_before_any_update(recoveries)
+        after = f" after {recoveries} recoveries from out-of-memory errors" if recoveries else ""
         return (
             f"hf-paged: the optimizer step stopped{after} having updated {len(done)} of {len(self.plan.params)} "
             f"parameters in full (their step counts advanced) and {started} in part (whole chunks of elements; their "
             "step counts did not advance). Every chunk is either updated or as it was, but the optimizer is not at a "
             "step's end: resume from a checkpoint rather than go on training"
         )
+
+
+def stopped_before_any_update(recoveries: int) -> str:
+    """A note for an error that stops the step before it updated anything, after ``recoveries`` recoveries."""
+    after = f" after {recoveries} recoveries from out-of-memory errors" if recoveries else ""
+    return f"hf-paged: the optimizer step stopped{after} before updating any parameter; nothing changed"
 
 
 class StepRun:
@@ -231,9 +243,6 @@ class StepRun:
         """The stochastic rounding keys of this step, by tensor index, of the bf16 tensors that round."""
         self.params = [local_tensor(param) for param in plan.params]
         """Each tensor's local elements (a DTensor's shard), as the step updates them."""
-        devices = {(param.device, step) for param, step in zip(self.params, self.steps)}
-        # Made once per step: a tensor built from a number on a device per page would wait for a host copy.
-        self.step_tensors = {key: torch.full((), key[1], dtype=torch.float32, device=key[0]) for key in devices}
         self._flat_params: list[torch.Tensor | StridedElements | None] = [None] * len(plan.params)
         self._param_slices: list[list[torch.Tensor | StridedRange] | None] = [None] * len(plan.params)
         self._flat_grads: list[torch.Tensor | StridedElements | None] = [None] * len(plan.params)
@@ -245,6 +254,14 @@ class StepRun:
         }
         self._dtypes = {(param.dtype, grad.dtype) for param, grad in zip(self.params, grads)}
         self._statistics_gathered = not plan.statistics
+
+    @functools.cached_property
+    def step_tensors(self) -> dict[tuple[torch.device, float], torch.Tensor]:
+        """Each step of this step as a 0-d fp32 tensor on each parameter device, by (device, step), for the
+        multi-tensor kernel (:meth:`~hf_paged.optim.base.PagedOptimizer.update_pages_fast`): made at its first call
+        of the step and kept for the others, not made per page; a step that does not call it makes none."""
+        devices = {(param.device, step) for param, step in zip(self.params, self.steps)}
+        return {key: torch.full((), key[1], dtype=torch.float32, device=key[0]) for key in devices}
 
     # Per-tensor views ------------------------------------------------------------------------------------
     #
