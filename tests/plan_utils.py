@@ -56,6 +56,23 @@ def measured_peaks(build, batch, optimizer, steps: int = 2, loss=default_loss) -
     return window_peaks(profiler)
 
 
+def measured_setup_peaks(setup, steps: int = 2) -> list[tuple[str, int, int]]:
+    """:func:`measured_peaks` of the model, batches and optimizer of ``hf-paged train``'s ``setup`` on the CPU, each
+    batch held as the Trainer holds it (its step's, and one ahead in accelerate's data loader), as
+    :func:`hf_paged.cli.plan.plan_setup` plans it; a setup of one micro-batch per step."""
+    from hf_paged.cli.plan import architecture, build_model, build_optimizer, make_batch, trainer_batches
+
+    assert setup.accumulation == 1, "measured_peaks runs one micro-batch per step"
+    vocab_size = architecture(setup.config).vocab_size
+    torch.manual_seed(0)
+    return measured_peaks(
+        lambda: build_model(setup),
+        trainer_batches(lambda: make_batch(setup, vocab_size), fetched=1, used=1, ahead=1),
+        lambda model: build_optimizer(setup, model),
+        steps=steps,
+    )
+
+
 def window_peaks(profiler: profile) -> list[tuple[str, int, int]]:
     """(phase, step, peak bytes of live tensors) of each ``plan-test:PHASE:STEP`` window a finished ``profiler`` (with
     ``profile_memory=True``) recorded, in order: the live bytes of every allocation the profile saw before the window

@@ -386,6 +386,29 @@ def make_batch(setup: TrainingSetup, vocab_size: int) -> dict[str, torch.Tensor]
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
+def trainer_batches(make: Callable[[], Any], fetched: int, used: int, ahead: int) -> Callable[[], Any]:
+    """Batches as the Trainer holds them, for :func:`hf_paged.planner.plan`: each step fetches its ``fetched``
+    micro-batches at its start and holds them until the next step has fetched its own (the training loop's
+    ``batch_samples``), the plan traces the first ``used`` of them, and accelerate's data loader holds ``ahead`` more,
+    fetched before it hands one out (on an accelerator they stay in host memory until their step)."""
+    loaded: list[Any] = []
+    step_batches: list[Any] = []
+    handed = 0
+
+    def next_batch() -> Any:
+        nonlocal handed
+        if handed == used or not step_batches:
+            while len(loaded) < fetched + ahead:
+                loaded.append(make())
+            step_batches[:] = loaded[:fetched]
+            del loaded[:fetched]
+            handed = 0
+        handed += 1
+        return step_batches[handed - 1]
+
+    return next_batch
+
+
 def build_optimizer(
     setup: TrainingSetup, model: nn.Module, device: str = "cpu", training_args: Any = None
 ) -> torch.optim.Optimizer:
@@ -436,13 +459,20 @@ def plan_setup(setup: TrainingSetup, device: str = "cpu", host_memory_apart: boo
         if strategy.engine == "zero":
             strategy = dataclasses.replace(strategy, zero=zero_settings(setup))
         wrap = trainer_wrap(strategy, training_args)
+    traced_accumulation = min(setup.accumulation, 2)
+    batches = trainer_batches(
+        lambda: make_batch(setup, vocab_size),
+        fetched=setup.accumulation,
+        used=traced_accumulation,
+        ahead=1 if torch.device(device).type == "cpu" else 0,
+    )
     try:
         return plan(
             lambda: build_model(setup, device, shapes_only=True),
-            lambda: make_batch(setup, vocab_size),
+            batches,
             lambda model: build_optimizer(setup, model, device, training_args),
             device=device,
-            accumulation=min(setup.accumulation, 2),
+            accumulation=traced_accumulation,
             extra_state=extra,
             world_size=setup.world_size,
             strategy=strategy,

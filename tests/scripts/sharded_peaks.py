@@ -241,9 +241,9 @@ def main() -> None:
     if args.strategy in ZERO_CONFIGS:
         overrides["deepspeed"] = zero_config(args.strategy, deepspeed_config(setup).get("zero_optimization", {}))
     training = dataclasses.replace(training, **overrides)
-    examples = [
-        {"index": index} for index in range(args.steps * setup.batch_size * setup.accumulation * dist.get_world_size())
-    ]
+    # a step more than it trains, so that the data loader holds the next batch at every step, as in a longer run
+    examples_per_step = setup.batch_size * setup.accumulation * dist.get_world_size()
+    examples = [{"index": index} for index in range((args.steps + 1) * examples_per_step)]
     fill_process_tables()
     phases = PhasePeaks()
     result_file = os.path.join(args.output, f"rank{dist.get_rank()}.json")
