@@ -531,3 +531,29 @@ def test_an_out_of_memory_error_in_a_step_with_triton_kernels_is_recovered_bitwi
         for index, entry in actual[1]["state"].items():
             for key, value in entry.items():
                 assert torch.equal(value, expected[1]["state"][index][key]), (at, index, key)
+
+
+@pytest.mark.parametrize(("name", "budget"), [("PagedAdamW8bit", None), ("PagedAdamW4bit", 2 * 4096)])
+def test_an_out_of_memory_error_at_any_allocation_of_a_first_step_with_triton_kernels_is_recovered_bitwise(
+    name, budget, counted_launches
+):
+    """The first step fails at each of its allocations in turn, the launch tables its first launch makes among them
+    (the table of all rows, then the table of all page addresses): the step recovers, and after a second step the
+    parameters and state equal those of a run without the error (its first step counted under the same dispatch
+    mode, through which bf16 operations may round otherwise)."""
+    warm_model, warm, batches = build(name)
+    train(warm_model, warm, batches[:1])  # the Triton kernels check themselves here, once per process
+    reference_model, reference, _ = build(name, device_budget=budget)
+    counted = FailingAllocations()
+    failing_step(reference_model, reference, batches[0], counted)
+    train(reference_model, reference, batches[1:2])
+    assert counted_launches[0] > 0 and counted.count > 2
+    for at in range(1, counted.count + 1):
+        model, optimizer, _ = build(name, device_budget=budget)
+        optimizer.oom_retries = 8
+        recoveries = []
+        optimizer.on_oom_recovery = recoveries.append
+        failing_step(model, optimizer, batches[0], FailingAllocations({at}))
+        assert [r.phase for r in recoveries] == ["optimizer step"], at
+        train(model, optimizer, batches[1:2])
+        assert_same(model, optimizer, reference_model, reference)

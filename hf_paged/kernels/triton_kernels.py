@@ -1456,8 +1456,10 @@ class TritonLaunches:
         else:
             if layout.tables is None:
                 first, end = layout.segment_span
-                layout.tables = _BatchTables(layout, self._all_rows[first:end], self._all_addresses)
-                layout.addresses = self._all_addresses[layout.span[0] : layout.span[1]]
+                layout.addresses, layout.tables = (
+                    self._all_addresses[layout.span[0] : layout.span[1]],
+                    _BatchTables(layout, self._all_rows[first:end], self._all_addresses),
+                )
             backend.copy_into(layout.addresses, backend.pinned_tensor(addresses, torch.int64))
             batch = layout.tables
         self._resident = (version, list(pages), batch)
@@ -1473,13 +1475,13 @@ class TritonLaunches:
         if positions == list(range(first, last + 1)):
             rows = list(itertools.chain.from_iterable(self._rows[page.index] for page in pages))
             if self._all_rows is None:
+                # made together: a failed allocation (an out-of-memory error the step recovers from) leaves neither
                 backend = self.backend
                 every_row = [value for page_rows in self._rows.values() for value in page_rows]
-                self._all_rows = backend.to_device(backend.pinned_tensor(every_row, torch.int64)).view(
-                    -1, TABLE_COLUMNS
-                )
+                all_rows = backend.to_device(backend.pinned_tensor(every_row, torch.int64)).view(-1, TABLE_COLUMNS)
                 every_address = [0] * len(self._position) * self._buffers
-                self._all_addresses = backend.to_device(backend.pinned_tensor(_padded(every_address), torch.int64))
+                all_addresses = backend.to_device(backend.pinned_tensor(_padded(every_address), torch.int64))
+                self._all_rows, self._all_addresses = all_rows, all_addresses
             segment_span = (self._first_segment[first], self._first_segment[last + 1])
             segments = segment_span[1] - segment_span[0]
             return _BatchLayout(
