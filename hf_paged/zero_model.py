@@ -10,7 +10,8 @@ each phase's peak holds them:
   client optimizer steps in place of the parameters, so that its state is that of one flat partition; the reduce
   bucket of ``reduce_bucket_size`` elements from the first gradient of a backward to its end, each gradient copied
   into it and freed; from the first reduction, this rank's gradient partition (the whole gradient of each parameter
-  that begins in the partition), which the step flattens into an fp32 gradient per group;
+  that begins in the partition), which the step flattens into an fp32 gradient per group, freed once the last
+  group's is;
 * ZeRO-3: every parameter rests as this rank's partition (the trainable ones in one flat buffer per sub-group) and is
   gathered whole while its module runs, in forward and in backward (a module recomputed by gradient checkpointing
   keeps them until its backward ends); those of at most ``param_persistence_threshold`` elements are gathered for
@@ -504,8 +505,9 @@ class ZeroModel:
     def step(self) -> None:
         """The ZeRO optimizer's step: (ZeRO-3) every parameter released; for each group, its fp32 gradient flattened
         from the gradient partition (with optimizer offload, the fp32 gradient it keeps), the client's step on the
-        master partition, the gradient freed; (ZeRO-2) the
-        gradient partition freed and the weights all-gathered, (ZeRO-3) the small parameters gathered for good."""
+        master partition, the gradient freed; (ZeRO-2) the gradient partition freed before the last group's client
+        step (DeepSpeed drops each group's views of it once flattened; the groups' views share one buffer) and the
+        weights all-gathered, (ZeRO-3) the small parameters gathered for good."""
         if self.stage == 3:
             self._persisting = False
             for param in self._model.parameters():
@@ -513,10 +515,9 @@ class ZeroModel:
                     self._release(param)
         groups = self.optimizer.param_groups
         listed = [group["params"] for group in groups]
+        stepped = [(master, index) for master, index in zip(self.master, self._group_of) if master.numel()]
         try:
-            for master, index in zip(self.master, self._group_of):
-                if master.numel() == 0:
-                    continue
+            for position, (master, index) in enumerate(stepped):
                 if self._offload_optimizer:
                     self._client_step(index, master)
                     continue
@@ -525,6 +526,8 @@ class ZeroModel:
                     flat = torch.empty(master.numel(), dtype=self._gradient_partition.dtype)
                     grad = flat.to(torch.float32)
                     del flat
+                if self.stage == 2 and position == len(stepped) - 1:
+                    self._gradient_partition = None  # the last group's views of it are gone: freed
                 master.grad = grad
                 self._client_step(index, master)
                 master.grad = None

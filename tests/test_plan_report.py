@@ -145,3 +145,23 @@ def test_the_comparison_gives_the_state_a_traced_step_leaves(shapes, optim, opti
             step_temporaries=False,
         )
         assert _state_bytes(other, shapes, device, rounding) == traced.optimizer_state_bytes, name
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "hf_paged_adamw_8bit"])
+def test_the_planned_optimizer_has_the_trainers_param_groups(optim: str, tmp_path) -> None:
+    """The plan's optimizer holds the trainable parameters in the param groups ``Trainer.create_optimizer`` makes
+    (weight decay, then biases and norms without it): DeepSpeed's ZeRO-2 partitions each group on its own and frees
+    its 16-bit gradients after the last group's, so a plan of one group misplaces the step's peak."""
+    from transformers import Trainer
+
+    from hf_paged.cli.train import training_arguments
+
+    setup = setup_from_config(load_config(None, ["training.weight_decay=0.1", f"training.optim={optim}"]), "full")
+    model = build_model(setup)
+    names = {id(param): name for name, param in model.named_parameters()}
+    args = training_arguments(setup.with_changes(training={"output_dir": str(tmp_path)}).config)
+    expected = Trainer(model=model, args=args).create_optimizer().param_groups
+    planned = build_optimizer(setup, model, training_args=args).param_groups
+    assert [(g["weight_decay"], [names[id(p)] for p in g["params"]]) for g in planned] == [
+        (g["weight_decay"], [names[id(p)] for p in g["params"]]) for g in expected
+    ]

@@ -18,6 +18,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -412,9 +413,10 @@ def trainer_batches(make: Callable[[], Any], fetched: int, used: int, ahead: int
 def build_optimizer(
     setup: TrainingSetup, model: nn.Module, device: str = "cpu", training_args: Any = None
 ) -> torch.optim.Optimizer:
-    """The optimizer ``training.optim`` and ``training.optim_args`` name, over the trainable parameters, eager
-    (hf-paged optimizers with ``compiled=False``); an automatic budget is planned as no limit; on CUDA,
-    ``torch.optim`` optimizers take their multi-tensor path as they would there. ``training_args``: the config's
+    """The optimizer ``training.optim`` and ``training.optim_args`` name, over the trainable parameters in the
+    Trainer's two param groups (those that take weight decay, then the others: biases and norms), eager (hf-paged
+    optimizers with ``compiled=False``); an automatic budget is planned as no limit; on CUDA, ``torch.optim``
+    optimizers take their multi-tensor path as they would there. ``training_args``: the config's
     ``TrainingArguments``, if already made."""
     from transformers import Trainer
 
@@ -434,8 +436,13 @@ def build_optimizer(
             kwargs["device_budget"] = None
     elif optimizer_class.__module__.startswith("torch.optim") and torch.device(device).type == "cuda":
         kwargs.setdefault("foreach", True)
-    trainable = [param for param in model.parameters() if param.requires_grad]
-    return optimizer_class(trainable, **kwargs)
+    decayed = set(Trainer.get_decay_parameter_names(SimpleNamespace(args=args), model))
+    trainable = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    groups = [
+        {"params": [param for name, param in trainable if name in decayed], "weight_decay": args.weight_decay},
+        {"params": [param for name, param in trainable if name not in decayed], "weight_decay": 0.0},
+    ]
+    return optimizer_class(groups, **kwargs)
 
 
 def plan_setup(setup: TrainingSetup, device: str = "cpu", host_memory_apart: bool = False) -> MemoryPlan:
