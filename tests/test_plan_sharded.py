@@ -119,6 +119,7 @@ CASES = {
     "fsdp2_offload-2-qlora-checkpointing": ("fsdp2_offload", 2, "qlora", ADAMW),
     # The 4-bit weights stored in bfloat16, which accelerate's FSDP2 shards (see CASE_TOLERANCE).
     "fsdp2-2-qlora-bfloat16-storage": ("fsdp2", 2, "qlora", [*ADAMW, "lora.quant_storage=bfloat16"]),
+    "fsdp2-4-qlora-bfloat16-storage-paged": ("fsdp2", 4, "qlora", [*PAGED_8BIT, "lora.quant_storage=bfloat16"]),
     # DeepSpeed's ZeRO-3 partitions the 4-bit weights of either storage, and holds each whole from its forward to the
     # end of the step (see test_zero3_partitions_qlora_4bit_weights_and_holds_them_whole_through_the_step).
     "zero3-2-qlora-checkpointing-gathered": ("zero3", 2, "qlora", [*ADAMW, GATHERED]),
