@@ -15,7 +15,6 @@ memory); others update segment by segment, in chunks that each update whole or n
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import traceback
 from collections.abc import Callable
@@ -60,7 +59,7 @@ def run_step(
     retrying after an out-of-memory error (``oom_retries`` times; ``on_oom_recovery`` hears of each) with the pages
     left under a smaller budget, which the caller restores. ``states`` are the tensors' ``optimizer.state`` entries,
     whose step counts (made at a tensor's first step) advance for the tensors updated in full, even when the step
-    stops part way. The step's own allocations (its step counts read, its tables) are retried as its pages are."""
+    stops part way. The step's own allocations (its step counts read, its step tensors) are retried as its pages are."""
     run: StepRun | None = None
     pages = plan.pages
     recoveries = 0
@@ -243,6 +242,9 @@ class StepRun:
         """The stochastic rounding keys of this step, by tensor index, of the bf16 tensors that round."""
         self.params = [local_tensor(param) for param in plan.params]
         """Each tensor's local elements (a DTensor's shard), as the step updates them."""
+        devices = {(param.device, step) for param, step in zip(self.params, self.steps)}
+        # Made once per step: a tensor built from a number on a device per page would wait for a host copy.
+        self.step_tensors = {key: torch.full((), key[1], dtype=torch.float32, device=key[0]) for key in devices}
         self._flat_params: list[torch.Tensor | StridedElements | None] = [None] * len(plan.params)
         self._param_slices: list[list[torch.Tensor | StridedRange] | None] = [None] * len(plan.params)
         self._flat_grads: list[torch.Tensor | StridedElements | None] = [None] * len(plan.params)
@@ -254,14 +256,6 @@ class StepRun:
         }
         self._dtypes = {(param.dtype, grad.dtype) for param, grad in zip(self.params, grads)}
         self._statistics_gathered = not plan.statistics
-
-    @functools.cached_property
-    def step_tensors(self) -> dict[tuple[torch.device, float], torch.Tensor]:
-        """Each step of this step as a 0-d fp32 tensor on each parameter device, by (device, step), for the
-        multi-tensor kernel (:meth:`~hf_paged.optim.base.PagedOptimizer.update_pages_fast`): made at its first call
-        of the step and kept for the others, not made per page; a step that does not call it makes none."""
-        devices = {(param.device, step) for param, step in zip(self.params, self.steps)}
-        return {key: torch.full((), key[1], dtype=torch.float32, device=key[0]) for key in devices}
 
     # Per-tensor views ------------------------------------------------------------------------------------
     #
