@@ -13,7 +13,7 @@ each phase's peak holds them:
   that begins in the partition), which the step flattens into an fp32 gradient per group, freed once the last
   group's is;
 * ZeRO-3: every parameter rests as this rank's partition (the trainable ones in one flat buffer per sub-group) and is
-  gathered whole while its module runs, in forward and in backward (a module recomputed by gradient checkpointing
+  gathered whole (on one rank, as a view of its partition, which is all of it) while its module runs, in forward and in backward (a module recomputed by gradient checkpointing
   keeps them until its backward ends); those of at most ``param_persistence_threshold`` elements are gathered for
   good at the end of the first step; the fp32 master partitions (a copy), the gradient partitions and the reduce
   bucket are allocated when the engine is built and live throughout. After the first forward and backward
@@ -206,6 +206,9 @@ class ZeroModel:
         self._gloo_copies = gloo_copies
         self._optimizer_on_host = offload_optimizer and host_apart
         self._parameters_on_host = offload_parameters and host_apart
+        self._gathers_in_place = world_size == 1 and not self._parameters_on_host
+        """ZeRO-3 on one rank: a parameter's partition is the whole of it, and DeepSpeed gathers it as a view of that
+        partition (``NoGatherHandle``), which allocates nothing."""
         self.groups = [[param for param in group["params"] if param.requires_grad] for group in optimizer.param_groups]
         self.master: list[torch.Tensor] = []
         """The fp32 master partition of each param group (ZeRO-3: of each sub-group), which the client steps."""
@@ -354,6 +357,8 @@ class ZeroModel:
             ]
         for param in (*trainable, *frozen):
             self._release(param)
+            if self._gathers_in_place:
+                self.ledger.to_host(param.untyped_storage())
         for index, group in enumerate(self.groups):
             for sub_group in self._sub_groups(group):
                 with torch.no_grad(), self._on(self._parameters_on_host, "trainable_weights"):
@@ -395,11 +400,12 @@ class ZeroModel:
         return [param for param in module.parameters(recurse=False) if id(param) in self._partitioned]
 
     def _gather(self, param: torch.Tensor) -> None:
-        """Allocate ``param``'s whole tensor again (its storage, which autograd's saved tensors share)."""
+        """Allocate ``param``'s whole tensor again (its storage, which autograd's saved tensors share); on one rank, a
+        view of its partition (followed, not counted)."""
         storage = param.untyped_storage()
         if storage.nbytes() == 0:
             if id(param) in self._swapped:
-                with self.ledger.labelling("frozen_weights"):
+                with self._on(self._gathers_in_place, "frozen_weights"):
                     param.data = torch.empty(self._swapped[id(param)], dtype=param.dtype)
             else:
                 storage.resize_(param.numel() * param.element_size())

@@ -124,6 +124,9 @@ CASES = {
     # end of the step (see test_zero3_partitions_qlora_4bit_weights_and_holds_them_whole_through_the_step).
     "zero3-2-qlora-checkpointing-gathered": ("zero3", 2, "qlora", [*ADAMW, GATHERED]),
     "zero3-2-qlora-bfloat16-storage-gathered": ("zero3", 2, "qlora", [*ADAMW, GATHERED, "lora.quant_storage=bfloat16"]),
+    # ZeRO-3 on one GPU, as --fewest-gpus plans it (DeepSpeed partitions for one rank too)
+    "zero3-1-qlora-checkpointing-gathered": ("zero3", 1, "qlora", [*ADAMW, GATHERED]),
+    "zero3-1-full-float32-paged-gathered": ("zero3", 1, "full", [*PAGED_8BIT, *NO_CHECKPOINTING, GATHERED]),
 }
 DEFAULT_RUN = ("fsdp2-2-full-float32-paged",)
 

@@ -288,3 +288,21 @@ def test_zero3_optimizer_offload_keeps_an_fp32_gradient_for_each_master_partitio
     for kept, moved in zip(on_device.phases, offloaded.phases):
         more = 4 * PARAMS // GPUS if kept.phase == "forward_backward" else 0
         assert moved.peak_bytes - kept.peak_bytes == more, (kept.phase, kept.step)
+
+
+def test_zero3_on_one_rank_gathers_each_parameter_as_a_view_of_its_partition() -> None:
+    """On one rank a ZeRO-3 partition is the whole parameter, and DeepSpeed gathers it as a view of it
+    (``NoGatherHandle``): forward and backward hold each weight once as its 16-bit partition, beside its fp32 master
+    partition (``2P + 4P``), where on 4 ranks they hold a quarter of those plus the layers gathered whole (real runs of
+    one process agree: tests/test_plan_sharded.py's ``zero3-1-...`` cases)."""
+    one = plan(
+        _mlp,
+        lambda: torch.randn(8, WIDTH, dtype=torch.bfloat16),
+        lambda model: torch.optim.AdamW(model.parameters(), foreach=False),
+        loss=lambda model, inputs: model(inputs).float().pow(2).mean(),
+        strategy="zero3",
+        world_size=1,
+    )
+    assert one.peak("forward_backward").by_kind["trainable_weights"] == 6 * PARAMS
+    sharded = _plan("zero3").peak("forward_backward").by_kind["trainable_weights"]
+    assert 6 * PARAMS // GPUS + 2 * LARGEST <= sharded
