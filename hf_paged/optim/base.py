@@ -118,6 +118,49 @@ def check_weight_decay(weight_decay: Any) -> None:
         raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
 
 
+_UNCHECKED_ENTRIES = ("params", "param_names")
+"""Param group entries that are not options: a step does not compare them with those last checked."""
+
+_ABSENT = object()
+"""An option a param group does not have."""
+
+
+def _options_of(group: dict[str, Any]) -> dict[str, Any]:
+    """The options of ``group`` as :func:`_options_hold` compares them later: a list copied (it may change in
+    place), any other value as it is."""
+    return {
+        key: list(value) if isinstance(value, list) else value
+        for key, value in group.items()
+        if key not in _UNCHECKED_ENTRIES
+    }
+
+
+def _options_hold(options: dict[str, Any], group: dict[str, Any]) -> bool:
+    """Whether ``group`` has the ``options`` checked before (see :func:`_options_of`), no more and no others."""
+    compared = 0
+    for key, value in group.items():
+        if key in _UNCHECKED_ENTRIES:
+            continue
+        old = options.get(key, _ABSENT)
+        if old is not value and not _same_value(old, value):
+            return False
+        compared += 1
+    return compared == len(options)
+
+
+def _same_value(old: Any, new: Any) -> bool:
+    """Whether an option's value ``new`` is the ``old`` one checked: the same object, an equal bool, number or
+    string, or a list or tuple of such. A tensor is the same only as the same object: comparing values would read a
+    device tensor, and so wait for the device."""
+    if old is new:
+        return True
+    if type(old) is not type(new):
+        return False
+    if isinstance(old, (tuple, list)):
+        return len(old) == len(new) and all(map(_same_value, old, new))
+    return isinstance(old, (int, float, str)) and old == new
+
+
 def _check_int(name: str, value: Any, minimum: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -236,6 +279,9 @@ class PagedOptimizer(Optimizer):
         self._stepped_params: dict[int, tuple[dict[str, Any], list[torch.Tensor], int]] = {}
         """By ``id``: each group given to the optimizer, the tensors it listed at its last step (or when given), and
         its position then, for :meth:`_check_replacements`."""
+        self._checked_options: list[dict[str, Any]] = []
+        """By position: each param group's options (its entries but ``params`` and ``param_names``) as
+        :meth:`add_param_group` or a step last checked them, for :meth:`_check_group_options`."""
         self._budget = DeviceBudget.parse(device_budget, "device_budget", self.page_size)
         self._auto_budgets: dict[str, AutoBudget] = {}
         self.check_group(defaults)
@@ -269,20 +315,50 @@ class PagedOptimizer(Optimizer):
                     f"{where} is on the meta device: {type(self).__name__} needs parameters with data; materialize "
                     "the model first (to_empty() and load its weights)"
                 )
-        try:
-            check_update_rule_options(param_group, type(self).__name__)
-            check_state_format(param_group, self.state_bits, type(self).__name__)
-            self._check_layout_keys(param_group)
-            self.check_group({**self.defaults, **param_group})
-        except ValueError as error:
-            raise ValueError(f"param group {len(self.param_groups)}: {error}") from None
+        self._check_options(param_group, len(self.param_groups))
         new_devices = {self._state_device(param) for param in params}.difference(self._store.stores)
         self._budget.resolve([*self._store.stores, *sorted(new_devices)])  # raises before anything changes
         super().add_param_group(param_group)
         added = self.param_groups[-1]
         self._stepped_params[id(added)] = (added, list(added["params"]), len(self.param_groups) - 1)
+        self._checked_options.append(_options_of(added))
         for device in sorted(new_devices):
             self._store.store_for(device)  # an automatic budget measures from now
+
+    def _check_options(self, group: dict[str, Any], position: int) -> None:
+        """Raise ValueError, naming the param group at ``position``, for an option of ``group`` this optimizer does not
+        take: an update rule option, a state format, a layout key or a hyperparameter."""
+        name = type(self).__name__
+        try:
+            check_update_rule_options(group, name)
+            check_state_format(group, self.state_bits, name)
+            self._check_layout_keys(group)
+            self.check_group({**self.defaults, **group})
+        except ValueError as error:
+            raise ValueError(f"param group {position}: {error}") from None
+
+    def _check_group_options(self) -> None:
+        """Check the options of each param group that changed since they were last checked (set in place, as
+        ``group["maximize"] = True``, or the group replaced) as :meth:`add_param_group` checks them, with the same
+        errors; where a group's layout keys changed (its ``state_format``, its smallest quantized tensor), drop the
+        step plan, so that the step gives its tensors their group's format. A step where nothing changed compares
+        each group's entries with those last checked, and does no work per tensor and reads no tensor (a tensor
+        ``lr`` the same object, as a scheduler updates it in place, is not read again)."""
+        checked, groups = self._checked_options, self.param_groups
+        if len(checked) == len(groups) and all(map(_options_hold, checked, groups)):
+            return
+        now = []
+        for position, group in enumerate(groups):
+            options = checked[position] if position < len(checked) else None
+            if options is None or not _options_hold(options, group):
+                self._check_options(group, position)
+                if options is None or not all(
+                    _same_value(options.get(key, _ABSENT), group.get(key, _ABSENT)) for key in _LAYOUT_KEYS
+                ):
+                    self._plan = None
+                options = _options_of(group)
+            now.append(options)
+        self._checked_options = now
 
     def _check_layout_keys(self, group: dict[str, Any]) -> None:
         """Raise ValueError where ``group`` sets a quantized state's ``block_size`` or ``normalization`` other than
@@ -560,6 +636,7 @@ class PagedOptimizer(Optimizer):
         work = self._gradients()
         if not work:
             return loss
+        self._check_group_options()
         new = [(param, group) for param, _, group in work if param not in self._layout]
         if new:
             self._place(new)
@@ -775,6 +852,7 @@ class PagedOptimizer(Optimizer):
         "_layout",
         "_plan",
         "_stepped_params",
+        "_checked_options",
     )
     """Attributes that hold the page store and the layout: rebuilt from the param groups, never copied."""
 
@@ -812,6 +890,7 @@ class PagedOptimizer(Optimizer):
         self._plan = None
         self._store.add_observer(_views_forgetter(weakref.ref(self)), ("page_out", "written"))
         self._stepped_params = {}
+        self._checked_options = []
         for group in param_groups:
             self.add_param_group(group)
         self._load_state_dict(saved_state, copying=True)
