@@ -703,3 +703,26 @@ def test_the_plan_header_names_the_4bit_storage(storage: str) -> None:
     config = load_config(None, [*SMALL_LLAMA, f"lora.quant_storage={storage}"])
     assert f"qlora (4-bit weights stored as {storage}), batch 2" in setup_from_config(config, "qlora").describe()
     assert "4-bit" not in setup_from_config(config, "lora").describe()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_for_zero3_paging_lowers_the_fewest_processes_that_train_under_a_memory_cap(tmp_path: Path) -> None:
+    """ZeRO-3 partitions the weights too, and on one process gathers them as views of their partitions. On GPUs of 36
+    MB (DeepSpeed gathering each matrix for its use: :data:`GATHERED`) ``--fewest-gpus`` for ZeRO-3 is 3 without paging
+    and 2 with paging; real runs through the Trainer with the counting allocator capped at 36 MB agree: without paging 1
+    and 2 processes run out of memory and 3 train; with paging (a budget of one page, the budget the search tries) 1
+    process runs out of memory and 2 train. Measured peaks of the runs that trained: 2 paged ranks 24.74 MB each, 3
+    unpaged ranks 26.81 MB each."""
+    setup = setup_from_config(load_config(None, [*PARAMETER_HEAVY_LLAMA, GATHERED]), "full")
+    (count,) = fewest_gpus(setup, "cpu", CAP, ["zero3"], limit=4, host_memory_apart=True)
+    print(format_fewest_gpus(setup, "cpu", CAP, [count]))
+    assert (count.gpus, count.paged_gpus) == (3, 2), (count.gpus, count.paged_gpus)
+    page = 64 * 1024
+
+    def trains(world_size: int, budget: int | None, name: str) -> bool:
+        return _trains_under_cap("zero3", world_size, budget, tmp_path / name, (GATHERED,))
+
+    assert [trains(world_size, page, f"paged-{world_size}") for world_size in (1, 2)] == [False, True]
+    unpaged = [trains(world_size, None, f"unpaged-{world_size}") for world_size in (1, 2, 3)]
+    assert unpaged == [False, False, True], unpaged
