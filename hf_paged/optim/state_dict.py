@@ -210,6 +210,11 @@ def parse_saved_entry(
                 )
             if dtype.is_floating_point != value.is_floating_point():
                 raise ValueError(f"state {key!r} of parameter {saved_id!r} has dtype {value.dtype}, expected {dtype}")
+            if codec.saved_like_param and not fields and value.dim() > 1 and value.shape != shape:
+                raise ValueError(
+                    f"state {key!r} of parameter {saved_id!r} has shape {tuple(value.shape)}, but the parameter "
+                    f"loading it has shape {tuple(shape)}: expected that shape or a flat tensor of {length} elements"
+                )
             fields.append(value.detach().to("cpu", dtype).reshape(-1))
         statistics = None
         if isinstance(codec, Rank1Normalized4bitCodec):
