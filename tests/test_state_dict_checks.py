@@ -4,6 +4,8 @@ what is expected, before anything changes; what ``torch.optim.AdamW`` saves stil
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -74,3 +76,63 @@ def test_state_of_another_shape_with_as_many_elements_is_refused(saving, loading
     for param in (param for group in optimizer.param_groups for param in group["params"]):
         param.grad = torch.ones_like(param)
     optimizer.step()
+
+
+def _set_state(key: str, value: Callable[[dict], Any]) -> Callable[[dict], None]:
+    """A change of a state dict: parameter 0's ``key`` set to ``value`` of its entry."""
+
+    def change(state_dict: dict) -> None:
+        entry = state_dict["state"][0]
+        entry[key] = value(entry)
+
+    return change
+
+
+def _set_group_params(state_dict: dict) -> None:
+    state_dict["param_groups"][0]["params"] = 5
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (_set_state("step", lambda entry: "abc"), r"state of parameter 0 has step 'abc', expected a whole number >= 0"),
+        (_set_state("step", lambda entry: None), r"state of parameter 0 has step None, expected a whole number >= 0"),
+        (
+            _set_state("step", lambda entry: torch.tensor([1.0, 2.0])),
+            r"state of parameter 0 has step a tensor of shape \(2,\), expected a whole number >= 0 \(a number or a one",
+        ),
+        (_set_group_params, r"param group 0 of state_dict: params must be a list of parameter ids, got int"),
+        (
+            _set_state("exp_avg_sq_codes", lambda entry: entry["exp_avg_sq_codes"].int() + 300),
+            r"state 'exp_avg_sq_codes' of parameter 0 has codes of dtype torch.int32 outside 0..255, expected torch",
+        ),
+        (
+            _set_state("exp_avg_codes", lambda entry: entry["exp_avg_codes"].int() - 200),
+            r"state 'exp_avg_codes' of parameter 0 has codes of dtype torch.int32 outside -128..127",
+        ),
+    ],
+    ids=["step str", "step None", "step of two elements", "params an int", "codes above 255", "codes below -128"],
+)
+def test_malformed_state_dicts_are_refused_by_name(change, message):
+    """A step that is not a whole number (or a one-element tensor of one), a group whose params are not a list, and
+    8-bit codes of a wider integer dtype outside the codes' range are refused naming the parameter or group; they
+    raised errors that named nothing ("could not convert string to float"), or the codes wrapped when cast."""
+    optimizer = stepped(hf_paged.PagedAdamW8bit, [(8, 4), (4,)], **SMALL_STATE[hf_paged.PagedAdamW8bit])
+    saved = optimizer.state_dict()
+    malformed = copy.deepcopy(saved)
+    change(malformed)
+    error = TypeError if change is _set_group_params else ValueError
+    assert_refused_and_unchanged(optimizer, malformed, error, message)
+
+
+def test_codes_of_a_wider_integer_dtype_within_range_load():
+    """8-bit codes saved as int32 (or int64) values within the codes' range load as the codes they are."""
+    optimizer = stepped(hf_paged.PagedAdamW8bit, [(8, 4), (4,)], **SMALL_STATE[hf_paged.PagedAdamW8bit])
+    saved = optimizer.state_dict()
+    widened = copy.deepcopy(saved)
+    for entry in widened["state"].values():
+        for key in ("exp_avg_codes", "exp_avg_sq_codes"):
+            entry[key] = entry[key].long()
+    optimizer.load_state_dict(widened)
+    for index, entry in optimizer.state_dict()["state"].items():
+        assert all(torch.equal(value, saved["state"][index][key]) for key, value in entry.items()), index

@@ -779,6 +779,11 @@ class PagedOptimizer(Optimizer):
         for position, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
             if not isinstance(saved, dict) or "params" not in saved:
                 raise ValueError(f"param group {position} of state_dict is not a dict with 'params'")
+            if not isinstance(saved["params"], (list, tuple)):
+                raise TypeError(
+                    f"param group {position} of state_dict: params must be a list of parameter ids, got "
+                    f"{type(saved['params']).__name__}"
+                )
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
                     f"param group {position} of state_dict has {len(saved['params'])} parameters, "

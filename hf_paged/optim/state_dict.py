@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -174,9 +175,7 @@ def parse_saved_entry(
         if any(key in entry for name in state_names for key in _saved_keys(name)):
             raise ValueError(f"state of parameter {saved_id!r} has no 'step'")
         return None, {}, {key: load(value) for key, value in entry.items()}
-    step = float(entry["step"])
-    if not math.isfinite(step) or step < 0 or step != int(step):
-        raise ValueError(f"state of parameter {saved_id!r} has step {step}, expected a whole number >= 0")
+    step = _saved_step(saved_id, entry["step"])
     states = {}
     shape = local_tensor(param).shape
     for name, signed in zip(state_names, signed_states):
@@ -210,6 +209,12 @@ def parse_saved_entry(
                 )
             if dtype.is_floating_point != value.is_floating_point():
                 raise ValueError(f"state {key!r} of parameter {saved_id!r} has dtype {value.dtype}, expected {dtype}")
+            if not dtype.is_floating_point and value.dtype != dtype and not _fits(value, dtype):
+                limits = torch.iinfo(dtype)
+                raise ValueError(
+                    f"state {key!r} of parameter {saved_id!r} has codes of dtype {value.dtype} outside "
+                    f"{limits.min}..{limits.max}, expected {dtype} codes"
+                )
             if codec.saved_like_param and not fields and value.dim() > 1 and value.shape != shape:
                 raise ValueError(
                     f"state {key!r} of parameter {saved_id!r} has shape {tuple(value.shape)}, but the parameter "
@@ -238,6 +243,30 @@ def parse_saved_entry(
     used = {"step", *(key for name, state in states.items() for key in _codec_keys(state.codec, name))}
     others = {key: load(value) for key, value in entry.items() if key not in used}
     return step, states, others
+
+
+def _saved_step(saved_id: Any, value: Any) -> float:
+    """The step saved for parameter ``saved_id``: a whole number >= 0, given as a number or a one-element tensor."""
+    one_number = isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex()
+    step = float(value) if one_number or (isinstance(value, numbers.Real) and not isinstance(value, bool)) else None
+    if step is None or not math.isfinite(step) or step < 0 or step != int(step):
+        if isinstance(value, torch.Tensor):
+            found = f"{step:g}" if step is not None else f"a tensor of shape {tuple(value.shape)}"
+        else:
+            found = repr(value)
+        raise ValueError(
+            f"state of parameter {saved_id!r} has step {found}, expected a whole number >= 0 (a number or a "
+            "one-element tensor)"
+        )
+    return step
+
+
+def _fits(codes: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether integer ``codes`` all lie within the range of integer ``dtype``."""
+    if codes.numel() == 0:
+        return True
+    limits = torch.iinfo(dtype)
+    return bool(codes.min() >= limits.min) and bool(codes.max() <= limits.max)
 
 
 def _codec_keys(codec: Codec, name: str) -> list[str]:
