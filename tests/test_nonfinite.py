@@ -179,6 +179,30 @@ def test_a_nan_gradient_leaves_its_block_finite(kernels, name):
     assert bad_block[~bad_block.isnan()].isfinite().all()
 
 
+@pytest.mark.parametrize("bad_value", [math.inf, -math.inf])
+def test_an_infinite_gradient_leaves_lion_s_momentum_zero_in_every_format(kernels, bad_value):
+    """Lion stores an infinite momentum as zero, as a NaN one, in fp32 and 8-bit state alike: the element moves with
+    its gradients again from the next step on (an 8-bit momentum once kept it as the block's largest code, read back
+    as the largest fp32 value, and moved the element against its gradients for thousands of steps; an fp32 one
+    stopped it for a step, inf - inf)."""
+    params = {}
+    for name in ("PagedLion", "PagedLion8bit"):
+        param = torch.nn.Parameter(torch.zeros(2, 256))
+        kwargs = {"min_8bit_size": 1, "block_size": 256} if name == "PagedLion8bit" else {}
+        optimizer = getattr(hf_paged, name)([param], lr=1e-3, weight_decay=0.0, **kwargs)
+        for step in range(4):
+            param.grad = torch.full((2, 256), -1.0)
+            if step == 0:
+                param.grad[0, 5] = bad_value
+            optimizer.step()
+        assert all(value.float().isfinite().all() for value in saved_state(optimizer))
+        params[name] = param.detach()
+    first_step = -1e-3 * math.copysign(1.0, bad_value)
+    torch.testing.assert_close(params["PagedLion"][0, 5], torch.tensor(first_step + 3e-3), rtol=1e-5, atol=0)
+    torch.testing.assert_close(params["PagedLion"][1], torch.full((256,), 4e-3), rtol=1e-5, atol=0)
+    assert torch.equal(params["PagedLion8bit"], params["PagedLion"])
+
+
 def bad_gradients(blocks: int, block_size: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(5)
     grads = [torch.randn(blocks, block_size, generator=generator) for _ in range(3)]

@@ -234,8 +234,10 @@ def lion_update_(
 ) -> None:
     """One Lion update of fp32 tensors in place; ``decay`` is :math:`1 - \\gamma \\lambda`,
     ``direction_weight`` and ``avg_weight`` are :math:`1 - \\beta_1` and :math:`1 - \\beta_2`. A NaN momentum (from
-    a NaN gradient) moves nothing (``sign(nan)`` is 0) and is stored as zero, whatever the state's format, so that its
-    parameter element moves again at the next step."""
+    a NaN gradient) moves nothing (``sign(nan)`` is 0); a NaN or infinite momentum (from a NaN or infinite gradient) is
+    stored as zero, whatever the state's format, so that its parameter element moves with its gradients again at the
+    next step (an infinite one would give a NaN direction, inf - inf, and a blockwise state would keep it as its
+    block's largest code)."""
     direction = exp_avg.lerp(grad, direction_weight).sign_()
     param.mul_(decay).sub_(direction * lr)
-    exp_avg.lerp_(grad, avg_weight).nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
+    exp_avg.lerp_(grad, avg_weight).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)

@@ -370,11 +370,11 @@ def _adamw_values(param, grad, moment, second, s):
 
 @triton.jit
 def _lion_values(param, grad, moment, s):
-    """lion_update_ on fp32 values: the new parameter and momentum (NaN stored as 0)."""
+    """lion_update_ on fp32 values: the new parameter and momentum (NaN and infinities stored as 0)."""
     direction = _sign(_lerp(moment, grad, tl.load(s + 2)))
     param = param * tl.load(s + 1) - direction * tl.load(s + 0)
     moment = _lerp(moment, grad, tl.load(s + 3))
-    return param, tl.where(_is_nan(moment), 0.0, moment)
+    return param, tl.where(tl.abs(moment) <= 3.4028234663852886e38, moment, 0.0)
 
 
 @triton.jit

@@ -118,6 +118,9 @@ struct Vec {
   }
   // 0 where a is NaN, else a.
   static F zero_nan(F a) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, a, _CMP_ORD_Q), a); }
+  static F zero_non_finite(F a) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(abs(a), _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ), a);
+  }
   // a clamped to [-1, 1], NaN as 0 (codecs.saturate_).
   static F saturate(F a) {
     return min(_mm512_maskz_max_ps(_mm512_cmp_ps_mask(a, a, _CMP_ORD_Q), a, splat(-1.0f)), splat(1.0f));
@@ -261,6 +264,7 @@ struct Vec : CodesByOperations<Vec> {
   }
   // 0 where a is NaN, else a.
   static F zero_nan(F a) { return _mm256_and_ps(a, _mm256_cmp_ps(a, a, _CMP_ORD_Q)); }
+  static F zero_non_finite(F a) { return _mm256_and_ps(a, _mm256_cmp_ps(abs(a), _mm256_set1_ps(FLT_MAX), _CMP_LE_OQ)); }
   // a clamped to [-1, 1], NaN as 0 (codecs.saturate_): max takes its second operand, -1, for a NaN.
   static F saturate(F a) {
     return _mm256_and_ps(min(max(a, splat(-1.0f)), splat(1.0f)), _mm256_cmp_ps(a, a, _CMP_ORD_Q));
@@ -373,6 +377,7 @@ struct Vec : CodesByOperations<Vec> {
   static F positive(F a) { return a > 0.0f ? 1.0f : 0.0f; }
   static F sign(F a) { return a > 0.0f ? 1.0f : (a < 0.0f ? -1.0f : 0.0f); }
   static F zero_nan(F a) { return std::isnan(a) ? 0.0f : a; }
+  static F zero_non_finite(F a) { return std::isfinite(a) ? a : 0.0f; }
   static F saturate(F a) { return min(max(zero_nan(a), -1.0f), 1.0f); }
   static F signed_like(F magnitude, F source) { return std::copysign(magnitude, source); }
   static F infinity_at_max(F a) { return a == FLT_MAX ? INFINITY : a; }
@@ -795,7 +800,7 @@ struct AdamW {
   }
 };
 
-// lion_update_: p = p (1 - lr wd) - lr sign(lerp(m, g, 1 - b1)); m = lerp(m, g, 1 - b2), NaN stored as 0.
+// lion_update_: p = p (1 - lr wd) - lr sign(lerp(m, g, 1 - b1)); m = lerp(m, g, 1 - b2), NaN and infinities stored as 0.
 struct Lion {
   static constexpr const char* kBatchName = "lion_batch_";
   static constexpr const char* kSegmentName = "lion_segment_";
@@ -814,7 +819,7 @@ struct Lion {
   static void step(const Constants& c, F param, F gradient, F moment, F& new_param, F& new_moment) {
     const F direction = Vec::sign(c.direction(moment, gradient));
     new_param = Vec::sub(Vec::mul(param, c.decay), Vec::mul(direction, c.lr));
-    new_moment = Vec::zero_nan(c.average(moment, gradient));
+    new_moment = Vec::zero_non_finite(c.average(moment, gradient));
   }
 
   static float* encoded(Scratch& scratch, int64_t) { return scratch.moments; }
