@@ -504,6 +504,15 @@ def test_complex_parameters_get_a_clear_error(name):
         paged(name, [("v", torch.nn.Parameter(torch.zeros(3))), ("w", torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64)))])
 
 
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_float64_parameters_get_a_clear_error(name):
+    """The kernels compute in fp32: an fp64 parameter was taken and rounded to fp32 at every step, even with lr=0."""
+    double = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    allowed = r"allowed: torch.float32, torch.bfloat16, torch.float16"
+    with pytest.raises(TypeError, match=rf"parameter 1 \('w'\) of param group 0 has dtype torch.float64; .*{allowed}"):
+        paged(name, [("v", torch.nn.Parameter(torch.zeros(3))), ("w", double)])
+
+
 # 7. errors name what is at fault and change nothing ---------------------------------------------------
 
 
@@ -523,6 +532,8 @@ def bad_groups(model):
     return [
         ({"params": [fresh, "weight"]}, TypeError, r"parameter 1 of param group 2 must be a tensor, got str"),
         ({"params": [fresh, torch.zeros(2, dtype=torch.int64)]}, TypeError, r"parameter 1 of param group 2 has dtype torch.int64"),
+        ({"params": [fresh, torch.zeros(2, dtype=torch.float64, requires_grad=True)]}, TypeError,
+         r"parameter 1 of param group 2 has dtype torch.float64; .*allowed: torch.float32, torch.bfloat16, torch.float16"),
         ({"params": [fresh, first]}, ValueError, r"parameter 1 of param group 2 is already in param group 0"),
         ({"params": [fresh, fresh]}, ValueError, r"parameter 1 of param group 2 is the same tensor as parameter 0"),
         ({"params": [fresh, fresh * 2]}, ValueError, r"parameter 1 of param group 2 is not a leaf"),

@@ -9,6 +9,9 @@ from typing import Any
 
 import torch
 
+PARAMETER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The dtypes a parameter may have: the kernels compute in fp32 and write the parameter back in its own dtype."""
+
 
 def describe_parameter(group_index: int, position: int, names: Sequence[Any] | None) -> str:
     """``"parameter 2 ('fc.weight') of param group 1"``: how error messages name a parameter."""
@@ -22,9 +25,9 @@ def normalize_param_group(
     """A new param group dict with ``params`` a list of tensors and, for ``(name, tensor)`` pairs, ``param_names``.
 
     Raises TypeError or ValueError naming the group and parameter at fault, as ``torch.optim`` would
-    reject them and more: non-tensors, non-leaf tensors, tensors that are not floating point (complex
-    included) or not strided, a parameter listed twice or already in another group, names given for
-    some parameters only, or for some groups only.
+    reject them and more: non-tensors, non-leaf tensors, tensors that are not fp32, bf16 or fp16 (complex and
+    fp64 included, :func:`check_parameter_dtype`) or not strided, a parameter listed twice or already in another
+    group, names given for some parameters only, or for some groups only.
     """
     group_index = len(existing_groups)
     if not isinstance(param_group, dict):
@@ -72,10 +75,7 @@ def normalize_param_group(
         where = describe_parameter(group_index, position, names)
         if not isinstance(param, torch.Tensor):
             raise TypeError(f"{where} must be a tensor, got {type(param).__name__}")
-        if param.is_complex():
-            raise TypeError(f"{where} is complex ({param.dtype}); {optimizer_name} does not support complex parameters")
-        if not param.is_floating_point():
-            raise TypeError(f"{where} has dtype {param.dtype}; {optimizer_name} needs floating-point parameters")
+        check_parameter_dtype(param, where, optimizer_name)
         if param.layout is not torch.strided:
             raise TypeError(f"{where} has layout {param.layout}; {optimizer_name} needs strided (dense) parameters")
         if not (param.is_leaf or param.retains_grad):
@@ -89,6 +89,20 @@ def normalize_param_group(
     if names is not None:
         normalized["param_names"] = names
     return normalized
+
+
+def check_parameter_dtype(param: torch.Tensor, where: str, optimizer_name: str) -> None:
+    """Raise TypeError unless ``param`` is fp32, bf16 or fp16 (:data:`PARAMETER_DTYPES`); ``where`` names it in the
+    message (:func:`describe_parameter`). The kernels compute in fp32, so an fp64 parameter would be rounded to fp32
+    at every step, even with ``lr=0``."""
+    if param.dtype in PARAMETER_DTYPES:
+        return
+    if param.is_complex():
+        raise TypeError(f"{where} is complex ({param.dtype}); {optimizer_name} does not support complex parameters")
+    raise TypeError(
+        f"{where} has dtype {param.dtype}; {optimizer_name} supports fp32, bf16 and fp16 parameters (allowed: "
+        "torch.float32, torch.bfloat16, torch.float16)"
+    )
 
 
 def check_update_rule_options(group: dict[str, Any], optimizer_name: str) -> None:
