@@ -4,6 +4,9 @@ and 4-bit names keep ``nn.Embedding`` state in fp32 as transformers does for bit
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import bitsandbytes
 import pytest
 import torch
@@ -13,6 +16,7 @@ from transformers import Trainer
 
 import hf_paged
 from hf_paged import keep_fp32_state
+from hf_paged.optim.state_format import STATE_FORMAT
 
 from trainer_utils import tiny_llama, token_dataset, training_args
 
@@ -133,7 +137,7 @@ def test_fp32_state_modules_page_and_resume_bitwise(name):
 
     model, optimizer = build()
     train(model, optimizer, batches)
-    assert len(optimizer.param_groups) == 4
+    assert len(optimizer.param_groups) == 2  # the groups as given
     assert kinds(optimizer, [*model[2].parameters(), model[0].weight]) == ["32bit", "32bit", name[-4:]]
     paged_model, paged = build(budget=4096)
     train(paged_model, paged, batches)
@@ -173,11 +177,12 @@ def test_the_trainer_keeps_embedding_state_in_fp32_as_for_bitsandbytes(tmp_path)
         trainer.train()
         optimizer = trainer.optimizer.optimizer
         groups = optimizer.param_groups
-        kept = {id(param) for group in groups if group.get("state_format") == "fp32" for param in group["params"]}
+        kept = {id(param) for group in groups for param in group["params"] if optimizer._keeps_fp32(param)}
         assert kept == fp32, optim_args
         assert (optimizer._layout[model.model.embed_tokens.weight].kind == "32bit") == bool(fp32)
-        # the Trainer's decay and no-decay groups, the embedding (with decay) split off the first
-        assert [group["weight_decay"] for group in groups] == ([0.1, 0.1, 0.0] if fp32 else [0.1, 0.0])
+        # the Trainer's decay and no-decay groups as it gave them
+        assert [group["weight_decay"] for group in groups] == [0.1, 0.0]
+        assert all(STATE_FORMAT not in group for group in groups)
 
 
 def test_state_saved_in_one_format_loads_into_another():
@@ -289,3 +294,83 @@ def test_a_tensor_moved_into_an_fp32_group_takes_its_format(how):
     run(resumed, resumed_params, gradients[4:])
     assert all(torch.equal(mine, theirs) for mine, theirs in zip((moving, staying), resumed_params))
     assert before["exp_avg"].abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    ("saved_with", "resumed_with"),
+    [
+        (("adamw_torch", None), ("hf_paged_adamw_8bit", None)),
+        (("adamw_torch", None), ("hf_paged_adamw_4bit", "min_4bit_size=1024")),
+        (("hf_paged_adamw_8bit", "fp32_embeddings=false"), ("hf_paged_adamw_8bit", None)),
+        (("hf_paged_adamw_8bit", None), ("hf_paged_adamw_8bit", "fp32_embeddings=false")),
+    ],
+    ids=["adamw_torch to 8bit", "adamw_torch to 4bit", "quantized embedding to fp32", "fp32 embedding to quantized"],
+)
+def test_trainer_checkpoints_resume_across_the_embeddings_fp32_state(tmp_path, saved_with, resumed_with):
+    """A Trainer checkpoint resumes under another optimizer name whether or not either keeps the embeddings' state in
+    fp32: the param groups are the Trainer's two (decay, no-decay) whatever the state format, so that the state dict,
+    and the LR scheduler's state, fit. The embedding split off into a third group refused it: "state_dict has 2 param
+    groups, this optimizer has 3". The embedding's state is converted as a state dict loaded into another format is:
+    fp32 values kept bitwise, 8-bit codes decoded."""
+    optim, optim_args = saved_with
+    saving = Trainer(
+        model=tiny_llama(vocab_size=4096),
+        args=training_args(
+            tmp_path / "saved", optim=optim, optim_args=optim_args, max_steps=2, save_strategy="steps", save_steps=2
+        ),
+        train_dataset=token_dataset(8),
+    )
+    saving.train()
+    checkpoint = tmp_path / "saved" / "checkpoint-2"
+    saved = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    assert len(saved["param_groups"]) == 2
+    optim, optim_args = resumed_with
+    resuming = Trainer(
+        model=tiny_llama(vocab_size=4096),
+        args=training_args(tmp_path / "resumed", optim=optim, optim_args=optim_args, max_steps=4),
+        train_dataset=token_dataset(8),
+    )
+    resuming.create_optimizer_and_scheduler(num_training_steps=4)
+    resuming._load_optimizer_and_scheduler(str(checkpoint))
+    optimizer = resuming.optimizer.optimizer if hasattr(resuming.optimizer, "optimizer") else resuming.optimizer
+    embedding = resuming.model.model.embed_tokens.weight
+    position = [id(param) for param in optimizer.param_groups[0]["params"]].index(id(embedding))
+    kept = optim_args != "fp32_embeddings=false"
+    assert optimizer._layout[embedding].kind == ("32bit" if kept else optim[-4:])
+    decoded = hf_paged.PagedAdamW8bit([torch.nn.Parameter(torch.zeros(embedding.shape))])
+    decoded.load_state_dict(
+        {"state": {0: saved["state"][position]}, "param_groups": [{**saved["param_groups"][0], "params": [0]}]}
+    )
+    for name in ("exp_avg", "exp_avg_sq"):
+        values = optimizer.get_state_tensor(embedding, name)
+        expected = saved["state"][position].get(name)
+        if expected is None:  # 8-bit codes: their decoded values
+            expected = decoded.get_state_tensor(decoded.param_groups[0]["params"][0], name)
+        if kept:
+            assert torch.equal(values, expected), name
+        else:
+            torch.testing.assert_close(values, expected, rtol=0, atol=0.02 * expected.abs().max().item())
+    resuming.train(resume_from_checkpoint=str(checkpoint))
+    assert resuming.state.global_step == 4
+    last_lr = resuming.lr_scheduler.get_last_lr()
+    assert [group["lr"] for group in optimizer.param_groups] == last_lr and len(last_lr) == 2
+
+
+def test_fp32_state_modules_survive_copies_and_follow_a_tensor_swapped_in():
+    """The fp32 choice of ``fp32_state_modules`` is held per tensor: a deepcopy and a pickled copy keep it for their
+    own tensors, and a tensor swapped in at such a parameter's position before the first step (accelerate's FSDP2
+    shards) takes it; the param groups stay as given."""
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64))
+    optimizer = hf_paged.PagedAdamW8bit(
+        decay_groups(model), fp32_state_modules=[model[0]], min_8bit_size=0, **SMALL_BLOCKS
+    )
+    assert [len(group["params"]) for group in optimizer.param_groups] == [2, 1]
+    swapped = [torch.nn.Parameter(param.detach().clone()) for param in optimizer.param_groups[0]["params"]]
+    optimizer.param_groups[0]["params"] = list(swapped)
+    for copied in (copy.deepcopy(optimizer), pickle.loads(pickle.dumps(optimizer)), optimizer):
+        params = [param for group in copied.param_groups for param in group["params"]]
+        for param in params:
+            param.grad = torch.ones_like(param)
+        copied.step()
+        assert kinds(copied, params) == ["32bit", "8bit", "8bit"]
+        assert all(STATE_FORMAT not in group for group in copied.state_dict()["param_groups"])

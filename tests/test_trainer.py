@@ -65,9 +65,9 @@ def test_trainer_creates_our_optimizer_with_its_hyperparameters(tmp_path):
     trainer.create_optimizer()
     optimizer = trainer.optimizer
     assert isinstance(optimizer, hf_paged.PagedAdamW8bit)
-    decay, embedding, no_decay = optimizer.param_groups  # the embedding's fp32 state split off the decay group
-    assert decay["weight_decay"] == embedding["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
-    assert embedding["state_format"] == "fp32" and embedding["params"] == [trainer.model.model.embed_tokens.weight]
+    decay, no_decay = optimizer.param_groups  # the Trainer's groups as given; the embedding (in decay) keeps fp32 state
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0 and "state_format" not in decay
+    assert optimizer._keeps_fp32(trainer.model.model.embed_tokens.weight)
     assert decay["lr"] == 1e-3 and decay["betas"] == (0.8, 0.95) and decay["eps"] == 1e-7 and decay["block_size"] == 128
     assert optimizer.device_budget == 64 * 1024 and optimizer.page_size == 16 * 1024 and optimizer.prefetch == 1
     trainer.train()

@@ -41,7 +41,7 @@ from .state_dict import (
     sharded_entry,
     write_state_values,
 )
-from .state_format import FP32, STATE_FORMAT, check_modules, check_state_format, keep_fp32_state
+from .state_format import FP32, STATE_FORMAT, check_modules, check_state_format, ordered_param_groups
 
 DEFAULT_PAGE_SIZE = 4 * 2**20
 """Default page size in bytes (see ``benchmarks/optimizer_step.py``)."""
@@ -198,9 +198,10 @@ class PagedOptimizer(Optimizer):
         compiled: fuse each segment's decode-update-encode with ``torch.compile``; ``None`` chooses by the
             ``HF_PAGED_COMPILE`` environment variable, else compiles parameters of 2**21 elements or more where a
             compiler is available (see :func:`~hf_paged.kernels.resolve_compiled`).
-        fp32_state_modules: modules whose parameters keep fp32 state whatever their size: they are moved into param
-            groups of their own that name it (``"state_format": "fp32"``; see
-            :func:`~hf_paged.optim.state_format.keep_fp32_state`).
+        fp32_state_modules: modules whose parameters keep fp32 state whatever their size, as if their group named
+            ``"state_format": "fp32"``. The param groups stay as given (``state_dict()``'s groups are those of
+            ``torch.optim.AdamW`` on the same groups); a tensor an engine swaps in at such a parameter's position
+            before its first step (accelerate's FSDP2 shards) keeps fp32 state too.
 
     A param group may name its tensors' state format, ``"state_format"``: ``"fp32"``, or the optimizer's quantized
     format (``"8bit"``, ``"4bit"``) for tensors of any size; unnamed, a tensor's size chooses.
@@ -286,9 +287,13 @@ class PagedOptimizer(Optimizer):
         self._auto_budgets: dict[str, AutoBudget] = {}
         self.check_group(defaults)
         fp32_state_modules = check_modules(fp32_state_modules, "fp32_state_modules")
+        self._fp32_tensors: dict[int, weakref.ref[torch.Tensor]] = {}
+        """By ``id``: the tensors that keep fp32 state whatever their group names (``fp32_state_modules``' parameters),
+        held weakly, so that a tensor an engine swapped out is freed."""
         if fp32_state_modules:
-            params = keep_fp32_state(params, fp32_state_modules)
+            params = ordered_param_groups(params)
         super().__init__(params, defaults)
+        self._keep_fp32(param for module in fp32_state_modules for param in module.parameters())
 
     # Layout -------------------------------------------------------------------------------------------
 
@@ -394,12 +399,34 @@ class PagedOptimizer(Optimizer):
             self._bind_auto_budget(device)
         return store
 
+    def _keep_fp32(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Keep the state of ``tensors`` in fp32 whatever their groups name."""
+        for tensor in tensors:
+            self._fp32_tensors[id(tensor)] = weakref.ref(tensor)
+
+    def _keeps_fp32(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s state is kept in fp32 whatever its group names."""
+        kept = self._fp32_tensors.get(id(param))
+        return kept is not None and kept() is param
+
+    def _follow_fp32_swaps(self, groups: Iterable[dict[str, Any]]) -> None:
+        """Keep fp32 state for each tensor of ``groups`` swapped in, one for one, at the position of a tensor that keeps
+        it (accelerate's FSDP2 shards replace a group's parameters before the first step; DeepSpeed's flat partitions,
+        one for a whole group, do not follow)."""
+        for group in groups:
+            recorded = self._stepped_params.get(id(group))
+            if recorded is None or recorded[0] is not group or len(recorded[1]) != len(group["params"]):
+                continue
+            self._keep_fp32(
+                new for old, new in zip(recorded[1], group["params"]) if new is not old and self._keeps_fp32(old)
+            )
+
     def _state_format(self, param: torch.Tensor, group: dict[str, Any]) -> str:
-        """The name of the page format of ``param``'s state: the one its group names (``"state_format"``), else
-        quantized from ``min_8bit_size`` (or ``min_4bit_size``) elements of the whole parameter (a DTensor's numel), so
-        that every rank picks the same."""
+        """The name of the page format of ``param``'s state: fp32 for a tensor kept so (``fp32_state_modules``), else
+        the one its group names (``"state_format"``), else quantized from ``min_8bit_size`` (or ``min_4bit_size``)
+        elements of the whole parameter (a DTensor's numel), so that every rank picks the same."""
         bits = self.state_bits
-        named = group.get(STATE_FORMAT)
+        named = FP32 if self._keeps_fp32(param) else group.get(STATE_FORMAT)
         if bits == 32 or named == FP32 or (named is None and param.numel() < group[f"min_{bits}bit_size"]):
             return "32bit"
         if (
@@ -421,6 +448,8 @@ class PagedOptimizer(Optimizer):
         """Lay out pages for the state of ``(param, group)`` pairs, the parameters of each group packed together
         (a page mixes groups only once a tensor moves to another group of its state's format: it keeps its pages;
         :meth:`_follow_group_formats` gives one moved into another format new pages)."""
+        if self._fp32_tensors:
+            self._follow_fp32_swaps({id(group): group for _, group in params}.values())
         by_group: dict[int, list[tuple[torch.Tensor, str]]] = defaultdict(list)
         for param, group in params:
             by_group[id(group)].append((param, self._state_format(param, group)))
@@ -858,6 +887,7 @@ class PagedOptimizer(Optimizer):
         "_plan",
         "_stepped_params",
         "_checked_options",
+        "_fp32_tensors",
     )
     """Attributes that hold the page store and the layout: rebuilt from the param groups, never copied."""
 
@@ -875,6 +905,10 @@ class PagedOptimizer(Optimizer):
         saved["param_groups"] = [dict(group) for group in self.param_groups]
         saved["_saved_state"] = self._state_dict()
         saved["_saved_auto_budgets"] = dict(self._auto_budgets)  # settings and measured peaks, not the probe
+        self._follow_fp32_swaps(self.param_groups)
+        saved["_saved_fp32_tensors"] = [
+            param for group in self.param_groups for param in group["params"] if self._keeps_fp32(param)
+        ]
         return saved
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -885,6 +919,7 @@ class PagedOptimizer(Optimizer):
         state = dict(state)
         saved_state = state.pop("_saved_state")
         auto_budgets = state.pop("_saved_auto_budgets", {})
+        fp32_tensors = state.pop("_saved_fp32_tensors", [])
         param_groups = state.pop("param_groups")
         had_differentiable = "differentiable" in state["defaults"]
         super().__setstate__({**state, "state": defaultdict(dict), "param_groups": []})
@@ -896,6 +931,8 @@ class PagedOptimizer(Optimizer):
         self._store.add_observer(_views_forgetter(weakref.ref(self)), ("page_out", "written"))
         self._stepped_params = {}
         self._checked_options = []
+        self._fp32_tensors = {}
+        self._keep_fp32(fp32_tensors)
         for group in param_groups:
             self.add_param_group(group)
         self._load_state_dict(saved_state, copying=True)

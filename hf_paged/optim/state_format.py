@@ -1,5 +1,6 @@
 """Per-parameter state formats: a param group may name the format of its parameters' state (``"state_format"``), and
-:func:`keep_fp32_state` moves chosen modules' parameters into groups that keep fp32 state.
+:func:`keep_fp32_state` moves chosen modules' parameters into groups that keep fp32 state (an optimizer's
+``fp32_state_modules`` keeps it for them within the groups as given).
 
 A quantized optimizer picks a tensor's format by its size (``min_8bit_size``, ``min_4bit_size``). A group with
 ``"state_format": "fp32"`` keeps fp32 state for every tensor it lists, as bitsandbytes'
@@ -54,6 +55,32 @@ def check_modules(modules: Any, name: str) -> list[torch.nn.Module]:
     return modules
 
 
+def ordered_param_groups(
+    params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """``params`` (tensors, ``(name, tensor)`` pairs, or param groups) as param groups, or TypeError where they have no
+    fixed order (a set) or mix groups and parameters, ValueError for a group without ``params``."""
+    if isinstance(params, (torch.Tensor, set)):
+        raise TypeError(
+            "params must be an ordered iterable of tensors, (name, tensor) pairs or param groups (a set has no fixed "
+            f"order), got {type(params).__name__}"
+        )
+    entries = list(params)
+    dicts = [isinstance(entry, dict) for entry in entries]
+    if any(dicts) and not all(dicts):
+        raise TypeError(
+            f"params mixes param groups (entry {dicts.index(True)}) and parameters (entry {dicts.index(False)}); give "
+            "all as param groups (dicts) or none"
+        )
+    groups = entries if any(dicts) else [{"params": entries}]
+    for index, group in enumerate(groups):
+        if "params" not in group:
+            raise ValueError(f"param group {index} has no 'params'")
+        if isinstance(group["params"], set):
+            raise TypeError(f"param group {index}: params must be an ordered collection (a set has no fixed order)")
+    return groups
+
+
 def keep_fp32_state(
     params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]],
     modules: Iterable[torch.nn.Module],
@@ -69,26 +96,9 @@ def keep_fp32_state(
     >>> optimizer = PagedAdamW8bit(groups, lr=2e-4)
     """
     chosen = {id(param) for module in check_modules(modules, "modules") for param in module.parameters()}
-    if isinstance(params, (torch.Tensor, set)):
-        raise TypeError(
-            "params must be an ordered iterable of tensors, (name, tensor) pairs or param groups (a set has no fixed "
-            f"order), got {type(params).__name__}"
-        )
-    entries = list(params)
-    dicts = [isinstance(entry, dict) for entry in entries]
-    if any(dicts) and not all(dicts):
-        raise TypeError(
-            f"params mixes param groups (entry {dicts.index(True)}) and parameters (entry {dicts.index(False)}); give "
-            "all as param groups (dicts) or none"
-        )
-    groups = entries if any(dicts) else [{"params": entries}]
     split = []
-    for index, group in enumerate(groups):
-        if "params" not in group:
-            raise ValueError(f"param group {index} has no 'params'")
+    for group in ordered_param_groups(params):
         members = group["params"]
-        if isinstance(members, set):
-            raise TypeError(f"param group {index}: params must be an ordered collection (a set has no fixed order)")
         members = [members] if isinstance(members, torch.Tensor) else list(members)
         names = group.get("param_names")
         moved = [id(member[1] if isinstance(member, tuple) else member) in chosen for member in members]
