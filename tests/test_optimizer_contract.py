@@ -513,6 +513,20 @@ def test_float64_parameters_get_a_clear_error(name):
         paged(name, [("v", torch.nn.Parameter(torch.zeros(3))), ("w", double)])
 
 
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_parameters_that_share_memory_get_a_clear_error(name):
+    """Views of one tensor as two parameters were updated each from its own state: the C++ host kernels refused the
+    step naming no parameter, the PyTorch and Triton kernels wrote the shared elements twice. Disjoint views are
+    taken, whether their element ranges interleave (columns of a matrix) or not."""
+    base = torch.zeros(40, 30)
+    shared = r"parameter 1 \('b'\) of param group 0 shares memory with parameter 0 \('a'\) of param group 0"
+    for a, b in [(base, base[:10]), (base[:, ::2], base[5, 4:6]), (base[1:3], base[2:4].t())]:
+        with pytest.raises(ValueError, match=shared):
+            paged(name, [("a", torch.nn.Parameter(a)), ("b", torch.nn.Parameter(b))])
+    for a, b in [(base[:20], base[20:]), (base[:, :10], base[:, 10:]), (base[:, ::2], base[:, 1::2])]:
+        paged(name, [("a", torch.nn.Parameter(a)), ("b", torch.nn.Parameter(b))])
+
+
 # 7. errors name what is at fault and change nothing ---------------------------------------------------
 
 
@@ -535,6 +549,8 @@ def bad_groups(model):
         ({"params": [fresh, torch.zeros(2, dtype=torch.float64, requires_grad=True)]}, TypeError,
          r"parameter 1 of param group 2 has dtype torch.float64; .*allowed: torch.float32, torch.bfloat16, torch.float16"),
         ({"params": [fresh, first]}, ValueError, r"parameter 1 of param group 2 is already in param group 0"),
+        ({"params": [fresh, torch.nn.Parameter(first.data[:1])]}, ValueError,
+         r"parameter 1 of param group 2 shares memory with parameter 0 of param group 0"),
         ({"params": [fresh, fresh]}, ValueError, r"parameter 1 of param group 2 is the same tensor as parameter 0"),
         ({"params": [fresh, fresh * 2]}, ValueError, r"parameter 1 of param group 2 is not a leaf"),
         ({"params": [fresh], "lr": -1.0}, ValueError, r"param group 2: lr must be"),

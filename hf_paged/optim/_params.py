@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from .layout import local_tensor
+
 PARAMETER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """The dtypes a parameter may have: the kernels compute in fp32 and write the parameter back in its own dtype."""
 
@@ -27,7 +29,8 @@ def normalize_param_group(
     Raises TypeError or ValueError naming the group and parameter at fault, as ``torch.optim`` would
     reject them and more: non-tensors, non-leaf tensors, tensors that are not fp32, bf16 or fp16 (complex and
     fp64 included, :func:`check_parameter_dtype`) or not strided, a parameter listed twice or already in another
-    group, names given for some parameters only, or for some groups only.
+    group, parameters that share memory (:func:`check_disjoint_parameters`), names given for some parameters only,
+    or for some groups only.
     """
     group_index = len(existing_groups)
     if not isinstance(param_group, dict):
@@ -85,6 +88,7 @@ def normalize_param_group(
         if id(param) in elsewhere:
             raise ValueError(f"{where} is already in param group {elsewhere[id(param)]}")
         seen[id(param)] = position
+    check_disjoint_parameters(params, group_index, names, existing_groups)
     normalized = {**param_group, "params": params}
     if names is not None:
         normalized["param_names"] = names
@@ -103,6 +107,64 @@ def check_parameter_dtype(param: torch.Tensor, where: str, optimizer_name: str) 
         f"{where} has dtype {param.dtype}; {optimizer_name} supports fp32, bf16 and fp16 parameters (allowed: "
         "torch.float32, torch.bfloat16, torch.float16)"
     )
+
+
+def check_disjoint_parameters(
+    params: Sequence[torch.Tensor],
+    group_index: int,
+    names: Sequence[Any] | None,
+    existing_groups: Sequence[dict[str, Any]],
+) -> None:
+    """Raise ValueError where a parameter of param group ``group_index`` (``params``, named ``names``) shares an
+    element of memory with another of the group or of ``existing_groups`` (views of one tensor, such as
+    ``Parameter(base)`` and ``Parameter(base[:10])``): each would be updated from its own state, and the kernels would
+    write the shared elements twice. Views of disjoint elements of one tensor are taken.
+
+    Parameters are grouped by storage; within one, element ranges are compared, and where ranges of a non-contiguous
+    view meet, its elements."""
+    by_storage: dict[tuple[torch.device, int], list[tuple[torch.Tensor, str, bool]]] = {}
+    candidates = [
+        (param, describe_parameter(index, position, group.get("param_names")), False)
+        for index, group in enumerate(existing_groups)
+        for position, param in enumerate(group["params"])
+    ]
+    candidates += [
+        (param, describe_parameter(group_index, position, names), True) for position, param in enumerate(params)
+    ]
+    for param, where, new in candidates:
+        local = local_tensor(param)
+        storage = local.untyped_storage()
+        if local.numel() and storage.device.type != "meta":  # meta and fake tensors have no memory
+            by_storage.setdefault((local.device, storage.data_ptr()), []).append((local, where, new))
+    for tensors in by_storage.values():
+        for later, (tensor, where, new) in enumerate(tensors):
+            for other, other_where, _ in tensors[:later] if new else ():
+                if _share_elements(tensor, other):
+                    raise ValueError(
+                        f"{where} shares memory with {other_where} (views of one tensor); give each parameter its "
+                        "own memory or disjoint elements of a tensor"
+                    )
+
+
+def _element_range(tensor: torch.Tensor) -> tuple[int, int]:
+    """The first byte of ``tensor``'s storage that it reads and the byte after its last."""
+    last = tensor.storage_offset() + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return tensor.storage_offset() * tensor.element_size(), (last + 1) * tensor.element_size()
+
+
+def _share_elements(tensor: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether two non-empty tensors of one storage share an element: their byte ranges meet and, where one is not
+    contiguous, an element of one is an element of the other (of one element size; of two, meeting ranges count)."""
+    (start, end), (other_start, other_end) = _element_range(tensor), _element_range(other)
+    if end <= other_start or other_end <= start:
+        return False
+    if (tensor.is_contiguous() and other.is_contiguous()) or tensor.element_size() != other.element_size():
+        return True
+    size, first = tensor.element_size(), min(start, other_start) // tensor.element_size()
+    indices = torch.arange(max(end, other_end) // size - first)
+    taken = torch.zeros(indices.numel(), dtype=torch.bool)
+    taken[indices.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset() - first)] = True
+    return bool(taken[indices.as_strided(other.shape, other.stride(), other.storage_offset() - first)].any())
 
 
 def check_update_rule_options(group: dict[str, Any], optimizer_name: str) -> None:
