@@ -57,3 +57,30 @@ def test_streamed_pages_are_updated_a_prefetch_window_at_a_time(fused_calls, pre
     streamed = optimizer.paging_stats()["page_ins"] - stats["page_ins"]
     assert streamed > prefetch
     assert len(fused_calls) <= 2 * (-(-streamed // prefetch) + 1), (len(fused_calls), streamed)
+
+
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_fp32_parameters_beside_bf16_ones_on_a_page_take_the_fused_call(fused_calls, monkeypatch, kernels):
+    """An fp32 parameter keeps torch.optim.AdamW(fused=True)'s result bitwise when a bf16 parameter shares its page:
+    the page's fp32 tensors take the fused call, its others the rule kernels, each as on a page of its own (the whole
+    page once took the rule kernels, an ulp off the fused result)."""
+    monkeypatch.setenv("HF_PAGED_KERNELS", kernels)
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(64, 300, generator=generator), torch.randn(100, generator=generator).bfloat16()
+
+    def fit(make_optimizer, tensors):
+        params = [torch.nn.Parameter(tensor.clone()) for tensor in tensors]
+        optimizer = make_optimizer(params)
+        for step in range(3):
+            for param in params:
+                param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(step)).to(param.dtype)
+            optimizer.step()
+        return [param.detach() for param in params], optimizer
+
+    (fp32, bf16), optimizer = fit(lambda params: hf_paged.PagedAdamW(params, lr=1e-2), [weight, bias])
+    assert optimizer.paging_stats()["pages_total"] == 1
+    assert fused_calls == [1, 1, 1]
+    (expected_fp32,), _ = fit(lambda params: torch.optim.AdamW(params, lr=1e-2, fused=True), [weight])
+    assert torch.equal(fp32, expected_fp32)
+    (expected_bf16,), _ = fit(lambda params: hf_paged.PagedAdamW(params, lr=1e-2), [bias])
+    assert torch.equal(bf16, expected_bf16)

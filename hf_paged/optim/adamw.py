@@ -83,11 +83,12 @@ class _PagedAdamWBase(PagedOptimizer):
         return adamw_scalars(group, step)
 
     def takes_pages_fast(self, page: Page, dtypes: set[tuple[torch.dtype, torch.dtype]]) -> bool:
-        """Pages of fp32 state on CPU or CUDA whose tensors are all fp32, gradients too."""
+        """Pages of fp32 state on CPU or CUDA with fp32 tensors of fp32 gradients (a page's other tensors are left to
+        the rule kernels)."""
         return (
             page.device[0].device.type in ("cpu", "cuda")
             and all(isinstance(codec, Float32Codec) for codec in page.format.codecs)
-            and dtypes == {(torch.float32, torch.float32)}
+            and (torch.float32, torch.float32) in dtypes
         )
 
     def update_pages_fast(
@@ -100,22 +101,24 @@ class _PagedAdamWBase(PagedOptimizer):
         """fp32 parameters with fp32 state on CPU or CUDA: PyTorch's fused AdamW kernel, one call for the
         segments of each param group and device in the batch, each with its own group's hyperparameters (a
         tensor moved to another group keeps its page, which then holds segments of both groups). The kernel
-        allocates nothing, so each call updates its segments whole; they are ``finished`` before the next call."""
+        allocates nothing, so each call updates its segments whole; they are ``finished`` before the next call.
+        The pages are those :meth:`takes_pages_fast` took; each tensor takes the kernel or not by its own dtypes, so that
+        an fp32 parameter gets torch's result whatever shares its page: a page's work items of other dtypes are left
+        to the rule kernels, with the page."""
         calls: dict[tuple[int, torch.device], list[tuple[WorkItem, torch.Tensor, torch.Tensor]]] = defaultdict(list)
         left = []
         for page, work in batch:
             device = page.device[0].device
-            if (
-                device.type in ("cpu", "cuda")
-                and all(isinstance(codec, Float32Codec) for codec in page.format.codecs)
-                and all(param.dtype == torch.float32 and grad.dtype == torch.float32 for _, param, grad, _, _ in work)
-            ):
-                for item in work:
-                    segment, group = item[0], item[4]
+            others = []
+            for item in work:
+                segment, param, grad, _, group = item
+                if param.dtype == torch.float32 and grad.dtype == torch.float32:
                     (exp_avg,), (exp_avg_sq,) = state_views(page, segment)
                     calls[id(group), device].append((item, exp_avg, exp_avg_sq))
-            else:
-                left.append((page, work))
+                else:
+                    others.append(item)
+            if others:
+                left.append((page, others))
         for entries in calls.values():
             items = [item for item, _, _ in entries]
             group = items[0][4]
