@@ -281,3 +281,16 @@ def test_a_block_with_non_finite_values_keeps_its_finite_ones(codec):
     torch.testing.assert_close(decoded[0], expected_first_row, rtol=0, atol=0)
     assert decoded[1, 9] == (largest_finite if codec.signed else math.inf)
     assert decoded[1, torch.arange(64) != 9].isfinite().all()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_nan_bf16_parameter_has_the_same_bits_in_every_family(kernels, compiled):
+    """A bf16 parameter element that becomes NaN (0 / 0 with eps = 0) is written as 0x7FC0 by every kernel family, as
+    by the host and Triton kernels (the PyTorch kernels once wrote ATen's conversion of it, 0xFFFF)."""
+    param = torch.nn.Parameter(torch.randn(4, 256, generator=torch.Generator().manual_seed(0)).bfloat16())
+    optimizer = hf_paged.PagedAdamW([param], lr=1e-2, eps=0.0, compiled=compiled)
+    for _ in range(2):
+        param.grad = torch.zeros_like(param)
+        optimizer.step()
+    assert param.isnan().all()
+    assert param.detach().view(torch.int16).eq(0x7FC0).all()
