@@ -514,6 +514,21 @@ def test_float64_parameters_get_a_clear_error(name):
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
+def test_a_parameter_whose_data_changed_dtype_is_refused_at_the_step(name, dtype):
+    """A parameter whose ``.data`` was replaced by an fp64 or complex tensor after the optimizer took it was stepped
+    in fp32, its imaginary part dropped; the step refuses it, as the constructor does, before any update."""
+    kept, changed = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.zeros(3))
+    optimizer = paged(name, [("v", kept), ("w", changed)])
+    changed.data = torch.arange(3).to(dtype)
+    kept.grad, changed.grad = torch.ones(3), torch.ones(3, dtype=dtype)
+    with pytest.raises(TypeError, match=r"parameter 1 \('w'\) of param group 0 (has dtype|is complex)"):
+        optimizer.step()
+    assert torch.equal(kept, torch.ones(3)) and torch.equal(changed, torch.arange(3).to(dtype))
+    assert not optimizer.state
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_parameters_that_share_memory_get_a_clear_error(name):
     """Views of one tensor as two parameters were updated each from its own state: the C++ host kernels refused the
     step naming no parameter, the PyTorch and Triton kernels wrote the shared elements twice. Disjoint views are

@@ -28,7 +28,13 @@ from ..sizes import parse_size
 from ..stochastic_rounding import ROUNDING_BYTES_PER_ELEMENT, ROUNDING_SLICE_ELEMENTS
 from ..store import Page, PageStore
 from ..stores import DeviceBudget, DeviceStores
-from ._params import check_update_rule_options, describe_parameter, normalize_param_group
+from ._params import (
+    PARAMETER_DTYPES,
+    check_parameter_dtype,
+    check_update_rule_options,
+    describe_parameter,
+    normalize_param_group,
+)
 from .executor import StateViews, WorkItem, run_step
 from .layout import StateLayout, local_tensor, state_device
 from .plan import StepParts, StepPlan
@@ -529,6 +535,9 @@ class PagedOptimizer(Optimizer):
                 if param.grad is None:
                     continue
                 grad, local = local_tensor(param.grad), local_tensor(param)
+                if local.dtype not in PARAMETER_DTYPES:  # its data replaced since the group was checked
+                    where = describe_parameter(group_index, position, group.get("param_names"))
+                    check_parameter_dtype(local, where, type(self).__name__)
                 if param.grad.is_sparse:
                     where = describe_parameter(group_index, position, group.get("param_names"))
                     raise RuntimeError(
