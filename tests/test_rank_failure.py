@@ -302,7 +302,8 @@ def test_replay_requests_of_an_attempt_are_read_by_every_rank_in_order(store):
 
 
 class CountedConnections:
-    """A store standing for the default process group's, counting the connections opened to it (its clones)."""
+    """A store standing for the default process group's, counting the connections opened to it (its clones); also
+    tests/scripts/recover_oom_connections.py's."""
 
     def __init__(self, store: dist.Store) -> None:
         self.store = store

@@ -16,22 +16,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 import torch.distributed as dist
+from test_rank_failure import CountedConnections
 
 import hf_paged
 from hf_paged import replay_requests
 from hf_paged.job_store import default_store
-
-
-class CountedConnections:
-    """The default store, counting the connections opened to it (its clones)."""
-
-    def __init__(self, store: dist.Store) -> None:
-        self.store = store
-        self.connections = 0
-
-    def clone(self) -> dist.Store:
-        self.connections += 1
-        return self.store.clone()
 
 
 def main() -> None:
