@@ -165,8 +165,8 @@ def segment_kernel(
     ``native``: for CPU pages of AdamW's and Lion's 8-bit and 4-bit states a :class:`HostKernel` while the host
     kernels are enabled (``HF_PAGED_NATIVE``, read at each call; see :mod:`hf_paged.native`), whatever ``compiled``
     says. ``triton``: a :class:`~hf_paged.kernels.triton_kernels.TritonKernel` for AdamW's and Lion's 8-bit, 4-bit
-    and fp32 states and AdamW's rank-1 normalized 4-bit states. Otherwise, and for the segments those kernels hand on (another device, fp64 tensors), the
-    :class:`SegmentKernel` that ``compiled`` chooses.
+    and fp32 states and AdamW's rank-1 normalized 4-bit states. Otherwise, and for the segments those kernels hand
+    on (another device), the :class:`SegmentKernel` that ``compiled`` chooses.
     """
     family = kernel_family(device)
     if family == "native" and (

@@ -31,7 +31,7 @@ from .rules import ADEMAMIX_SCALAR_NAMES, UpdateRule, adamw_update_, ademamix_up
 
 class HostKernel:
     """The C++ host kernel of ``hf_paged/native/host_kernels.cpp`` for a rule's CPU segments of 8-bit, 4-bit or fp32
-    state; segments elsewhere (another device, fp64 tensors) go to ``fallback``, a :class:`SegmentKernel`.
+    state; segments elsewhere (another device) go to ``fallback``, a :class:`SegmentKernel`.
 
     One pass per block of ``block_size`` elements: the codes and scale of each state are read and decoded, the rule
     runs in fp32 with the eager kernel's formulas, the parameter is written once and the state encoded with the

@@ -898,7 +898,7 @@ class TritonKernel:
     :meth:`update_batch` updates a :class:`PageBatch` in one launch per parameter and gradient dtype present (usually
     one), and for rank-1 state :meth:`gather_batch` gathers its next statistics in one launch per gradient dtype;
     called on one segment (the optimizer's per-segment path) it updates that segment in one launch. Segments it
-    cannot take (a device without Triton, fp64 tensors, a rank-1 state's segments one by one) go to ``fallback``, a
+    cannot take (a device without Triton, a rank-1 state's segments one by one) go to ``fallback``, a
     :class:`~hf_paged.kernels.pytorch.SegmentKernel`, through copies that put them back if it fails.
 
     Every argument is checked before the first launch and a launch allocates nothing on the device besides its

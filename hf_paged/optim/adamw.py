@@ -200,8 +200,8 @@ class PagedAdamW8bit(_PagedAdamWBase):
         bf16_stochastic_round: round bf16 parameters' updated values to bf16 stochastically instead of to nearest,
             so that updates below half a bf16 spacing are kept in expectation (no effect on other dtypes).
         stochastic_round_seed: seed of the rounding bits, an integer in [0, 2**64); saved in the param groups.
-        fp32_state_modules: modules whose parameters keep fp32 state whatever their size (see
-            :func:`~hf_paged.optim.state_format.keep_fp32_state`).
+        fp32_state_modules: modules whose parameters keep fp32 state whatever their size, in the
+            param groups as given (see :class:`~hf_paged.optim.base.PagedOptimizer`).
     """
 
     def __init__(
@@ -265,8 +265,8 @@ class PagedAdamW4bit(_PagedAdamWBase):
         bf16_stochastic_round: round bf16 parameters' updated values to bf16 stochastically instead of to nearest,
             so that updates below half a bf16 spacing are kept in expectation (no effect on other dtypes).
         stochastic_round_seed: seed of the rounding bits, an integer in [0, 2**64); saved in the param groups.
-        fp32_state_modules: modules whose parameters keep fp32 state whatever their size (see
-            :func:`~hf_paged.optim.state_format.keep_fp32_state`).
+        fp32_state_modules: modules whose parameters keep fp32 state whatever their size, in the
+            param groups as given (see :class:`~hf_paged.optim.base.PagedOptimizer`).
     """
 
     def __init__(

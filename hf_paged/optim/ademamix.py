@@ -169,8 +169,8 @@ class PagedAdEMAMix8bit(_PagedAdEMAMixBase):
         min_8bit_size: tensors with fewer elements keep fp32 state.
         page_size, device_budget, prefetch, compiled: paging settings, see :class:`PagedOptimizer`.
         bf16_stochastic_round, stochastic_round_seed: as :class:`PagedAdEMAMix`.
-        fp32_state_modules: modules whose parameters keep fp32 state whatever their size (see
-            :func:`~hf_paged.optim.state_format.keep_fp32_state`).
+        fp32_state_modules: modules whose parameters keep fp32 state whatever their size, in the
+            param groups as given (see :class:`~hf_paged.optim.base.PagedOptimizer`).
     """
 
     def __init__(
@@ -224,8 +224,8 @@ class PagedAdEMAMix4bit(_PagedAdEMAMixBase):
         min_4bit_size: tensors with fewer elements keep fp32 state.
         page_size, device_budget, prefetch, compiled: paging settings, see :class:`PagedOptimizer`.
         bf16_stochastic_round, stochastic_round_seed: as :class:`PagedAdEMAMix`.
-        fp32_state_modules: modules whose parameters keep fp32 state whatever their size (see
-            :func:`~hf_paged.optim.state_format.keep_fp32_state`).
+        fp32_state_modules: modules whose parameters keep fp32 state whatever their size, in the
+            param groups as given (see :class:`~hf_paged.optim.base.PagedOptimizer`).
     """
 
     def __init__(
