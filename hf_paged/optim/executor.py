@@ -179,9 +179,8 @@ class StepProgress:
         )
         if not done and not started:
             return stopped_before_any_update(recoveries)
-        after = f" after {recoveries} recoveries from out-of-memory errors" if recoveries else ""
         return (
-            f"hf-paged: the optimizer step stopped{after} having updated {len(done)} of {len(self.plan.params)} "
+            f"hf-paged: the optimizer step stopped{_after_recoveries(recoveries)} having updated {len(done)} of {len(self.plan.params)} "
             f"parameters in full (their step counts advanced) and {started} in part (whole chunks of elements; their "
             "step counts did not advance). Every chunk is either updated or as it was, but the optimizer is not at a "
             "step's end: resume from a checkpoint rather than go on training"
@@ -190,8 +189,12 @@ class StepProgress:
 
 def stopped_before_any_update(recoveries: int) -> str:
     """A note for an error that stops the step before it updated anything, after ``recoveries`` recoveries."""
-    after = f" after {recoveries} recoveries from out-of-memory errors" if recoveries else ""
+    after = _after_recoveries(recoveries)
     return f"hf-paged: the optimizer step stopped{after} before updating any parameter; nothing changed"
+
+
+def _after_recoveries(recoveries: int) -> str:
+    return f" after {recoveries} recoveries from out-of-memory errors" if recoveries else ""
 
 
 class StepRun:
