@@ -4,12 +4,14 @@ and the elements of a parameter that is not contiguous, read and written a range
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from .layout import local_tensor
+from .layout import _PLAIN_TENSORS, local_tensor
 
 PARAMETER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """The dtypes a parameter may have: the kernels compute in fp32 and write the parameter back in its own dtype."""
@@ -120,30 +122,80 @@ def check_disjoint_parameters(
     ``Parameter(base)`` and ``Parameter(base[:10])``): each would be updated from its own state, and the kernels would
     write the shared elements twice. Views of disjoint elements of one tensor are taken.
 
-    Parameters are grouped by storage; within one, element ranges are compared, and where ranges of a non-contiguous
-    view meet, its elements."""
-    by_storage: dict[tuple[torch.device, int], list[tuple[torch.Tensor, str, bool]]] = {}
-    candidates = [
-        (param, describe_parameter(index, position, group.get("param_names")), False)
-        for index, group in enumerate(existing_groups)
-        for position, param in enumerate(group["params"])
-    ]
-    candidates += [
-        (param, describe_parameter(group_index, position, names), True) for position, param in enumerate(params)
-    ]
-    for param, where, new in candidates:
-        local = local_tensor(param)
-        storage = local.untyped_storage()
-        if local.numel() and storage.device.type != "meta":  # meta and fake tensors have no memory
-            by_storage.setdefault((local.device, storage.data_ptr()), []).append((local, where, new))
-    for tensors in by_storage.values():
-        for later, (tensor, where, new) in enumerate(tensors):
-            for other, other_where, _ in tensors[:later] if new else ():
-                if _share_elements(tensor, other):
+    Parameters are grouped by storage, and only storages that a new parameter uses are looked at. Within one, the
+    byte ranges are sorted by start and swept: only tensors whose ranges meet are compared
+    (:func:`_share_elements`, exact, in memory bounded by :data:`_CHUNK`), and parameters are described only
+    for the error."""
+    new: dict[tuple[torch.device, int], list[tuple[int, int, torch.Tensor, int, int]]] = {}
+    for position, param in enumerate(params):
+        _add_extent(new, param, (group_index, position), create=True)
+    if not new:
+        return
+    # An earlier parameter on a storage of a new one has its first element inside that storage's bytes: other
+    # parameters are passed over on their data_ptr, without a storage object or an extent each.
+    spans = sorted((pointer, pointer + storage.nbytes()) for storage, pointer in _storages(params))
+    starts = [span[0] for span in spans]
+    for index, group in enumerate(existing_groups):
+        for position, param in enumerate(group["params"]):
+            if type(param) in _PLAIN_TENSORS:
+                pointer = param.data_ptr()
+                span = bisect.bisect_right(starts, pointer) - 1
+                if span < 0 or pointer >= spans[span][1]:
+                    continue
+            _add_extent(new, param, (index, position), create=False)
+    for extents in new.values():
+        if len(extents) < 2:
+            continue
+        extents.sort(key=lambda extent: extent[0])
+        active: list[tuple[int, int, torch.Tensor, int, int]] = []
+        for extent in extents:
+            start, _, tensor, index, position = extent
+            active = [other for other in active if other[1] > start]
+            for _, _, other, other_index, other_position in active:
+                if (index == group_index or other_index == group_index) and _share_elements(tensor, other):
+                    (index, position), (other_index, other_position) = sorted(
+                        [(index, position), (other_index, other_position)]
+                    )[::-1]
                     raise ValueError(
-                        f"{where} shares memory with {other_where} (views of one tensor); give each parameter its "
-                        "own memory or disjoint elements of a tensor"
+                        f"{_describe(index, position, group_index, names, existing_groups)} shares memory with "
+                        f"{_describe(other_index, other_position, group_index, names, existing_groups)} (views of one "
+                        "tensor); give each parameter its own memory or disjoint elements of a tensor"
                     )
+            active.append(extent)
+
+
+_COMPARISONS = [0]
+"""How many pairs of tensors whose byte ranges meet :func:`check_disjoint_parameters` has compared (for tests)."""
+
+
+def _storages(params: Sequence[torch.Tensor]):
+    """The storage of each non-empty parameter with memory, with its data pointer."""
+    for param in params:
+        local = local_tensor(param)
+        if local.numel():
+            storage = local.untyped_storage()
+            if storage.device.type != "meta":
+                yield storage, storage.data_ptr()
+
+
+def _add_extent(by_storage: dict, param: Any, where: tuple[int, int], create: bool) -> None:
+    local = local_tensor(param)
+    if not local.numel():
+        return
+    storage = local.untyped_storage()
+    key = (local.device, storage.data_ptr())
+    extents = by_storage.get(key)
+    if extents is None:
+        if not create or storage.device.type == "meta":  # meta and fake tensors have no memory
+            return
+        extents = by_storage[key] = []
+    extents.append((*_element_range(local), local, *where))
+
+
+def _describe(index: int, position: int, group_index: int, names: Sequence[Any] | None, existing_groups) -> str:
+    if index == group_index:
+        return describe_parameter(index, position, names)
+    return describe_parameter(index, position, existing_groups[index].get("param_names"))
 
 
 def _element_range(tensor: torch.Tensor) -> tuple[int, int]:
@@ -152,19 +204,114 @@ def _element_range(tensor: torch.Tensor) -> tuple[int, int]:
     return tensor.storage_offset() * tensor.element_size(), (last + 1) * tensor.element_size()
 
 
+_CHUNK = 1 << 18
+"""Element offsets :func:`_share_elements` looks at a time: int64 tensors of 2 MiB, a few at once."""
+
+
 def _share_elements(tensor: torch.Tensor, other: torch.Tensor) -> bool:
     """Whether two non-empty tensors of one storage share an element: their byte ranges meet and, where one is not
-    contiguous, an element of one is an element of the other (of one element size; of two, meeting ranges count)."""
+    contiguous, an element of one is an element of the other (of one element size; of two, meeting ranges count).
+
+    Exact, without materializing the span: the offsets are first compared modulo the gcd of the strides (two
+    interleaved views, as ``base[:, ::2]`` and ``base[:, 1::2]``, differ there); then the elements of one that lie
+    in the range of the other are listed ``_CHUNK`` at a time and looked up in the other. The lookup is arithmetic
+    where the other's dims nest (each stride past the extent of the smaller ones: any slice, transpose or view of a
+    dense tensor); for two tensors that both overlap themselves (``as_strided``, ``unfold``), chunks of each are
+    compared with ``torch.isin``, in time quadratic in the elements of the window but memory still bounded."""
+    _COMPARISONS[0] += 1
     (start, end), (other_start, other_end) = _element_range(tensor), _element_range(other)
     if end <= other_start or other_end <= start:
         return False
     if (tensor.is_contiguous() and other.is_contiguous()) or tensor.element_size() != other.element_size():
         return True
-    size, first = tensor.element_size(), min(start, other_start) // tensor.element_size()
-    indices = torch.arange(max(end, other_end) // size - first)
-    taken = torch.zeros(indices.numel(), dtype=torch.bool)
-    taken[indices.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset() - first)] = True
-    return bool(taken[indices.as_strided(other.shape, other.stride(), other.storage_offset() - first)].any())
+    size = tensor.element_size()
+    low, high = max(start, other_start) // size, min(end, other_end) // size
+    dims, other_dims = _dims(tensor), _dims(other)
+    divisor = 0
+    for _, stride in dims + other_dims:
+        divisor = math.gcd(divisor, stride)
+    if divisor and (tensor.storage_offset() - other.storage_offset()) % divisor:
+        return False
+    nested, other_nested = _nests(dims), _nests(other_dims)
+    if other_nested and (not nested or tensor.numel() <= other.numel()):
+        listed, (looked_up, looked_up_dims) = (tensor, dims), (other, other_dims)
+    elif nested:
+        listed, (looked_up, looked_up_dims) = (other, other_dims), (tensor, dims)
+    else:
+        return any(
+            bool(torch.isin(chunk, other_chunk).any())
+            for chunk in _offsets(tensor.storage_offset(), dims, low, high)
+            for other_chunk in _offsets(other.storage_offset(), other_dims, low, high)
+        )
+    return any(
+        bool(_contains(looked_up.storage_offset(), looked_up_dims, chunk).any())
+        for chunk in _offsets(listed[0].storage_offset(), listed[1], low, high)
+    )
+
+
+def _dims(tensor: torch.Tensor) -> list[tuple[int, int]]:
+    """``(size, stride)`` of the dims that list distinct elements (size above 1, stride not 0), largest stride first."""
+    return sorted(
+        ((size, abs(stride)) for size, stride in zip(tensor.shape, tensor.stride()) if size > 1 and stride),
+        key=lambda dim: -dim[1],
+    )
+
+
+def _nests(dims: list[tuple[int, int]]) -> bool:
+    """Whether each stride is past the extent of the smaller ones: every element has one index, found greedily."""
+    extent = 0
+    for size, stride in reversed(dims):
+        if stride <= extent:
+            return False
+        extent += (size - 1) * stride
+    return True
+
+
+def _contains(offset: int, dims: list[tuple[int, int]], offsets: torch.Tensor) -> torch.Tensor:
+    """Which of ``offsets`` are elements of the tensor at ``offset`` with nesting ``dims`` (:func:`_nests`)."""
+    rest = offsets - offset
+    inside = rest >= 0
+    for size, stride in dims:
+        rest -= torch.div(rest, stride, rounding_mode="floor").clamp_(0, size - 1) * stride
+    return inside & (rest == 0)
+
+
+def _offsets(offset: int, dims: list[tuple[int, int]], low: int, high: int):
+    """The element offsets in ``[low, high)`` of the tensor at ``offset`` with ``dims``, at most about ``_CHUNK``
+    a time (possibly repeated where dims overlap): dims are walked largest stride first, skipping indices whose
+    sub-block misses the window, and the trailing dims that fit a chunk are listed at once."""
+    inner, block = len(dims), torch.zeros(1, dtype=torch.int64)
+    while inner and dims[inner - 1][0] * block.numel() <= _CHUNK:
+        inner -= 1
+        size, stride = dims[inner]
+        block = (torch.arange(size, dtype=torch.int64) * stride)[:, None].add(block[None, :]).view(-1)
+    extents = [0] * (len(dims) + 1)
+    for k in range(len(dims) - 1, -1, -1):
+        extents[k] = extents[k + 1] + (dims[k][0] - 1) * dims[k][1]
+
+    def walk(k: int, base: int):
+        if k == inner:
+            yield from _filtered(base + block, low, high)
+            return
+        size, stride = dims[k]
+        first = max(0, -((base + extents[k + 1] - low) // stride))  # the first index whose sub-block reaches low
+        last = min(size - 1, (high - 1 - base) // stride)
+        if k + 1 < inner:
+            for index in range(first, last + 1):
+                yield from walk(k + 1, base + index * stride)
+            return
+        batch = max(1, _CHUNK // block.numel())  # the dim just above the block: several indices at once
+        for index in range(first, last + 1, batch):
+            indices = torch.arange(index, min(index + batch, last + 1), dtype=torch.int64)
+            yield from _filtered((base + indices * stride)[:, None].add(block[None, :]).view(-1), low, high)
+
+    yield from walk(0, offset)
+
+
+def _filtered(offsets: torch.Tensor, low: int, high: int):
+    offsets = offsets[(offsets >= low) & (offsets < high)]
+    if offsets.numel():
+        yield offsets
 
 
 def check_update_rule_options(group: dict[str, Any], optimizer_name: str) -> None:
