@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
+from store_utils import CountedConnections
 from transformers.trainer_utils import get_last_checkpoint
 
 import hf_paged
@@ -299,19 +300,6 @@ def test_replay_requests_of_an_attempt_are_read_by_every_rank_in_order(store):
         "to the all-reduce: OutOfMemoryError: injected); it moved 2.0 KiB of optimizer state to the host, freed cached "
         "memory and joined the all-reduces it owed with zero gradients (retry 1 of 2)"
     )
-
-
-class CountedConnections:
-    """A store standing for the default process group's, counting the connections opened to it (its clones); also
-    tests/scripts/recover_oom_connections.py's."""
-
-    def __init__(self, store: dist.Store) -> None:
-        self.store = store
-        self.connections = 0
-
-    def clone(self) -> dist.Store:
-        self.connections += 1
-        return self.store.clone()
 
 
 def test_replay_requests_share_one_connection_to_the_default_store(store, monkeypatch):

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 import torch.distributed as dist
-from test_rank_failure import CountedConnections
+from store_utils import CountedConnections
 
 import hf_paged
 from hf_paged import replay_requests
