@@ -164,10 +164,6 @@ def check_disjoint_parameters(
             active.append(extent)
 
 
-_COMPARISONS = [0]
-"""How many pairs of tensors whose byte ranges meet :func:`check_disjoint_parameters` has compared (for tests)."""
-
-
 def _storages(params: Sequence[torch.Tensor]):
     """The storage of each non-empty parameter with memory, with its data pointer."""
     for param in params:
@@ -218,7 +214,6 @@ def _share_elements(tensor: torch.Tensor, other: torch.Tensor) -> bool:
     where the other's dims nest (each stride past the extent of the smaller ones: any slice, transpose or view of a
     dense tensor); for two tensors that both overlap themselves (``as_strided``, ``unfold``), chunks of each are
     compared with ``torch.isin``, in time quadratic in the elements of the window but memory still bounded."""
-    _COMPARISONS[0] += 1
     (start, end), (other_start, other_end) = _element_range(tensor), _element_range(other)
     if end <= other_start or other_end <= start:
         return False
