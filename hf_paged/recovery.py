@@ -172,6 +172,12 @@ def check_retries(retries: Any) -> None:
         raise ValueError(f"retries must be an integer >= 0, got {retries!r}")
 
 
+def check_callable(name: str, value: Any) -> None:
+    """Raise a ``TypeError`` unless ``value`` (the argument ``name``) is callable or ``None``."""
+    if value is not None and not callable(value):
+        raise TypeError(f"{name} must be callable or None, got {type(value).__name__}")
+
+
 def _rng_state(device_types: Iterable[str]) -> dict[str, Any]:
     """The state of every generator a micro-batch may draw from: PyTorch's CPU generator, the generators of the
     accelerator kinds ``device_types``, Python's ``random`` and, where it is loaded, NumPy's global generator."""
@@ -257,9 +263,8 @@ class OOMRecovery:
         replay_obstacle: Callable[[], str | None] | None = None,
     ) -> None:
         check_retries(retries)
-        for name, value in (("on_recovery", on_recovery), ("replay_obstacle", replay_obstacle)):
-            if value is not None and not callable(value):
-                raise TypeError(f"{name} must be callable or None, got {type(value).__name__}")
+        check_callable("on_recovery", on_recovery)
+        check_callable("replay_obstacle", replay_obstacle)
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
         self.optimizer = paged_optimizer_of(optimizer)
@@ -272,6 +277,9 @@ class OOMRecovery:
         """The model DDP wraps, or ``model``: its parameters and buffers (the wrapper has none of its own)."""
         self.replay_obstacle = replay_obstacle
         self._buffers: _BufferSnapshot | None = None
+        self._model_params: list[torch.Tensor] = []
+        """The model's parameters when a window last opened (rebuilt only where they changed)."""
+        self._model_param_ids: list[int] = []
         self.recoveries = 0
         self.step: int | None = None
         params = self._params()
@@ -307,11 +315,25 @@ class OOMRecovery:
             params.update((param, None) for param in self._module.parameters() if param.requires_grad)
         return list(params)
 
-    def _accelerator_kinds(self) -> set[str]:
-        """The accelerator kinds that the optimizer's parameters and the model live on (a model with
-        ``device_map`` offload may start on the CPU and run dropout on CUDA)."""
-        tensors = [*self._params(), *(self._module.parameters() if self._module is not None else ())]
-        return {tensor.device.type for tensor in tensors} - {"cpu", "meta"}
+    def _current_model_params(self) -> list[torch.Tensor]:
+        """The model's parameters now, as a list made again only where they changed since the last window.
+
+        A window pays one walk of the modules (the parameters can be replaced with no notice, as accelerate's
+        ``set_module_tensor_to_device`` writes ``_parameters`` directly; the accelerator kinds read from them paid
+        that walk before) and a comparison of the parameters' ids in C; no dict nor set of tensors is built (a
+        tensor's hash is Python code), that is left to a replay (:meth:`_trained`)."""
+        if self._module is None:
+            return self._model_params
+        params = list(self._module.parameters())
+        ids = list(map(id, params))  # the cached list holds its tensors, so no id is reused while it lives
+        if ids != self._model_param_ids:
+            self._model_params, self._model_param_ids = params, ids
+        return self._model_params
+
+    def _accelerator_kinds(self, model_params: list[torch.Tensor]) -> set[str]:
+        """The accelerator kinds that the optimizer's parameters and the model (``model_params``) live on (a model
+        with ``device_map`` offload may start on the CPU and run dropout on CUDA)."""
+        return {tensor.device.type for tensor in (*self._params(), *model_params)} - {"cpu", "meta"}
 
     def start_window(self, step: int | None = None) -> None:
         """Begin a new optimizer step (``step`` only labels messages): forget the last step's micro-batches."""
@@ -319,8 +341,12 @@ class OOMRecovery:
         self._open = True
         self._micro_batches.clear()
         self._failures = self._replays = self._attempt = 0
-        self._grads_at_start = any(param.grad is not None for param in self._trained())
-        self._accelerators = self._accelerator_kinds()
+        model_params = self._current_model_params()
+        # the tensors of _trained(), unmerged: the optimizer's parameters and the model's that require a gradient
+        self._grads_at_start = any(param.grad is not None for param in self._params()) or any(
+            param.grad is not None and param.requires_grad for param in model_params
+        )
+        self._accelerators = self._accelerator_kinds(model_params)
         taken_after_broadcast = self._ddp is not None  # by the DDP hook as the window's first forward begins
         keeps_buffers = self.model is not None and self.retries > 0 and not taken_after_broadcast
         self._buffers = _BufferSnapshot(self._module) if keeps_buffers else None

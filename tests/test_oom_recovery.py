@@ -442,6 +442,35 @@ def test_gradients_left_on_model_parameters_another_optimizer_holds_are_not_sile
     assert "gradients were present before the step's first micro-batch" in raised.value.__notes__[0]
 
 
+def test_a_model_parameter_replaced_after_a_window_is_seen_by_the_next():
+    """The model's parameters are kept from one window to the next: one replaced in between (written into
+    ``_parameters`` as accelerate does, or newly unfrozen) is checked for gradients left before the step."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    recovery = hf_paged.OOMRecovery(hf_paged.PagedAdamW(model[0].parameters()), model=model)
+    with recovery.window(0):
+        pass
+    model[1]._parameters["weight"] = torch.nn.Parameter(torch.zeros(1, 8))
+    model[1].weight.grad = torch.zeros_like(model[1].weight)
+    failures = [1]
+
+    def forward_backward() -> None:
+        model(torch.randn(2, 8)).sum().backward()
+        if failures[0]:
+            failures[0] -= 1
+            raise torch.OutOfMemoryError("injected")
+
+    with pytest.raises(torch.OutOfMemoryError) as raised, recovery.window(1):
+        recovery.run(forward_backward)
+    assert "gradients were present before the step's first micro-batch" in raised.value.__notes__[0]
+    model.zero_grad(set_to_none=True)
+    model[1].bias.requires_grad_(False)
+    model[1].bias.grad = torch.zeros_like(model[1].bias)  # frozen: backward adds nothing to it, a replay keeps it
+    failures[0] = 1
+    with recovery.window(2):
+        recovery.run(forward_backward)
+    assert recovery.recoveries == 1
+
+
 def test_enable_oom_recovery_refuses_bad_arguments_before_changing_anything(tmp_path):
     """A call with bad arguments leaves the recovery enabled before, the optimizer's settings and the wrapped
     training step as they were."""

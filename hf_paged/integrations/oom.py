@@ -29,7 +29,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..rank_failure import RankFailure, RankFailureWatcher
-from ..recovery import OOMRecovery, Recovery, check_retries, paged_optimizer_of
+from ..recovery import OOMRecovery, Recovery, check_callable, check_retries, paged_optimizer_of
 from . import _transformers_internals as internals
 
 logger = logging.getLogger(__name__)
@@ -73,8 +73,7 @@ def enable_oom_recovery(
     Bad arguments are refused before anything changes: a recovery enabled before stays as it was.
     """
     check_retries(retries)
-    if on_recovery is not None and not callable(on_recovery):
-        raise TypeError(f"on_recovery must be callable or None, got {type(on_recovery).__name__}")
+    check_callable("on_recovery", on_recovery)
     internals.trainer_metric_marks(trainer)  # fails now, not at a recovery, if a trainer's metrics moved
     disable_oom_recovery(trainer)
     try:
