@@ -425,11 +425,8 @@ def test_replay_drops_the_gradients_of_model_parameters_another_optimizer_holds(
         assert torch.equal(mine, theirs)
 
 
-def test_gradients_left_on_model_parameters_another_optimizer_holds_are_not_silently_doubled():
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
-    recovery = hf_paged.OOMRecovery(hf_paged.PagedAdamW(model[0].parameters()), model=model)
-    model[1].weight.grad = torch.zeros_like(model[1].weight)  # the head's optimizer zeroed it in place
-    failures = [1]
+def _failing_once(model: torch.nn.Module, failures: list[int]):
+    """A forward and backward of ``model`` that raises an injected out-of-memory error while ``failures[0]`` > 0."""
 
     def forward_backward() -> None:
         model(torch.randn(2, 8)).sum().backward()
@@ -437,9 +434,20 @@ def test_gradients_left_on_model_parameters_another_optimizer_holds_are_not_sile
             failures[0] -= 1
             raise torch.OutOfMemoryError("injected")
 
-    with pytest.raises(torch.OutOfMemoryError) as raised, recovery.window(1):
+    return forward_backward
+
+
+def _assert_left_gradients_stop_the_replay(recovery, forward_backward, window: int) -> None:
+    with pytest.raises(torch.OutOfMemoryError) as raised, recovery.window(window):
         recovery.run(forward_backward)
     assert "gradients were present before the step's first micro-batch" in raised.value.__notes__[0]
+
+
+def test_gradients_left_on_model_parameters_another_optimizer_holds_are_not_silently_doubled():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    recovery = hf_paged.OOMRecovery(hf_paged.PagedAdamW(model[0].parameters()), model=model)
+    model[1].weight.grad = torch.zeros_like(model[1].weight)  # the head's optimizer zeroed it in place
+    _assert_left_gradients_stop_the_replay(recovery, _failing_once(model, [1]), 1)
 
 
 def test_a_model_parameter_replaced_after_a_window_is_seen_by_the_next():
@@ -452,16 +460,8 @@ def test_a_model_parameter_replaced_after_a_window_is_seen_by_the_next():
     model[1]._parameters["weight"] = torch.nn.Parameter(torch.zeros(1, 8))
     model[1].weight.grad = torch.zeros_like(model[1].weight)
     failures = [1]
-
-    def forward_backward() -> None:
-        model(torch.randn(2, 8)).sum().backward()
-        if failures[0]:
-            failures[0] -= 1
-            raise torch.OutOfMemoryError("injected")
-
-    with pytest.raises(torch.OutOfMemoryError) as raised, recovery.window(1):
-        recovery.run(forward_backward)
-    assert "gradients were present before the step's first micro-batch" in raised.value.__notes__[0]
+    forward_backward = _failing_once(model, failures)
+    _assert_left_gradients_stop_the_replay(recovery, forward_backward, 1)
     model.zero_grad(set_to_none=True)
     model[1].bias.requires_grad_(False)
     model[1].bias.grad = torch.zeros_like(model[1].bias)  # frozen: backward adds nothing to it, a replay keeps it
