@@ -15,8 +15,8 @@ each phase's peak holds them:
 * ZeRO-3: every parameter rests as this rank's partition (the trainable ones in one flat buffer per sub-group) and is
   gathered whole (on one rank, as a view of its partition, which is all of it) while its module runs, in forward
   and in backward (a module recomputed by gradient checkpointing keeps them until its backward ends); those of at
-  most ``param_persistence_threshold`` elements are gathered for good at the end of the first step; the fp32 master partitions (a copy), the gradient partitions and the reduce
-  bucket are allocated when the engine is built and live throughout. After the first forward and backward
+  most ``param_persistence_threshold`` elements are gathered for good at the end of the first step; the fp32 master
+  partitions (a copy), the gradient partitions and the reduce bucket are allocated when the engine is built and live throughout. After the first forward and backward
   (DeepSpeed has then recorded the order of the modules), a module gathers ahead the parameters of the next ones
   (``stage3_prefetch_bucket_size`` elements), and its parameters stay gathered from its forward to its backward when
   the modules in between gather fewer than ``stage3_max_reuse_distance`` elements; the prefetch stops where
