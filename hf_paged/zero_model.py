@@ -13,17 +13,17 @@ each phase's peak holds them:
   that begins in the partition), which the step flattens into an fp32 gradient per group, freed once the last
   group's is;
 * ZeRO-3: every parameter rests as this rank's partition (the trainable ones in one flat buffer per sub-group) and is
-  gathered whole (on one rank, as a view of its partition, which is all of it) while its module runs, in forward
-  and in backward (a module recomputed by gradient checkpointing keeps them until its backward ends); those of at
-  most ``param_persistence_threshold`` elements are gathered for good at the end of the first step; the fp32 master
-  partitions (a copy), the gradient partitions and the reduce bucket are allocated when the engine is built and live throughout. After the first forward and backward
-  (DeepSpeed has then recorded the order of the modules), a module gathers ahead the parameters of the next ones
-  (``stage3_prefetch_bucket_size`` elements), and its parameters stay gathered from its forward to its backward when
-  the modules in between gather fewer than ``stage3_max_reuse_distance`` elements; the prefetch stops where
-  ``stage3_max_live_parameters`` elements are gathered. The step goes by DeepSpeed's sub-groups (``sub_group_size``),
-  each with its own fp32 master partition and flattened fp32 gradient. While the model runs,
-  ``torch.nn.functional.linear`` is DeepSpeed's ``LinearFunctionForZeroStage3`` (``memory_efficient_linear``), which
-  saves every linear layer's input for backward, a frozen layer's too (LoRA's base layers, a frozen output layer);
+  gathered whole (on one rank, as a view of its partition, which is all of it) while its module runs, in forward and in
+  backward (a module recomputed by gradient checkpointing keeps them until its backward ends); those of at most
+  ``param_persistence_threshold`` elements are gathered for good at the end of the first step; the fp32 master
+  partitions (a copy), the gradient partitions and the reduce bucket are allocated when the engine is built and live
+  throughout. After the first forward and backward (DeepSpeed has then recorded the order of the modules), a module
+  gathers ahead the parameters of the next ones (``stage3_prefetch_bucket_size`` elements), and its parameters stay
+  gathered from its forward to its backward when the modules in between gather fewer than ``stage3_max_reuse_distance``
+  elements; the prefetch stops where ``stage3_max_live_parameters`` elements are gathered. The step goes by DeepSpeed's
+  sub-groups (``sub_group_size``), each with its own fp32 master partition and flattened fp32 gradient. While the model
+  runs, ``torch.nn.functional.linear`` is DeepSpeed's ``LinearFunctionForZeroStage3`` (``memory_efficient_linear``),
+  which saves every linear layer's input for backward, a frozen layer's too (LoRA's base layers, a frozen output layer);
 * optimizer offload: the fp32 partitions, the gradient partitions and the client optimizer's state and step are in
   host memory (planned for an accelerator), ZeRO-2's with its staging buffers (one on the device, of the largest
   parameter), each fp32 partition with an fp32 gradient of its own for the whole run (ZeRO-3's
