@@ -133,6 +133,17 @@ def _is_quantized(model: nn.Module) -> bool:
     )
 
 
+def _check_causal_lm(model: PreTrainedModel) -> None:
+    """Raise TypeError, before anything changes ``model``, where it is not a causal LM: peft's causal LM adapters call
+    its ``prepare_inputs_for_generation``, which a base model (no output head) or a classifier lacks."""
+    if not callable(getattr(model, "prepare_inputs_for_generation", None)):
+        raise TypeError(
+            f"model_or_path: {type(model).__name__} is not a causal language model (it has no "
+            "prepare_inputs_for_generation): prepare_qlora takes a causal LM, such as one loaded with "
+            "AutoModelForCausalLM"
+        )
+
+
 def _linear_names(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if isinstance(module, (nn.Linear, Conv1D))]
 
@@ -332,6 +343,7 @@ def prepare_qlora(
         check_target_modules(model, target_modules)
     elif isinstance(model_or_path, PreTrainedModel):
         model = model_or_path
+        _check_causal_lm(model)
         check_target_modules(model, target_modules)
         if not _is_quantized(model):
             device = next(model.parameters()).device

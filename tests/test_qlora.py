@@ -17,6 +17,8 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    LlamaModel,
     Trainer,
 )
 
@@ -295,6 +297,16 @@ def test_other_inputs_are_refused(monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
     with pytest.raises(ImportError, match="pip install bitsandbytes"):
         prepare_qlora(tiny_llama())
+
+
+def test_a_model_that_is_not_a_causal_lm_is_refused_before_it_is_quantized():
+    config = LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    for model in (LlamaModel(config), LlamaForSequenceClassification(config)):
+        with pytest.raises(TypeError, match=f"model_or_path: {type(model).__name__} is not a causal language model"):
+            prepare_qlora(model)
+        assert not layers4bit(model) and not hasattr(model, "hf_quantizer")
 
 
 @pytest.mark.gpu
