@@ -343,6 +343,11 @@ def prepare_qlora(
         check_target_modules(model, target_modules)
     elif isinstance(model_or_path, PreTrainedModel):
         model = model_or_path
+        if load_kwargs:
+            raise TypeError(
+                f"prepare_qlora got {', '.join(load_kwargs)}, which it passes to from_pretrained only when loading "
+                "model_or_path from a hub name or path; apply them to the loaded model before the call"
+            )
         _check_causal_lm(model)
         check_target_modules(model, target_modules)
         if not _is_quantized(model):

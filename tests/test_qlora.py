@@ -309,6 +309,13 @@ def test_a_model_that_is_not_a_causal_lm_is_refused_before_it_is_quantized():
         assert not layers4bit(model) and not hasattr(model, "hf_quantizer")
 
 
+def test_loading_arguments_with_a_loaded_model_are_refused():
+    model = tiny_llama()
+    with pytest.raises(TypeError, match="got modules_to_save, device_map, which it passes to from_pretrained only"):
+        prepare_qlora(model, modules_to_save=["lm_head"], device_map="cpu")
+    assert not layers4bit(model) and not hasattr(model, "hf_quantizer")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_auto_compute_dtype_on_cuda(tmp_path):
