@@ -77,7 +77,9 @@ def _bitsandbytes() -> Any:
     return bitsandbytes
 
 
-def _check_hyperparameters(r: Any, lora_alpha: Any, lora_dropout: Any, quant_type: Any) -> None:
+def _check_hyperparameters(
+    r: Any, lora_alpha: Any, lora_dropout: Any, quant_type: Any, double_quant: Any, gradient_checkpointing: Any
+) -> None:
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise ValueError(f"r (the LoRA rank) must be a positive int, got {r!r}")
     if isinstance(lora_alpha, bool) or not isinstance(lora_alpha, Real) or not lora_alpha > 0:
@@ -86,6 +88,9 @@ def _check_hyperparameters(r: Any, lora_alpha: Any, lora_dropout: Any, quant_typ
         raise ValueError(f"lora_dropout must be a probability in [0, 1), got {lora_dropout!r}")
     if quant_type not in QUANT_TYPES:
         raise ValueError(f"quant_type must be one of {', '.join(map(repr, QUANT_TYPES))}, got {quant_type!r}")
+    for name, value in (("double_quant", double_quant), ("gradient_checkpointing", gradient_checkpointing)):
+        if value is not True and value is not False:
+            raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def _parse_compute_dtype(compute_dtype: Any) -> torch.dtype | None:
@@ -327,7 +332,7 @@ def prepare_qlora(
     The :func:`qlora_report` of the result is logged (logger ``hf_paged.qlora``, INFO) and kept as the
     attribute ``hf_paged_qlora_report`` of the returned peft model.
     """
-    _check_hyperparameters(r, lora_alpha, lora_dropout, quant_type)
+    _check_hyperparameters(r, lora_alpha, lora_dropout, quant_type, double_quant, gradient_checkpointing)
     requested_dtype = _parse_compute_dtype(compute_dtype)
     storage = _parse_quant_storage(quant_storage)
     if "quantization_config" in load_kwargs:

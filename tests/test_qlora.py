@@ -254,6 +254,8 @@ def test_report_is_logged_in_one_line(caplog):
         ({"lora_dropout": 1.0}, "lora_dropout must be a probability in \\[0, 1\\), got 1.0"),
         ({"lora_dropout": -0.1}, "lora_dropout must be a probability"),
         ({"quant_type": "int4"}, "quant_type must be one of 'nf4', 'fp4', got 'int4'"),
+        ({"double_quant": "no"}, "double_quant must be True or False, got 'no'"),
+        ({"gradient_checkpointing": "no"}, "gradient_checkpointing must be True or False, got 'no'"),
         ({"compute_dtype": "int8"}, "compute_dtype must be one of 'auto', 'bfloat16', 'float16', 'float32'"),
         ({"compute_dtype": torch.int8}, "compute_dtype must be one of .* got torch.int8"),
         (
