@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import json
 import math
 import os
 import socket
@@ -343,3 +344,48 @@ def test_zero3_sub_groups_take_turns_in_a_paged_client(sub_groups):
         assert resumed["losses"] == full["losses"][SAVE_AT:] and torch.equal(resumed["weights"], full["weights"])
     eight_bit = final_loss(completed(sub_groups, "zero3_sub_groups", "adamw_8bit_budget"))
     assert abs(eight_bit - reference["losses"][-1]) <= 0.03 * reference["losses"][-1]
+
+
+OOM_UNDER_ZERO = """
+import json, os, sys, tempfile
+sys.path[:0] = [os.path.join(sys.argv[1], "tests"), os.path.join(sys.argv[1], "tests", "scripts")]
+from deepspeed_train import prepare_process, skip_shm_op_build
+prepare_process()
+skip_shm_op_build()
+import torch
+from transformers import Trainer, TrainerCallback
+from hf_paged.callbacks import MemorySpikeCallback
+from trainer_utils import tiny_llama, token_dataset, training_args, trainer_deepspeed_config
+
+class SecondMicroBatchFails(TrainerCallback):
+    def on_substep_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == 0:
+            self.hook = model.register_forward_pre_hook(self.fail)
+
+    def fail(self, module, inputs):
+        self.hook.remove()
+        raise torch.OutOfMemoryError("injected")
+
+args = training_args(tempfile.mkdtemp(), optim="hf_paged_adamw_32bit", max_steps=1, gradient_accumulation_steps=2,
+                     per_device_train_batch_size=2, deepspeed=trainer_deepspeed_config({"stage": 2}))
+callbacks = [MemorySpikeCallback(plot=False), SecondMicroBatchFails()]
+trainer = Trainer(model=tiny_llama(), args=args, train_dataset=token_dataset(), callbacks=callbacks)
+try:
+    trainer.train()
+    print(json.dumps({"recoveries": callbacks[0].oom_recoveries}))
+except torch.OutOfMemoryError as error:
+    print(json.dumps({"notes": getattr(error, "__notes__", [])}))
+"""
+
+
+def test_one_process_does_not_replay_a_micro_batch_deepspeed_accumulated(tmp_path):
+    """DeepSpeed accumulates a micro-batch's gradients into buffers of its own that a replay cannot rewind: replaying
+    the step's first micro-batch after an error in its second counted it twice (the parameters after the step differed
+    from an uninterrupted run's by 1e-3), so the error is raised with a note, in one process as in several."""
+    environment = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    command = [sys.executable, "-c", OOM_UNDER_ZERO, REPO]
+    result = subprocess.run(command, check=False, capture_output=True, text=True, env=environment, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "notes" in outcome, outcome
+    assert any("DeepSpeed's engine" in note for note in outcome["notes"]), outcome

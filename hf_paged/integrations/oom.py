@@ -58,9 +58,10 @@ def enable_oom_recovery(
             optimizer's step.
 
     Under several processes with DDP, every rank replays a step that one rank's out-of-memory error interrupted;
-    under FSDP and DeepSpeed none does. An error that is not recovered in forward, backward or the optimizer's step is
-    published to every rank, and a :class:`~hf_paged.rank_failure.RankFailureWatcher` on each rank ends the job (see
-    :mod:`hf_paged.rank_failure`) until training ends.
+    under FSDP none does, and under DeepSpeed none does in any number of processes. An error that is not recovered in
+    forward, backward or the optimizer's step is published to every rank, and a
+    :class:`~hf_paged.rank_failure.RankFailureWatcher` on each rank ends the job (see :mod:`hf_paged.rank_failure`)
+    until training ends.
 
     Returns:
         The recovery (its ``recoveries`` counts them), or ``None`` where none was installed: ``retries`` is 0 or
@@ -85,7 +86,7 @@ def enable_oom_recovery(
     failures = _RankFailures(trainer, optimizer) if trainer.args.world_size > 1 else None
     model = trainer.model_wrapped
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-    obstacle = None if failures is None or ddp else _engine_obstacle(trainer)
+    obstacle = None if ddp else _engine_obstacle(trainer, several=failures is not None)
     if failures is not None:
         setattr(trainer, _FAILURES_ATTRIBUTE, failures)
         if trainer.is_world_process_zero() and obstacle is not None:  # once for the launch, not once per process
@@ -95,6 +96,12 @@ def enable_oom_recovery(
                 trainer.args.world_size,
                 obstacle,
             )
+    elif obstacle is not None:
+        logger.warning(
+            "hf-paged: an out-of-memory error in forward or backward is not replayed (%s); the optimizer step still "
+            "recovers",
+            obstacle,
+        )
     marks: dict[str, Any] = {}
 
     def rewind_and_report(recovery: Recovery) -> None:
@@ -154,15 +161,18 @@ def disable_oom_recovery(trainer: Any) -> None:
     delattr(trainer, _ATTRIBUTE)
 
 
-def _engine_obstacle(trainer: Any) -> str:
-    """Why the engine that runs ``trainer``'s model across processes, not DDP, keeps a step from being replayed."""
+def _engine_obstacle(trainer: Any, several: bool) -> str | None:
+    """Why the engine that runs ``trainer``'s model, not DDP, keeps a step from being replayed (``None`` where nothing
+    does). DeepSpeed does in one process too: a replay would add the micro-batches it repeats to its gradients again."""
     if getattr(trainer, "is_deepspeed_enabled", False):
         return (
             "DeepSpeed's engine gathers parameters (ZeRO-3) and reduces gradients into its partitions in hooks of its "
             "own, counting micro-steps, and a rank that failed part way can neither complete those collectives nor "
-            "rewind that state; on gloo and NCCL a collective a rank never joins cannot be left either, so only DDP "
-            "replays such a step."
+            "rewind that state (a replay would count the micro-batches it repeats twice); on gloo and NCCL a "
+            "collective a rank never joins cannot be left either, so only DDP replays such a step."
         )
+    if not several:
+        return None
     if getattr(trainer, "is_fsdp_enabled", False):
         return (
             "FSDP gathers each module's parameters in forward and backward and reduce-scatters its gradients, so a "
