@@ -185,6 +185,10 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
         self._stats_at_begin: dict[str, Any] | None = None
         self._stats_before_step: dict[str, Any] | None = None
         self._trainer: Any | None = None
+        self._engine: Any | None = None
+        """DeepSpeed's engine, whose ``step`` this callback measures as the optimizer step (see
+        :meth:`_measure_engine_steps`)."""
+        self._engine_own_step: Any | None = None
         self._job_peaks: dict[str, Any] | None = None
 
     # Resume -------------------------------------------------------------------------------------------
@@ -258,6 +262,7 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
                 self._warn_not_paged(kwargs.get("optimizer"))
         else:
             self._enable_recovery()
+        self._measure_engine_steps(kwargs.get("optimizer"))
         if state.global_step == 0:  # a run from the start measures afresh, in a callback used before too
             self.rows, self._logged_rows, self.warned, self.plan_differences = [], 0, False, None
             self._resume_from_rows()
@@ -288,14 +293,22 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
         self._row["micro_batches"] += 1
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs) -> None:
+        if self._engine is None:
+            self._begin_optimizer_step(kwargs.get("optimizer"))
+
+    def on_optimizer_step(self, args, state, control, **kwargs) -> None:
+        if self._engine is None:
+            self._end_optimizer_step(kwargs.get("optimizer"))
+
+    def _begin_optimizer_step(self, optimizer: Any) -> None:
         self._row["forward_backward_peak"] = self._probe.peak(_FORWARD_BACKWARD)
-        optimizer = paged_optimizer(kwargs.get("optimizer"))
+        optimizer = paged_optimizer(optimizer)
         self._stats_before_step = optimizer.paging_stats() if optimizer is not None else None
         self._probe.mark(_OPTIMIZER_STEP)
 
-    def on_optimizer_step(self, args, state, control, **kwargs) -> None:
+    def _end_optimizer_step(self, optimizer: Any) -> None:
         self._row["optimizer_step_peak"] = self._probe.peak(_OPTIMIZER_STEP)
-        optimizer = paged_optimizer(kwargs.get("optimizer"))
+        optimizer = paged_optimizer(optimizer)
         after = optimizer.paging_stats() if optimizer is not None else None
         self._row["state_bytes_after_step"] = after["device_bytes"] if after is not None else None
         for key in _MOVED:
@@ -358,6 +371,7 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
         if self._trainer is not None:
             disable_oom_recovery(self._trainer)
             self._trainer = None
+        self._stop_measuring_engine()
         self._write(args, state)
         several = getattr(args, "world_size", 1) > 1  # the Trainer's processes all end training: all take part
         self._job_peaks = _peaks_across_processes(self._own_peaks(), gather=several)
@@ -415,6 +429,41 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
             return
         if enable_oom_recovery(trainer, self.oom_retries, on_recovery=self._record_recovery) is not None:
             self._trainer = trainer
+
+    def _measure_engine_steps(self, optimizer: Any) -> None:
+        """Under DeepSpeed, measure the engine's ``step`` as the optimizer step (called from ``on_train_begin``).
+
+        accelerate runs DeepSpeed's optimizer step inside the backward of a step's last micro-batch
+        (``engine.step()`` in its ``backward``), before the Trainer's ``on_pre_optimizer_step``; the Trainer's own
+        ``optimizer.step()`` is then a no-op. The phases are taken around the engine's ``step`` instead.
+        """
+        self._stop_measuring_engine()
+        trainer = calling_trainer()
+        engine = getattr(trainer, "model_wrapped", None)
+        if not getattr(trainer, "is_deepspeed_enabled", False) or not callable(getattr(engine, "step", None)):
+            return
+        step = engine.step
+
+        def measured_step(*args: Any, **kwargs: Any) -> Any:
+            if not engine.is_gradient_accumulation_boundary():  # a micro-step: no optimizer step
+                return step(*args, **kwargs)
+            self._begin_optimizer_step(optimizer)
+            result = step(*args, **kwargs)
+            self._end_optimizer_step(optimizer)
+            return result
+
+        self._engine, self._engine_own_step = engine, vars(engine).get("step")
+        engine.step = measured_step
+
+    def _stop_measuring_engine(self) -> None:
+        """Give DeepSpeed's engine its own ``step`` back (nothing happens if it is not measured)."""
+        if self._engine is None:
+            return
+        if self._engine_own_step is None:
+            vars(self._engine).pop("step", None)
+        else:
+            self._engine.step = self._engine_own_step
+        self._engine = self._engine_own_step = None
 
     def _warn_not_paged(self, optimizer: Any) -> None:
         """Say, once per callback, what an optimizer that is not an hf-paged one leaves out."""

@@ -389,3 +389,41 @@ def test_one_process_does_not_replay_a_micro_batch_deepspeed_accumulated(tmp_pat
     outcome = json.loads(result.stdout.strip().splitlines()[-1])
     assert "notes" in outcome, outcome
     assert any("DeepSpeed's engine" in note for note in outcome["notes"]), outcome
+
+
+PHASES_UNDER_ZERO = """
+import json, os, sys, tempfile
+sys.path[:0] = [os.path.join(sys.argv[1], "tests"), os.path.join(sys.argv[1], "tests", "scripts")]
+from deepspeed_train import prepare_process, skip_shm_op_build
+prepare_process()
+skip_shm_op_build()
+from transformers import Trainer
+from hf_paged.callbacks import MemorySpikeCallback
+from hf_paged.recovery import paged_optimizer_of
+from trainer_utils import tiny_llama, token_dataset, training_args, trainer_deepspeed_config
+
+args = training_args(tempfile.mkdtemp(), optim="hf_paged_adamw_32bit", optim_args="page_size=16KiB,device_budget=32KiB",
+                     max_steps=2, deepspeed=trainer_deepspeed_config({"stage": 2}))
+callback = MemorySpikeCallback(plot=False)
+trainer = Trainer(model=tiny_llama(), args=args, train_dataset=token_dataset(), callbacks=[callback])
+trainer.train()
+engine = trainer.model_wrapped
+print(json.dumps({
+    "page_ins_during_step": [row["page_ins_during_step"] for row in callback.rows],
+    "page_ins": [row["page_ins"] for row in callback.rows],
+    "engine_step_restored": "step" not in vars(engine),
+}))
+"""
+
+
+def test_memory_callback_measures_deepspeeds_optimizer_step_in_its_phase(tmp_path):
+    """DeepSpeed steps the optimizer inside the backward of a step's last micro-batch (accelerate's engine wrapper),
+    before the Trainer's ``on_pre_optimizer_step``: the callback measured that step in the forward/backward phase
+    and an empty optimizer-step phase (no page moved in it under a budget); it now measures the engine's step."""
+    environment = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    command = [sys.executable, "-c", PHASES_UNDER_ZERO, REPO]
+    result = subprocess.run(command, check=False, capture_output=True, text=True, env=environment, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    assert outcome["page_ins"][-1] > 0 and outcome["page_ins_during_step"] == outcome["page_ins"], outcome
+    assert outcome["engine_step_restored"], outcome
