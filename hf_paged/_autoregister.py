@@ -74,15 +74,21 @@ class _TransformersHook(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        register = self._pending.pop(fullname, None)
+        register = self._pending.get(fullname)
         if register is None:
             return None
-        if not self._pending:
-            sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is not None and spec.loader is not None:
-            spec.loader = _RegisterAfterLoad(spec.loader, register)
+            spec.loader = _RegisterAfterLoad(spec.loader, lambda: self._loaded(fullname, register))
         return spec
+
+    def _loaded(self, fullname: str, register: Callable[[], None]) -> None:
+        """Register ``fullname``'s part once the module has loaded: a spec looked up but never loaded (as
+        ``importlib.util.find_spec`` does) leaves the module pending."""
+        self._pending.pop(fullname, None)
+        if not self._pending and self in sys.meta_path:
+            sys.meta_path.remove(self)
+        register()
 
 
 def install() -> None:

@@ -103,3 +103,13 @@ def test_imports_work_in_either_order():
 @pytest.mark.timeout(3600)  # 80 interpreters that each load transformers: minutes on two cores
 def test_every_pair_of_imports_works_in_either_order():
     _assert_all_import(_every_case())
+
+
+def test_a_module_looked_up_before_it_is_imported_is_still_registered():
+    """``importlib.util.find_spec`` of a module the hook waits for, without importing it (as availability checks do),
+    left the hook without it: the names were never registered when the module was imported afterwards."""
+    lookup = "import importlib.util\n" + "\n".join(
+        f"importlib.util.find_spec({module!r})"
+        for module in ("transformers.training_args", "transformers.trainer_optimizer", "transformers.trainer")
+    )
+    _assert_all_import([("import hf_paged", lookup)])
