@@ -388,3 +388,19 @@ def test_fp16_loss_scaling_on_cuda(tmp_path):
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
     assert trainer.optimizer.optimizer.paging_stats()["page_outs"] > 0
+
+
+def test_replacing_bitsandbytes_asked_after_the_imports_builds_what_was_checked(tmp_path, monkeypatch):
+    """HF_PAGED_REPLACE_BITSANDBYTES=1 set once transformers' Trainer was imported: the arguments were checked as
+    hf-paged's (``device_budget`` accepted) and the Trainer built bitsandbytes' AdamW, ignoring them; it now builds
+    hf-paged's. Unset, bitsandbytes' names build bitsandbytes' optimizers as before."""
+    pytest.importorskip("bitsandbytes")
+    monkeypatch.setattr(trainer_integration, "_replacing_bitsandbytes", False)
+    monkeypatch.delenv(trainer_integration.REPLACE_BITSANDBYTES_ENV, raising=False)
+    args = TrainingArguments(output_dir=str(tmp_path), optim="paged_adamw_8bit", use_cpu=True)
+    assert "bitsandbytes" in Trainer.get_optimizer_cls_and_kwargs(args)[0].__module__
+    monkeypatch.setenv(trainer_integration.REPLACE_BITSANDBYTES_ENV, "1")
+    settings = {"optim_args": "device_budget=1MiB,page_size=1MiB", "use_cpu": True}
+    args = TrainingArguments(output_dir=str(tmp_path), optim="paged_adamw_8bit", **settings)
+    optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+    assert optimizer_cls is hf_paged.PagedAdamW8bit and kwargs["device_budget"] == 2**20

@@ -227,21 +227,44 @@ def register_names() -> None:
 
 def register_handlers(replace_bitsandbytes: bool | None = None) -> None:
     """Make the Trainer build our optimizers for our names (and, if asked, for bitsandbytes' paged names)."""
-    global _replacing_bitsandbytes
     if replace_bitsandbytes is None:
         replace_bitsandbytes = _replace_requested_by_environment()
     register_names()
     for name, optimizer_cls in OPTIMIZER_NAMES.items():
         internals.set_optimizer_handler(name, _handler(optimizer_cls))
+    for bitsandbytes_name in BITSANDBYTES_NAMES:
+        theirs = internals.optimizer_handler(bitsandbytes_name)
+        if not getattr(theirs, "_hf_paged_routes", False):
+            internals.set_optimizer_handler(bitsandbytes_name, _routed(bitsandbytes_name, theirs))
     if replace_bitsandbytes:
-        for bitsandbytes_name, ours in BITSANDBYTES_NAMES.items():
-            internals.set_optimizer_handler(bitsandbytes_name, _handler(OPTIMIZER_NAMES[ours]))
-        if not _replacing_bitsandbytes:
-            logger.warning(
-                "hf-paged: bitsandbytes' paged optimizer names (%s) now select hf-paged optimizers",
-                ", ".join(BITSANDBYTES_NAMES),
-            )
-        _replacing_bitsandbytes = True
+        _replace_bitsandbytes()
+
+
+def _replace_bitsandbytes() -> None:
+    """Route bitsandbytes' paged names to ours from now on; say so once per process."""
+    global _replacing_bitsandbytes
+    if not _replacing_bitsandbytes:
+        logger.warning(
+            "hf-paged: bitsandbytes' paged optimizer names (%s) now select hf-paged optimizers",
+            ", ".join(BITSANDBYTES_NAMES),
+        )
+    _replacing_bitsandbytes = True
+
+
+def _routed(name: str, theirs: Any):
+    """The handler of bitsandbytes' ``name``: ours where :func:`optimizer_class_for` selects ours when the Trainer
+    builds it (as the arguments were checked, also when ``HF_PAGED_REPLACE_BITSANDBYTES`` was set after the imports),
+    else transformers' own, ``theirs``."""
+
+    def build(context) -> tuple[type, dict[str, Any]]:
+        optimizer_cls = optimizer_class_for(name)
+        if optimizer_cls is None:
+            return theirs(context)
+        _replace_bitsandbytes()
+        return _handler(optimizer_cls)(context)
+
+    build._hf_paged_routes = True
+    return build
 
 
 def is_paged(optimizer: Any) -> bool:
