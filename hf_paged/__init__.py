@@ -55,6 +55,11 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'hf_paged' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    """The module's names with those loaded at first use (:func:`__getattr__`), as ``dir`` and completion list them."""
+    return sorted(set(globals()) | set(__all__))
+
+
 def register(replace_bitsandbytes: bool | None = None) -> None:
     """Register the ``hf_paged_*`` names with transformers now (see :func:`hf_paged.integrations.register`)."""
     from .integrations import register as register_with_transformers

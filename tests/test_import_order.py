@@ -113,3 +113,10 @@ def test_a_module_looked_up_before_it_is_imported_is_still_registered():
         for module in ("transformers.training_args", "transformers.trainer_optimizer", "transformers.trainer")
     )
     _assert_all_import([("import hf_paged", lookup)])
+
+
+def test_dir_lists_the_names_loaded_at_first_use():
+    """``dir(hf_paged)`` (and so completion) lists every public name, those loaded at first use too."""
+    import hf_paged
+
+    assert {"MemorySpikeCallback", "plan", "MemoryPlan"} <= set(hf_paged.__all__) <= set(dir(hf_paged))
