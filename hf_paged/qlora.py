@@ -326,7 +326,8 @@ def prepare_qlora(
     that dtype): ``torch.uint8`` by default; a floating-point one (``"bfloat16"``, the weights' dtype) lets
     FSDP and DeepSpeed ZeRO-3 shard the 4-bit weights with the other parameters of their dtype, where they
     would keep uint8 ones whole. Then peft's ``prepare_model_for_kbit_training`` runs (with non-reentrant gradient
-    checkpointing when ``gradient_checkpointing``) and LoRA adapters of rank ``r`` are attached to
+    checkpointing when ``gradient_checkpointing``; ``False`` leaves a model's own checkpointing as it is, as peft and
+    the Trainer do) and LoRA adapters of rank ``r`` are attached to
     ``target_modules`` (``"all-linear"``, a regular expression or module names, matched as peft does).
 
     The :func:`qlora_report` of the result is logged (logger ``hf_paged.qlora``, INFO) and kept as the
