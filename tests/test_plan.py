@@ -288,6 +288,17 @@ def test_cli_rejects_bad_device_memory(capsys: pytest.CaptureFixture[str], size:
     assert "--device-memory" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_cli_names_target_modules_that_match_nothing(capsys: pytest.CaptureFixture[str], method: str) -> None:
+    """As ``hf-paged train`` does: exit status 2 naming ``lora.target_modules``, not a traceback (exit status 1, the
+    status of a plan that does not fit)."""
+    overrides = ["model.tiny.num_hidden_layers=1", "lora.target_modules=[q_proj, bogus_proj]"]
+    arguments = [item for override in overrides for item in ("--set", override)]
+    assert main(["plan", *arguments, "--method", method, "--device", "cpu"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("hf-paged: error: lora.target_modules: 'bogus_proj' matches no module"), error
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_plan_matches_cuda_max_memory_allocated() -> None:

@@ -182,7 +182,17 @@ def _enable_checkpointing(model: Any, reentrant: bool) -> None:
 
 def build_model(setup: TrainingSetup, device: str = "cpu", shapes_only: bool = False) -> nn.Module:
     """The model ``hf-paged train`` would train, with random weights, on the CPU; ``shapes_only``: 4-bit layers
-    are shells of the right size (for fake tensors, which bitsandbytes cannot quantize)."""
+    are shells of the right size (for fake tensors, which bitsandbytes cannot quantize). Targets that match no
+    module of the model are a :class:`ConfigError` naming ``lora.target_modules``, as in ``hf-paged train``."""
+    from ..qlora import TargetModulesError
+
+    try:
+        return _model_with_adapters(setup, device, shapes_only)
+    except TargetModulesError as error:
+        raise ConfigError(f"lora.{error}") from None
+
+
+def _model_with_adapters(setup: TrainingSetup, device: str, shapes_only: bool) -> nn.Module:
     from ..qlora import prepare_qlora
 
     config, lora = setup.config, setup.config.lora
