@@ -264,9 +264,12 @@ def _linear4bit_shell(module: nn.Module, config: Any, bnb: Any) -> nn.Module:
     an fp32 scale per 256 of them and a 256-entry code book under double quantization), a 16-entry code book."""
     from bitsandbytes.functional import QuantState
     from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from transformers.pytorch_utils import Conv1D
 
     _ShellQuantState = _shell_quant_state_class()
-    out_features, in_features = module.weight.shape
+    # Conv1D (GPT-2) stores its weight as (in, out): quantized as nn.Linear's (out, in), as prepare_qlora does
+    shape = module.weight.shape[::-1] if isinstance(module, Conv1D) else module.weight.shape
+    out_features, in_features = shape
     double_quant = config.bnb_4bit_use_double_quant
     with unset_fake_temporarily(), torch.device("meta"):  # its meta Params4bit is replaced below
         layer = bnb.nn.Linear4bit(
@@ -295,7 +298,7 @@ def _linear4bit_shell(module: nn.Module, config: Any, bnb: Any) -> nn.Module:
         absmax = torch.empty(blocks, dtype=torch.float32)
     state = _ShellQuantState(
         absmax=absmax,
-        shape=module.weight.shape,
+        shape=shape,
         code=torch.empty(16, dtype=torch.float32),
         blocksize=QUANT_BLOCK,
         quant_type=config.bnb_4bit_quant_type,
