@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from fractions import Fraction
 
 _UNITS = {
     "": 1,
@@ -38,15 +39,17 @@ def parse_size(value: float | str, name: str) -> int:
                 "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (for example '8MiB')"
             )
         number = float(match.group(1)) * _UNITS[unit]
+        exact = Fraction(match.group(1)) * _UNITS[unit]  # '4.1MB' is 4,100,000 bytes, which floats miss
     elif isinstance(value, (int, float)):
         number = float(value)
+        exact = Fraction(value) if math.isfinite(number) else None
     else:
         raise TypeError(f"{name} must be a number of bytes or a string such as '8MiB', got {type(value).__name__}")
-    if not math.isfinite(number) or number < 0:
+    if exact is None or not math.isfinite(number) or number < 0:
         raise ValueError(f"{name} must be a finite, non-negative size, got {value!r}")
-    if number != int(number):
+    if exact.denominator != 1:
         raise ValueError(f"{name}={value!r} is not a whole number of bytes")
-    return int(number)
+    return int(exact)
 
 
 def format_size(nbytes: int) -> str:

@@ -6,7 +6,8 @@ from hf_paged.sizes import format_size, parse_size
 @pytest.mark.parametrize(
     ("value", "expected"),
     [(0, 0), (4096, 4096), ("4096", 4096), ("8MiB", 8 * 2**20), ("8 mib", 8 * 2**20), ("1.5GiB", 3 * 2**29),
-     ("2GB", 2 * 10**9), ("512KiB", 512 * 1024), ("64B", 64), (1e6, 10**6)],
+     ("2GB", 2 * 10**9), ("512KiB", 512 * 1024), ("64B", 64), (1e6, 10**6), ("4.1MB", 4_100_000),
+     ("8.2GB", 8_200_000_000), ("16.1KB", 16_100), ("0.5TiB", 2**39), (2**60 + 1, 2**60 + 1)],
 )
 def test_parse_size(value, expected):
     assert parse_size(value, "page_size") == expected
