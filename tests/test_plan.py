@@ -299,6 +299,48 @@ def test_cli_names_target_modules_that_match_nothing(capsys: pytest.CaptureFixtu
     assert error.startswith("hf-paged: error: lora.target_modules: 'bogus_proj' matches no module"), error
 
 
+def _write_config(directory: Path, name: str) -> str:
+    import transformers
+
+    sizes = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
+    make = {
+        "mixtral": lambda: transformers.MixtralConfig(
+            **sizes, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2
+        ),
+        "falcon": lambda: transformers.FalconConfig(
+            vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=4
+        ),
+    }
+    make[name]().save_pretrained(directory / name)
+    return str(directory / name)
+
+
+def test_cli_names_a_model_that_peft_or_quantization_refuses(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """peft's LoRA of a mixture of experts' 3D weights refuses lora_dropout, and a model whose linear layers are all
+    subclasses of nn.Linear (Falcon's) has none that transformers quantizes: exit status 2 with the reason, not a
+    traceback."""
+    cases = {"mixtral": ("lora", "lora_dropout != 0"), "falcon": ("qlora", "has no linear layers to quantize")}
+    for name, (method, reason) in cases.items():
+        overrides = [f"model.name={_write_config(tmp_path, name)}", "tokenizer.max_length=16"]
+        arguments = [item for override in overrides for item in ("--set", override)]
+        assert main(["plan", *arguments, "--method", method, "--device", "cpu"]) == 2
+        error = capsys.readouterr().err
+        assert error.startswith("hf-paged: error: lora: ") and reason in error, error
+
+
+def test_cli_reports_an_alternative_that_cannot_be_planned(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A full fine-tune of a mixture of experts that does not fit: its QLoRA alternative cannot be planned (peft's
+    LoRA of the experts refuses lora_dropout), which the report says, where it ended in a traceback."""
+    overrides = [f"model.name={_write_config(tmp_path, 'mixtral')}", "tokenizer.max_length=16"]
+    overrides += ["training.per_device_train_batch_size=1", "training.optim=adamw_torch", "training.optim_args=null"]
+    arguments = [item for override in overrides for item in ("--set", override)]
+    assert main(["plan", *arguments, "--method", "full", "--device", "cpu", "--device-memory", "64KiB"]) == 1
+    output = capsys.readouterr().out
+    line = next(line for line in output.splitlines() if line.strip().startswith("QLoRA"))
+    assert "cannot plan" in line and "lora_dropout != 0" in line, output
+    assert "all of these that can be planned together (4-bit state)" in output
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_plan_matches_cuda_max_memory_allocated() -> None:

@@ -183,19 +183,12 @@ def _enable_checkpointing(model: Any, reentrant: bool) -> None:
 def build_model(setup: TrainingSetup, device: str = "cpu", shapes_only: bool = False) -> nn.Module:
     """The model ``hf-paged train`` would train, with random weights, on the CPU; ``shapes_only``: 4-bit layers
     are shells of the right size (for fake tensors, which bitsandbytes cannot quantize). Targets that match no
-    module of the model are a :class:`ConfigError` naming ``lora.target_modules``, as in ``hf-paged train``."""
+    module of the model are a :class:`ConfigError` naming ``lora.target_modules``, as in ``hf-paged train``; adapters
+    peft refuses (LoRA of a mixture of experts' 3D weights with ``lora_dropout``) or a model without a linear layer
+    to quantize are one naming ``lora``."""
     from ..qlora import TargetModulesError
 
-    try:
-        return _model_with_adapters(setup, device, shapes_only)
-    except TargetModulesError as error:
-        raise ConfigError(f"lora.{error}") from None
-
-
-def _model_with_adapters(setup: TrainingSetup, device: str, shapes_only: bool) -> nn.Module:
-    from ..qlora import prepare_qlora
-
-    config, lora = setup.config, setup.config.lora
+    config = setup.config
     dtype = weight_dtype(setup)
     if config.model.name == "tiny":
         from .tokenizer import byte_tokenizer
@@ -210,6 +203,19 @@ def _model_with_adapters(setup: TrainingSetup, device: str, shapes_only: bool) -
         )
     if setup.gradient_checkpointing:
         model.config.use_cache = False  # as the Trainer's forward would find it; else transformers says it turns it off
+    try:
+        return _with_adapters(setup, model, device, shapes_only)
+    except TargetModulesError as error:
+        raise ConfigError(f"lora.{error}") from None
+    except ValueError as error:
+        raise ConfigError(f"lora: {setup.method} of {config.model.name!r} cannot be set up: {error}") from None
+
+
+def _with_adapters(setup: TrainingSetup, model: nn.Module, device: str, shapes_only: bool) -> nn.Module:
+    """``model`` as ``setup.method`` trains it: 4-bit weights and LoRA, LoRA, or itself, checkpointed as set."""
+    from ..qlora import prepare_qlora
+
+    lora = setup.config.lora
     if setup.method == "qlora":
         with _shell_quantization() if shapes_only else contextlib.nullcontext():
             return prepare_qlora(
@@ -755,7 +761,9 @@ class Alternative:
     """A nearby setup, re-planned."""
 
     change: str
-    plan: MemoryPlan
+    plan: MemoryPlan | None
+    error: str | None = None
+    """Why the setup cannot be planned, where it cannot (``plan`` is then ``None``)."""
 
 
 @dataclass
@@ -887,18 +895,29 @@ def _alternatives(setup: TrainingSetup) -> list[tuple[str, Change]]:
     return options
 
 
+def _replanned(label: str, setup: TrainingSetup, device: str) -> Alternative:
+    try:
+        return Alternative(label, plan_setup(setup, device))
+    except ConfigError as error:  # e.g. QLoRA of a model peft or bitsandbytes refuses
+        return Alternative(label, None, str(error))
+
+
 def _replan_alternatives(setup: TrainingSetup, device: str, capacity: int) -> list[Alternative]:
-    """Each alternative re-planned; when none fits, all of them at once (with 4-bit state) too."""
+    """Each alternative re-planned (one that cannot be planned says why); when none fits, all of them that can be
+    planned at once (with 4-bit state) too."""
     options = _alternatives(setup)
-    alternatives = [Alternative(label, plan_setup(change(setup), device)) for label, change in options]
-    if len(options) > 1 and not any(alternative.plan.fits(capacity) for alternative in alternatives):
+    alternatives = [_replanned(label, change(setup), device) for label, change in options]
+    planned = [option for option, alternative in zip(options, alternatives) if alternative.plan is not None]
+    fitting = any(alternative.plan.fits(capacity) for alternative in alternatives if alternative.plan is not None)
+    if len(planned) > 1 and not fitting:
         combined = setup
-        for label, change in options:
+        for label, change in planned:
             if label != "optimizer hf_paged_adamw_8bit":
                 combined = change(combined)
-        labels = [label for label, _ in options]
+        labels = [label for label, _ in planned]
         state = " (4-bit state)" if "optimizer hf_paged_adamw_4bit" in labels else ""
-        alternatives.append(Alternative(f"all of these together{state}", plan_setup(combined, device)))
+        which = "these" if len(planned) == len(options) else "these that can be planned"
+        alternatives.append(_replanned(f"all of {which} together{state}", combined, device))
     return alternatives
 
 
@@ -1259,6 +1278,9 @@ def format_report(outcome: PlanReport) -> str:
     if outcome.alternatives:
         lines.append("alternatives (one change each, re-planned):")
         for alternative in outcome.alternatives:
+            if alternative.plan is None:
+                lines.append(f"  {alternative.change:<44} cannot plan: {alternative.error}")
+                continue
             fits = alternative.plan.fits(outcome.capacity) if outcome.capacity is not None else None
             lines.append(
                 f"  {alternative.change:<44} peak {format_size(alternative.plan.peak_bytes):>10}  "
