@@ -299,6 +299,21 @@ def test_cli_names_target_modules_that_match_nothing(capsys: pytest.CaptureFixtu
     assert error.startswith("hf-paged: error: lora.target_modules: 'bogus_proj' matches no module"), error
 
 
+@pytest.mark.parametrize(
+    "override",
+    [
+        "training.per_device_train_batch_size=0",
+        "training.gradient_accumulation_steps=0",
+        "training.gradient_accumulation_steps=-2",
+    ],
+)
+def test_cli_names_a_batch_of_no_examples(capsys: pytest.CaptureFixture[str], override: str) -> None:
+    """No examples a step is a config error naming the key (exit status 2), not a traceback (exit status 1)."""
+    assert main(["plan", "--set", "model.tiny.num_hidden_layers=1", "--set", override, "--device", "cpu"]) == 2
+    key, value = override.split("=")
+    assert f"hf-paged: error: {key} must be an integer >= 1, got {value}" in capsys.readouterr().err
+
+
 def _write_config(directory: Path, name: str) -> str:
     import transformers
 
