@@ -78,7 +78,10 @@ class MemoryProbe:
             return self._capacity
         from_env = os.environ.get(CAPACITY_ENV)
         if from_env:
-            return parse_size(from_env, CAPACITY_ENV)
+            capacity = parse_size(from_env, CAPACITY_ENV)
+            if capacity == 0:
+                raise ValueError(f"{CAPACITY_ENV} must be more than 0 bytes, or unset for the device's total memory")
+            return capacity
         return self._memory.total()
 
     @capacity.setter

@@ -94,6 +94,10 @@ def test_capacity_from_argument_environment_and_device(monkeypatch):
     monkeypatch.setenv(CAPACITY_ENV, "lots")
     with pytest.raises(ValueError, match=CAPACITY_ENV):
         _ = MemoryProbe("cpu", memory=memory).capacity
+    for empty in ("0", "0GiB"):  # refused as capacity=0 is
+        monkeypatch.setenv(CAPACITY_ENV, empty)
+        with pytest.raises(ValueError, match=f"{CAPACITY_ENV} must be more than 0 bytes"):
+            _ = MemoryProbe("cpu", memory=memory).capacity
 
 
 def test_probe_for_shares_one_probe_per_device():
