@@ -232,6 +232,9 @@ def test_zero_settings_come_from_the_deepspeed_config() -> None:
         zero_settings(_setup({"zero_optimization": {"reduce_bucket_size": "big"}}))
     with pytest.raises(ConfigError, match="training.deepspeed: cannot read a DeepSpeed config"):
         zero_settings(_setup("/nonexistent/ds.json"))
+    for key in ("sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance"):
+        # the Trainer fills 'auto' in only from the hidden size of the keys above; DeepSpeed's config drops it
+        assert zero_settings(_setup({"zero_optimization": {key: "auto"}})) == ZeroSettings(), key
 
 
 def _frozen_after_trained() -> nn.Module:

@@ -542,6 +542,9 @@ _ZERO_KEYS = {
 }
 """``zero_optimization`` keys of a DeepSpeed config and the :class:`~hf_paged.zero_model.ZeroSettings` field of each."""
 
+_AUTO_FROM_HIDDEN_SIZE = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+"""The keys whose ``auto`` the Trainer fills in from the model's hidden size."""
+
 
 def _accelerate_uses(environ: Mapping[str, str], engine: str) -> bool:
     """Whether accelerate's variables turn ``engine`` (``DEEPSPEED``, ``FSDP``) on, read as accelerate reads them."""
@@ -615,7 +618,7 @@ def zero_settings(setup: TrainingSetup) -> Any:
     """The :class:`~hf_paged.zero_model.ZeroSettings` of ``training.deepspeed``'s ``zero_optimization``: DeepSpeed's
     defaults for keys it leaves out, and for ``auto`` what the Trainer fills in from the model's hidden size (a
     reduce bucket of hidden_size², a prefetch bucket of 0.9 hidden_size², a persistence threshold of 10
-    hidden_size)."""
+    hidden_size; DeepSpeed's default for another key's ``auto``, which its config drops)."""
     from ..zero_model import ZeroSettings
 
     zero = deepspeed_config(setup).get("zero_optimization") or {}
@@ -624,6 +627,8 @@ def zero_settings(setup: TrainingSetup) -> Any:
         value = zero.get(key)
         if value is None:
             continue
+        if value == "auto" and key not in _AUTO_FROM_HIDDEN_SIZE:
+            continue  # DeepSpeed's config drops an 'auto' the Trainer does not fill in: its default
         if value == "auto":
             hidden = architecture(setup.config).hidden_size
             value = {"reduce_bucket_size": hidden * hidden, "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden)}
