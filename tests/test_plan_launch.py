@@ -62,6 +62,30 @@ def test_the_trainers_fsdp_arguments() -> None:
     assert launch_setup(_setup("training.fsdp=full_shard"), 2, "cuda", {}).strategy == "fsdp2"  # version 2: default
 
 
+@pytest.mark.parametrize(
+    ("fsdp_config", "strategy"),
+    [
+        ("{cpu_offload: true}", "fsdp2_offload"),
+        ("{fsdp_cpu_offload: true}", "fsdp2_offload"),  # TrainingArguments drops the fsdp_ prefix of a key
+        ("{fsdp_version: 1}", None),
+        ("FILE", "fsdp2_offload"),  # a JSON file, as TrainingArguments reads one
+    ],
+)
+def test_the_trainers_fsdp_config_as_the_trainer_reads_it(tmp_path, fsdp_config: str, strategy: str | None) -> None:
+    if fsdp_config == "FILE":
+        fsdp_config = str(tmp_path / "fsdp.json")
+        (tmp_path / "fsdp.json").write_text(json.dumps({"fsdp_version": 2, "fsdp_cpu_offload": True}))
+    setup = _setup("training.fsdp=full_shard", f"training.fsdp_config={fsdp_config}")
+    if strategy is None:
+        with pytest.raises(ConfigError, match="FSDP version 1 is not planned"):
+            launch_setup(setup, 2, "cuda", {})
+    else:
+        assert launch_setup(setup, 2, "cuda", {}).strategy == strategy
+    missing = _setup("training.fsdp=full_shard", f"training.fsdp_config={tmp_path / 'missing.json'}")
+    with pytest.raises(ConfigError, match="training.fsdp_config: cannot read"):
+        launch_setup(missing, 2, "cuda", {})
+
+
 def test_fsdp_version_1_is_refused_with_the_version() -> None:
     with pytest.raises(ConfigError, match="FSDP version 1 is not planned"):
         launch_setup(_setup(), 2, "cuda", {"ACCELERATE_USE_FSDP": "true"})  # accelerate's default version

@@ -601,17 +601,35 @@ def launch_setup(
         return setup.with_changes(world_size=world_size, strategy=_zero_strategy(zero, "training.deepspeed"))
     options = str(training.get("fsdp") or "").split()  # TrainingArguments' fsdp: "full_shard offload", say
     if device != "cpu" and (options or _accelerate_uses(environ, "FSDP")):
-        version = (training.get("fsdp_config") or {}).get("version") if options else environ.get("FSDP_VERSION", "1")
+        fsdp_config = _fsdp_config(training) if options else {}
+        version = fsdp_config.get("version") if options else environ.get("FSDP_VERSION", "1")
         if str(version or 2) != "2":
             raise ConfigError(f"FSDP version {version} is not planned (FSDP2 is: fsdp_version 2)")
         if options:
-            offload = "offload" in options
+            offload = "offload" in options or bool(fsdp_config.get("cpu_offload", False))
         else:
             from accelerate.utils import str_to_bool  # as accelerate's FSDP plugin reads the variable
 
             offload = str_to_bool(environ.get("FSDP_OFFLOAD_PARAMS", "false")) == 1
         return setup.with_changes(world_size=world_size, strategy="fsdp2_offload" if offload else "fsdp2")
     return setup.with_changes(world_size=world_size, strategy="ddp")
+
+
+def _fsdp_config(training: Mapping[str, Any]) -> dict[str, Any]:
+    """``training.fsdp_config`` as ``TrainingArguments`` reads it: a mapping or a JSON file's path, each key without
+    its ``fsdp_`` prefix."""
+    import json
+
+    value = training.get("fsdp_config") or {}
+    if isinstance(value, str):
+        try:
+            with open(value, encoding="utf-8") as file:
+                value = json.load(file)
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"training.fsdp_config: cannot read an FSDP config from {value!r}: {error}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"training.fsdp_config must be a mapping or a JSON file of one, got {value!r}")
+    return {key.removeprefix("fsdp_"): item for key, item in value.items()}
 
 
 def zero_settings(setup: TrainingSetup) -> Any:
