@@ -509,6 +509,17 @@ def test_bad_command_arguments_are_named(capsys, arguments: tuple[str, ...], mes
     assert status == 2 and message in err, err
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_one_gpu_of_a_strategy_that_wraps_is_planned_as_fewest_gpus_plans_it(strategy: str) -> None:
+    """One process is not wrapped (accelerate wraps DDP only for several; ``launch_setup`` plans one process as it is),
+    so ``--gpus 1 --strategy ddp`` is the one-GPU plan of ``--fewest-gpus``, not a rank of DDP with buckets."""
+    overrides = [*SMALL_LLAMA, "model.tiny.num_hidden_layers=1", *ADAMW, *NO_CHECKPOINTING]
+    setup = setup_from_config(load_config(None, overrides), "full")
+    alone = plan_setup(setup)
+    wrapped = plan_setup(setup.with_changes(world_size=1, strategy=strategy))
+    assert [phase.peak_bytes for phase in wrapped.phases] == [phase.peak_bytes for phase in alone.phases]
+
+
 class _Peak:
     """What the search reads of a plan: whether it fits."""
 

@@ -471,7 +471,8 @@ def build_optimizer(
 def plan_setup(setup: TrainingSetup, device: str = "cpu", host_memory_apart: bool = False) -> MemoryPlan:
     """Trace ``setup`` with :func:`hf_paged.planner.plan` for ``device`` (``cpu`` or ``cuda``), on one device or, with
     a ``strategy``, as one rank of ``world_size`` under the Trainer (DDP and FSDP2 wrapped as the Trainer's accelerate
-    wraps them); a model the planner cannot trace is a :class:`ConfigError` naming ``model.name``.
+    wraps them, one process not, as :func:`fewest_gpus` plans one GPU); a model the planner cannot trace is a
+    :class:`ConfigError` naming ``model.name``.
     ``host_memory_apart``: see :func:`hf_paged.planner.plan` (a CPU standing in for an accelerator)."""
     vocab_size = architecture(setup.config).vocab_size
     extra = quantization_state if setup.method == "qlora" else None
@@ -486,9 +487,12 @@ def plan_setup(setup: TrainingSetup, device: str = "cpu", host_memory_apart: boo
         from ..sharding import strategy_named
 
         strategy = strategy_named(setup.strategy)
-        if strategy.engine == "zero":
+        if setup.world_size == 1 and not (strategy.offload_parameters or strategy.engine == "zero"):
+            strategy = None  # accelerate wraps one process neither in DDP nor in FSDP2 without offload
+        elif strategy.engine == "zero":
             strategy = dataclasses.replace(strategy, zero=zero_settings(setup))
-        wrap = trainer_wrap(strategy, training_args)
+        if strategy is not None:
+            wrap = trainer_wrap(strategy, training_args)
     traced_accumulation = min(setup.accumulation, 2)
     batches = trainer_batches(
         lambda: make_batch(setup, vocab_size),
