@@ -86,6 +86,21 @@ def test_the_trainers_fsdp_config_as_the_trainer_reads_it(tmp_path, fsdp_config:
         launch_setup(missing, 2, "cuda", {})
 
 
+@pytest.mark.parametrize(
+    ("overrides", "environ"),
+    [
+        (("training.fsdp=shard_grad_op",), {}),
+        (("training.fsdp=full_shard", "training.fsdp_config={reshard_after_forward: false}"), {}),
+        ((), {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false"}),
+    ],
+)
+def test_fsdp2_keeping_the_gathered_weights_after_forward_is_refused(overrides, environ) -> None:
+    """FSDP2 without resharding after forward holds every layer's gathered weights to the backward; the planner's
+    FSDP2 reshards them, so such a run trains without a plan rather than with a plan that is short of them."""
+    with pytest.raises(ConfigError, match="FSDP2 without resharding after forward .* is not planned"):
+        launch_setup(_setup(*overrides), 2, "cuda", environ)
+
+
 def test_fsdp_version_1_is_refused_with_the_version() -> None:
     with pytest.raises(ConfigError, match="FSDP version 1 is not planned"):
         launch_setup(_setup(), 2, "cuda", {"ACCELERATE_USE_FSDP": "true"})  # accelerate's default version

@@ -609,12 +609,21 @@ def launch_setup(
         version = fsdp_config.get("version") if options else environ.get("FSDP_VERSION", "1")
         if str(version or 2) != "2":
             raise ConfigError(f"FSDP version {version} is not planned (FSDP2 is: fsdp_version 2)")
+        from accelerate.utils import str_to_bool  # as accelerate's FSDP plugin reads its variables
+
         if options:
             offload = "offload" in options or bool(fsdp_config.get("cpu_offload", False))
+            reshard = fsdp_config.get("reshard_after_forward", "shard_grad_op" not in options)
         else:
-            from accelerate.utils import str_to_bool  # as accelerate's FSDP plugin reads the variable
-
             offload = str_to_bool(environ.get("FSDP_OFFLOAD_PARAMS", "false")) == 1
+            reshard = environ.get("FSDP_RESHARD_AFTER_FORWARD", True)
+        if isinstance(reshard, str):
+            reshard = str_to_bool(reshard.lower(), to_bool=True)
+        if not reshard:
+            raise ConfigError(
+                "FSDP2 without resharding after forward (shard_grad_op, reshard_after_forward false) is not planned "
+                "(full shard is)"
+            )
         return setup.with_changes(world_size=world_size, strategy="fsdp2_offload" if offload else "fsdp2")
     return setup.with_changes(world_size=world_size, strategy="ddp")
 
