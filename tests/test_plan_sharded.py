@@ -509,6 +509,15 @@ def test_bad_command_arguments_are_named(capsys, arguments: tuple[str, ...], mes
     assert status == 2 and message in err, err
 
 
+def test_fewest_gpus_of_a_config_no_strategy_can_plan_is_a_bad_argument(capsys) -> None:
+    """Exit status 1 says that no strategy fits; a config that none can plan (here: targets that match no module)
+    is exit status 2, as without --fewest-gpus, with the reason."""
+    overrides = ("--set", "model.tiny.num_hidden_layers=1", "--set", "lora.target_modules=[bogus_proj]")
+    status, out, _ = _cli(capsys, *overrides, "--fewest-gpus", "--device-memory", "1GiB", "--strategy", "ddp")
+    assert status == 2, out
+    assert "ddp: lora.target_modules: 'bogus_proj' matches no module" in out
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_one_gpu_of_a_strategy_that_wraps_is_planned_as_fewest_gpus_plans_it(strategy: str) -> None:
     """One process is not wrapped (accelerate wraps DDP only for several; ``launch_setup`` plans one process as it is),

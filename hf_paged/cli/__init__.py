@@ -205,7 +205,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _fewest_gpus(args: argparse.Namespace, setup: Any, capacity: int | None) -> int:
-    """``hf-paged plan --fewest-gpus``: exit status 1 when no strategy fits at any count."""
+    """``hf-paged plan --fewest-gpus``: exit status 1 when no strategy fits at any count, 2 when none can be planned
+    (a config error, said per strategy)."""
     import time
 
     from .plan import fewest_gpus, format_fewest_gpus
@@ -219,6 +220,8 @@ def _fewest_gpus(args: argparse.Namespace, setup: Any, capacity: int | None) -> 
     counts = fewest_gpus(setup, args.device, capacity, None if args.strategy is None else [args.strategy])
     print(format_fewest_gpus(setup, args.device, capacity, counts), flush=True)
     print(f"planned in {time.perf_counter() - started:.1f} s", flush=True)
+    if all(count.error is not None for count in counts):
+        return 2
     return 0 if any(count.gpus is not None or count.paged_gpus is not None for count in counts) else 1
 
 
