@@ -30,6 +30,12 @@ def test_one_process_is_planned_as_it_is() -> None:
     assert launch_setup(setup, 1, "cuda", {"ACCELERATE_USE_FSDP": "true"}) is setup
 
 
+def test_one_process_under_deepspeed_is_planned_with_its_zero_stage() -> None:
+    """DeepSpeed runs one process under ZeRO too (accelerate's DeepSpeed mode does not need several processes)."""
+    planned = launch_setup(_setup(_zero(3)), 1, "cuda", {})
+    assert (planned.world_size, planned.strategy) == (1, "zero3")
+
+
 def test_a_launch_without_sharding_is_ddp_of_its_processes() -> None:
     planned = launch_setup(_setup(), 4, "cuda", {})
     assert (planned.world_size, planned.strategy) == (4, "ddp")
@@ -69,13 +75,16 @@ def test_the_trainers_fsdp_arguments() -> None:
         ("{fsdp_cpu_offload: true}", "fsdp2_offload"),  # TrainingArguments drops the fsdp_ prefix of a key
         ("{fsdp_version: 1}", None),
         ("FILE", "fsdp2_offload"),  # a JSON file, as TrainingArguments reads one
+        ("{cpu_offload: false}", "fsdp2"),  # with fsdp "full_shard offload": the config's key wins, as in the Trainer
+        ("{cpu_offload: 'true'}", "fsdp2_offload"),
     ],
 )
 def test_the_trainers_fsdp_config_as_the_trainer_reads_it(tmp_path, fsdp_config: str, strategy: str | None) -> None:
     if fsdp_config == "FILE":
         fsdp_config = str(tmp_path / "fsdp.json")
         (tmp_path / "fsdp.json").write_text(json.dumps({"fsdp_version": 2, "fsdp_cpu_offload": True}))
-    setup = _setup("training.fsdp=full_shard", f"training.fsdp_config={fsdp_config}")
+    fsdp = "full_shard offload" if "false" in fsdp_config else "full_shard"
+    setup = _setup(f"training.fsdp={fsdp}", f"training.fsdp_config={fsdp_config}")
     if strategy is None:
         with pytest.raises(ConfigError, match="FSDP version 1 is not planned"):
             launch_setup(setup, 2, "cuda", {})
@@ -99,6 +108,15 @@ def test_fsdp2_keeping_the_gathered_weights_after_forward_is_refused(overrides, 
     FSDP2 reshards them, so such a run trains without a plan rather than with a plan that is short of them."""
     with pytest.raises(ConfigError, match="FSDP2 without resharding after forward .* is not planned"):
         launch_setup(_setup(*overrides), 2, "cuda", environ)
+
+
+def test_a_flag_that_is_not_a_boolean_is_named() -> None:
+    setup = _setup("training.fsdp=full_shard", "training.fsdp_config={reshard_after_forward: maybe}")
+    with pytest.raises(ConfigError, match="reshard_after_forward must be true or false, got 'maybe'"):
+        launch_setup(setup, 2, "cuda", {})
+    environ = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "sometimes"}
+    with pytest.raises(ConfigError, match="FSDP_OFFLOAD_PARAMS must be true or false"):
+        launch_setup(_setup(), 2, "cuda", environ)
 
 
 def test_fsdp_version_1_is_refused_with_the_version() -> None:

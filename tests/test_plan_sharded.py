@@ -518,15 +518,17 @@ def test_fewest_gpus_of_a_config_no_strategy_can_plan_is_a_bad_argument(capsys) 
     assert "ddp: lora.target_modules: 'bogus_proj' matches no module" in out
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_one_gpu_of_a_strategy_that_wraps_is_planned_as_fewest_gpus_plans_it(strategy: str) -> None:
-    """One process is not wrapped (accelerate wraps DDP only for several; ``launch_setup`` plans one process as it is),
-    so ``--gpus 1 --strategy ddp`` is the one-GPU plan of ``--fewest-gpus``, not a rank of DDP with buckets."""
+def test_one_gpu_of_ddp_is_planned_unwrapped() -> None:
+    """accelerate wraps DDP only for several processes, so ``--gpus 1 --strategy ddp`` plans (and names) one process
+    without a strategy, not a rank of DDP with gradient buckets. (FSDP2 wraps one process that ``accelerate launch``
+    starts.)"""
     overrides = [*SMALL_LLAMA, "model.tiny.num_hidden_layers=1", *ADAMW, *NO_CHECKPOINTING]
     setup = setup_from_config(load_config(None, overrides), "full")
     alone = plan_setup(setup)
-    wrapped = plan_setup(setup.with_changes(world_size=1, strategy=strategy))
+    one_rank = setup.with_changes(world_size=1, strategy="ddp")
+    wrapped = plan_setup(one_rank)
     assert [phase.peak_bytes for phase in wrapped.phases] == [phase.peak_bytes for phase in alone.phases]
+    assert one_rank.describe() == setup.describe()
 
 
 class _Peak:

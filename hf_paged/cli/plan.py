@@ -101,7 +101,9 @@ class TrainingSetup:
         checkpointing = "off"
         if self.gradient_checkpointing:
             checkpointing = "reentrant" if self.reentrant else "on"
-        sharded = "" if self.strategy is None else f", {self.strategy} on {self.world_size} GPUs (one rank's memory)"
+        sharded = ""
+        if self.strategy is not None and (self.world_size > 1 or _strategy_engine(self.strategy) != "ddp"):
+            sharded = f", {self.strategy} on {self.world_size} GPUs (one rank's memory)"
         storage = f" (4-bit weights stored as {self.config.lora.quant_storage})" if self.method == "qlora" else ""
         return (
             f"{self.method}{storage}, batch {self.batch_size} x {self.sequence_length} tokens"
@@ -211,8 +213,11 @@ def build_model(setup: TrainingSetup, device: str = "cpu", shapes_only: bool = F
         return _with_adapters(setup, model, device, shapes_only)
     except TargetModulesError as error:
         raise ConfigError(f"lora.{error}") from None
+    except ConfigError:
+        raise
     except ValueError as error:
-        raise ConfigError(f"lora: {setup.method} of {config.model.name!r} cannot be set up: {error}") from None
+        key = "model.name" if setup.method == "full" else "lora"
+        raise ConfigError(f"{key}: {setup.method} of {config.model.name!r} cannot be set up: {error}") from None
 
 
 def _with_adapters(setup: TrainingSetup, model: nn.Module, device: str, shapes_only: bool) -> nn.Module:
@@ -471,9 +476,11 @@ def build_optimizer(
 def plan_setup(setup: TrainingSetup, device: str = "cpu", host_memory_apart: bool = False) -> MemoryPlan:
     """Trace ``setup`` with :func:`hf_paged.planner.plan` for ``device`` (``cpu`` or ``cuda``), on one device or, with
     a ``strategy``, as one rank of ``world_size`` under the Trainer (DDP and FSDP2 wrapped as the Trainer's accelerate
-    wraps them, one process not, as :func:`fewest_gpus` plans one GPU); a model the planner cannot trace is a
-    :class:`ConfigError` naming ``model.name``.
+    wraps them; one process is not wrapped in DDP); a model the planner cannot trace is a :class:`ConfigError` naming
+    ``model.name``.
     ``host_memory_apart``: see :func:`hf_paged.planner.plan` (a CPU standing in for an accelerator)."""
+    if setup.strategy is not None and setup.world_size == 1 and _strategy_engine(setup.strategy) == "ddp":
+        setup = setup.with_changes(strategy=None)  # accelerate wraps DDP only for several processes
     vocab_size = architecture(setup.config).vocab_size
     extra = quantization_state if setup.method == "qlora" else None
     from .train import training_arguments
@@ -487,12 +494,9 @@ def plan_setup(setup: TrainingSetup, device: str = "cpu", host_memory_apart: boo
         from ..sharding import strategy_named
 
         strategy = strategy_named(setup.strategy)
-        if setup.world_size == 1 and not (strategy.offload_parameters or strategy.engine == "zero"):
-            strategy = None  # accelerate wraps one process neither in DDP nor in FSDP2 without offload
-        elif strategy.engine == "zero":
+        if strategy.engine == "zero":
             strategy = dataclasses.replace(strategy, zero=zero_settings(setup))
-        if strategy is not None:
-            wrap = trainer_wrap(strategy, training_args)
+        wrap = trainer_wrap(strategy, training_args)
     traced_accumulation = min(setup.accumulation, 2)
     batches = trainer_batches(
         lambda: make_batch(setup, vocab_size),
@@ -575,6 +579,12 @@ def _zero_strategy(zero: Mapping[str, Any], source: str) -> str:
     )
 
 
+def _strategy_engine(name: str) -> str:
+    from ..sharding import strategy_named
+
+    return strategy_named(name).engine
+
+
 def launch_setup(
     setup: TrainingSetup, world_size: int, device: str, environ: Mapping[str, str] | None = None
 ) -> TrainingSetup:
@@ -582,12 +592,11 @@ def launch_setup(
     under ``accelerate launch`` or ``torchrun``): its strategy is ZeRO where ``training.deepspeed`` or accelerate's
     DeepSpeed variables (``environ``, default the process's) turn DeepSpeed on, FSDP2 (with CPU offload where asked)
     where ``training.fsdp`` or accelerate's FSDP variables turn FSDP on on an accelerator (on the CPU accelerate
-    trains such a run with DDP), else DDP. One process is ``setup`` itself."""
+    trains such a run with DDP), else DDP. One process is ``setup`` itself but for ZeRO, which DeepSpeed applies to one
+    process too."""
     import os
 
     environ = os.environ if environ is None else environ
-    if world_size == 1:
-        return setup
     training = setup.config.training
     if training.get("deepspeed") is None and _accelerate_uses(environ, "DEEPSPEED"):
         path = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
@@ -603,6 +612,8 @@ def launch_setup(
     if setup.config.training.get("deepspeed") is not None:
         zero = deepspeed_config(setup).get("zero_optimization") or {}
         return setup.with_changes(world_size=world_size, strategy=_zero_strategy(zero, "training.deepspeed"))
+    if world_size == 1:
+        return setup
     options = str(training.get("fsdp") or "").split()  # TrainingArguments' fsdp: "full_shard offload", say
     if device != "cpu" and (options or _accelerate_uses(environ, "FSDP")):
         fsdp_config = _fsdp_config(training) if options else {}
@@ -611,14 +622,21 @@ def launch_setup(
             raise ConfigError(f"FSDP version {version} is not planned (FSDP2 is: fsdp_version 2)")
         from accelerate.utils import str_to_bool  # as accelerate's FSDP plugin reads its variables
 
-        if options:
-            offload = "offload" in options or bool(fsdp_config.get("cpu_offload", False))
-            reshard = fsdp_config.get("reshard_after_forward", "shard_grad_op" not in options)
+        def flag(value: Any, source: str) -> bool:
+            try:
+                return str_to_bool(value.lower(), to_bool=True) if isinstance(value, str) else bool(value)
+            except ValueError:
+                raise ConfigError(f"{source} must be true or false, got {value!r}") from None
+
+        if options:  # an fsdp_config key wins over the option, as TrainingArguments sets the option's by default
+            offload = flag(fsdp_config.get("cpu_offload", "offload" in options), "training.fsdp_config's cpu_offload")
+            reshard = flag(
+                fsdp_config.get("reshard_after_forward", "shard_grad_op" not in options),
+                "training.fsdp_config's reshard_after_forward",
+            )
         else:
-            offload = str_to_bool(environ.get("FSDP_OFFLOAD_PARAMS", "false")) == 1
-            reshard = environ.get("FSDP_RESHARD_AFTER_FORWARD", True)
-        if isinstance(reshard, str):
-            reshard = str_to_bool(reshard.lower(), to_bool=True)
+            offload = flag(environ.get("FSDP_OFFLOAD_PARAMS", "false"), "FSDP_OFFLOAD_PARAMS")
+            reshard = flag(environ.get("FSDP_RESHARD_AFTER_FORWARD", True), "FSDP_RESHARD_AFTER_FORWARD")
         if not reshard:
             raise ConfigError(
                 "FSDP2 without resharding after forward (shard_grad_op, reshard_after_forward false) is not planned "
