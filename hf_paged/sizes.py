@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
 from fractions import Fraction
 
 _UNITS = {
@@ -18,6 +19,8 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
+_LARGEST_EXPONENT = 30
+"""A size string's number is refused beyond 10 ** 30 (far more bytes than any machine has) and below 10 ** -30."""
 _SIZE_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -38,14 +41,19 @@ def parse_size(value: float | str, name: str) -> int:
                 f"{name}={value!r} is not a size: use a number of bytes or a number with one of the units "
                 "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (for example '8MiB')"
             )
-        number = float(match.group(1)) * _UNITS[unit]
-        exact = Fraction(match.group(1)) * _UNITS[unit]  # '4.1MB' is 4,100,000 bytes, which floats miss
-    elif isinstance(value, (int, float)):
-        number = float(value)
-        exact = Fraction(value) if math.isfinite(number) else None
+        digits = Decimal(match.group(1))  # exact, as floats are not: '4.1MB' is 4,100,000 bytes
+        if digits and digits.adjusted() > _LARGEST_EXPONENT:
+            raise ValueError(f"{name} must be a finite, non-negative size, got {value!r}")
+        if digits and digits.adjusted() < -_LARGEST_EXPONENT:  # Fraction would build 10 ** -exponent
+            raise ValueError(f"{name}={value!r} is not a whole number of bytes")
+        exact = Fraction(digits) * _UNITS[unit]
+    elif isinstance(value, int):
+        exact = Fraction(value)
+    elif isinstance(value, float):
+        exact = Fraction(value) if math.isfinite(value) else None
     else:
         raise TypeError(f"{name} must be a number of bytes or a string such as '8MiB', got {type(value).__name__}")
-    if exact is None or not math.isfinite(number) or number < 0:
+    if exact is None or exact < 0:
         raise ValueError(f"{name} must be a finite, non-negative size, got {value!r}")
     if exact.denominator != 1:
         raise ValueError(f"{name}={value!r} is not a whole number of bytes")
