@@ -531,3 +531,18 @@ def test_oom_recovery_refuses_arguments_of_the_wrong_kind_before_changing_the_op
     with pytest.raises(TypeError, match=message):
         hf_paged.OOMRecovery(optimizer, retries=3, **{name: value})
     assert optimizer.oom_retries != 3 and optimizer.on_oom_recovery is None
+
+
+@pytest.mark.parametrize("retries", [0, 2])
+def test_only_recovery_that_is_on_warns_that_deepspeed_is_not_replayed(tmp_path, caplog, retries):
+    """In one process an engine that keeps a step from being replayed (DeepSpeed: its flag set on the trainer, as
+    accelerate's Trainer sets it) is worth a warning only where recovery is on (``retries`` > 0)."""
+    trainer = Trainer(
+        model=tiny_llama(), args=training_args(tmp_path, optim="hf_paged_adamw_32bit"), train_dataset=token_dataset()
+    )
+    trainer.create_optimizer()
+    trainer.is_deepspeed_enabled = True
+    with caplog.at_level(logging.WARNING, logger="hf_paged"):
+        enable_oom_recovery(trainer, retries=retries)
+    warned = [record for record in caplog.records if "is not replayed" in record.getMessage()]
+    assert len(warned) == (1 if retries else 0)

@@ -96,7 +96,7 @@ def enable_oom_recovery(
                 trainer.args.world_size,
                 obstacle,
             )
-    elif obstacle is not None:
+    elif obstacle is not None and retries:
         logger.warning(
             "hf-paged: an out-of-memory error in forward or backward is not replayed (%s); the optimizer step still "
             "recovers",
