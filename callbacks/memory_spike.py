@@ -111,10 +111,10 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
         plot: draw ``memory_timeline.png`` (needs matplotlib) besides writing ``memory_timeline.jsonl``.
         oom_retries: times a training step may recover from an out-of-memory error in forward or backward
             (all optimizer state moves to the host and the step's micro-batches are replayed exactly, see
-            :func:`hf_paged.integrations.oom.enable_oom_recovery`; in one process, or under DDP on every rank),
-            and, as many times, from one in the optimizer's step (the pages left are updated under a smaller budget,
-            in any number of processes); 0 turns recovery off. Only with an hf-paged optimizer: with another, recovery, the
-            budget and the paging metrics are off, which a warning says once.
+            :func:`hf_paged.integrations.oom.enable_oom_recovery`; in one process not under DeepSpeed, or under DDP
+            on every rank), and, as many times, from one in the optimizer's step (the pages left are updated under a
+            smaller budget, in any number of processes); 0 turns recovery off. Only with an hf-paged optimizer: with
+            another, recovery, the budget and the paging metrics are off, which a warning says once.
         plan: the planned peaks of this training: a :class:`~hf_paged.planner.MemoryPlan` (for the device that
             trains), or bytes per phase (``{"forward_backward": ..., "optimizer_step": ...}``, the highest of the
             first :data:`PLANNED_STEPS` steps). A MemoryPlan is handed to an hf-paged optimizer's automatic budget

@@ -351,8 +351,8 @@ def prepare_qlora(
         model = model_or_path
         if load_kwargs:
             raise TypeError(
-                f"prepare_qlora got {', '.join(load_kwargs)}, which it passes to from_pretrained only when loading "
-                "model_or_path from a hub name or path; apply them to the loaded model before the call"
+                f"prepare_qlora got {', '.join(load_kwargs)}, which it passes to from_pretrained only when it loads "
+                "model_or_path from a hub name or a path; with a loaded model they would do nothing"
             )
         _check_causal_lm(model)
         check_target_modules(model, target_modules)

@@ -138,7 +138,7 @@ def test_a_huge_gradient_moves_its_element_as_little_as_in_torch(kernels, monkey
         from hf_paged.kernels.triton_kernels import lerp_rounds_once  # imported under the interpreter (the fixture)
 
         if not lerp_rounds_once():
-            return
+            pytest.skip("without a fused multiply-add, PyTorch's lerp rounds apart by an ulp (test_triton_kernels.py)")
     if kernels != "torch":
         monkeypatch.setenv("HF_PAGED_KERNELS", "torch")
         expected, expected_optimizer = train_with_one_huge_gradient(state, shape, magnitude)

@@ -306,7 +306,8 @@ def register(replace_bitsandbytes: bool | None = None) -> None:
         replace_bitsandbytes: also route bitsandbytes' ``paged_adamw_8bit``, ``paged_adamw_32bit``,
             ``paged_lion_8bit``, ``paged_lion_32bit``, ``paged_ademamix_8bit`` and ``paged_ademamix_32bit`` to the
             hf-paged optimizers. ``None`` reads the ``HF_PAGED_REPLACE_BITSANDBYTES`` environment variable (``1``
-            turns it on); off by default.
+            turns it on); off by default. The Trainer reads the variable again when it checks and builds the
+            optimizer, so that it takes effect when set after the imports too (``False`` does not override it).
     """
     register_names()
     register_handlers(replace_bitsandbytes)
