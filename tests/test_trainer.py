@@ -308,7 +308,12 @@ def test_runner_replaces_bitsandbytes_names_only_when_asked(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "ending", ["", "import sys\nsys.exit(0)\n", "import sys\nsys.exit()\n"], ids=["returns", "exit-0", "exit"]
+    "ending",
+    [
+        pytest.param("", id="returns"),
+        pytest.param("import sys\nsys.exit(0)\n", id="exit-0", marks=pytest.mark.slow),  # the path of sys.exit()
+        pytest.param("import sys\nsys.exit()\n", id="exit"),
+    ],
 )
 def test_runner_ends_the_process_group_a_script_leaves_open(tmp_path, ending):
     """As PyTorch asks of a program before it exits (the ranks meet first, so none tears down a live peer); then the
