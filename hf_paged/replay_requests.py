@@ -98,8 +98,14 @@ class ReplayRequests:
         return f"{self.prefix}/{window}/{attempt}"
 
     def publish(self, window: int, attempt: int, request: ReplayRequest) -> None:
-        """Add ``request`` to those of ``window``'s ``attempt`` (call it before joining the collectives owed)."""
-        self.store.append(self._key(window, attempt), json.dumps(asdict(request)) + "\n")
+        """Add ``request`` to those of ``window``'s ``attempt`` (call it before joining the collectives owed).
+
+        Returns once the store holds it: a ``TCPStore`` sends an append without waiting for a reply, and another
+        connection's read could reach the store first; a read on this connection (the store serves each connection
+        in order) waits for the append."""
+        key = self._key(window, attempt)
+        self.store.append(key, json.dumps(asdict(request)) + "\n")
+        self.store.check([key])
 
     def read(self, window: int, attempt: int) -> list[ReplayRequest]:
         """The requests of ``window``'s ``attempt``, in the order published (one store round trip when there are
