@@ -93,6 +93,14 @@ class TrainingSetup:
         return int(self.config.training.get("gradient_accumulation_steps", 1))
 
     @property
+    def wrapping_strategy(self) -> str | None:
+        """The strategy the Trainer's accelerate wraps each rank in: ``strategy``, but none for one process of DDP
+        (accelerate wraps DDP only for several processes)."""
+        if self.strategy is None or (self.world_size == 1 and _strategy_engine(self.strategy) == "ddp"):
+            return None
+        return self.strategy
+
+    @property
     def optimizer_name(self) -> str:
         optim = self.config.training.get("optim", "adamw_torch")
         return str(getattr(optim, "value", optim))
@@ -102,7 +110,7 @@ class TrainingSetup:
         if self.gradient_checkpointing:
             checkpointing = "reentrant" if self.reentrant else "on"
         sharded = ""
-        if self.strategy is not None and (self.world_size > 1 or _strategy_engine(self.strategy) != "ddp"):
+        if self.wrapping_strategy is not None:
             sharded = f", {self.strategy} on {self.world_size} GPUs (one rank's memory)"
         storage = f" (4-bit weights stored as {self.config.lora.quant_storage})" if self.method == "qlora" else ""
         return (
@@ -479,8 +487,8 @@ def plan_setup(setup: TrainingSetup, device: str = "cpu", host_memory_apart: boo
     wraps them; one process is not wrapped in DDP); a model the planner cannot trace is a :class:`ConfigError` naming
     ``model.name``.
     ``host_memory_apart``: see :func:`hf_paged.planner.plan` (a CPU standing in for an accelerator)."""
-    if setup.strategy is not None and setup.world_size == 1 and _strategy_engine(setup.strategy) == "ddp":
-        setup = setup.with_changes(strategy=None)  # accelerate wraps DDP only for several processes
+    if setup.wrapping_strategy != setup.strategy:
+        setup = dataclasses.replace(setup, strategy=setup.wrapping_strategy)
     vocab_size = architecture(setup.config).vocab_size
     extra = quantization_state if setup.method == "qlora" else None
     from .train import training_arguments
