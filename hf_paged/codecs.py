@@ -50,6 +50,7 @@ from typing import ClassVar
 
 import torch
 
+from .blocks import packing
 from .rounding import ieee_sqrt
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -591,12 +592,17 @@ class PageFormat:
         return [spec for codec in self.codecs for spec in codec.buffer_specs(capacity)]
 
     def nbytes(self, capacity: int) -> int:
-        """Bytes of a page holding ``capacity`` elements."""
-        return sum(numel * dtype.itemsize for numel, dtype in self.buffer_specs(capacity))
+        """Bytes of the block of a page holding ``capacity`` elements (its buffers and their alignment padding)."""
+        return packing(tuple(self.buffer_specs(capacity)))[1]
 
     def capacity_for(self, page_bytes: int) -> int:
-        """The most elements, a multiple of the split alignment, whose page fits in ``page_bytes``."""
-        return page_bytes // self.nbytes(self.split_alignment) * self.split_alignment
+        """The most elements, a multiple of the split alignment, whose page's block fits in ``page_bytes``."""
+        step = self.split_alignment
+        step_bytes = sum(numel * dtype.itemsize for numel, dtype in self.buffer_specs(step))
+        capacity = page_bytes // step_bytes * step
+        while capacity and self.nbytes(capacity) > page_bytes:
+            capacity -= step
+        return capacity
 
     def arrays(self, buffers: tuple[torch.Tensor, ...]) -> list[EncodedSegment]:
         """A page's buffers grouped by codec."""

@@ -16,7 +16,6 @@ interface: :class:`AcceleratorMemory` from the device's PyTorch module, :class:`
 from __future__ import annotations
 
 import array
-import functools
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -25,8 +24,7 @@ from typing import Any, overload
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-BufferSpec = tuple[int, torch.dtype]
-"""A buffer to allocate: its number of elements and dtype."""
+from .blocks import BufferSpec, packing
 
 Buffers = Sequence[torch.Tensor]
 """A page's buffers: :class:`PageBuffers` from a backend, or any sequence of tensors."""
@@ -38,22 +36,6 @@ _ARRAY_CODES = {torch.int64: "q", torch.float32: "f"}
 """The ``array`` type code of each dtype :meth:`SyncBackend.pinned_tensor` converts through one."""
 
 _FAKE = torch._C._TorchDispatchModeKey.FAKE
-
-BUFFER_ALIGNMENT = 16
-"""Bytes to which each buffer of a page's block is aligned (every view a kernel takes starts at such a boundary)."""
-
-
-@functools.cache
-def packing(specs: tuple[BufferSpec, ...]) -> tuple[tuple[int, ...], int]:
-    """The byte offset of each buffer of ``specs`` in one block, each at a :data:`BUFFER_ALIGNMENT` boundary, and
-    the block's bytes."""
-    offsets, end = [], 0
-    for numel, dtype in specs:
-        offset = -(-end // BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT
-        offsets.append(offset)
-        end = offset + numel * dtype.itemsize
-    return tuple(offsets), end
-
 
 class PageBuffers(Sequence[torch.Tensor]):
     """A page's buffers packed in one uint8 ``block`` (see :func:`packing`): one allocation and one copy move a page,
@@ -154,9 +136,8 @@ class SyncBackend:
         return PageBuffers(torch.empty(nbytes, dtype=torch.uint8), specs, offsets)
 
     def host_nbytes(self, specs: Sequence[BufferSpec]) -> int:
-        """Bytes of host memory that :meth:`empty_host` of ``specs`` holds: its buffers' (the block adds less than
-        :data:`BUFFER_ALIGNMENT` bytes a buffer of alignment)."""
-        return sum(numel * dtype.itemsize for numel, dtype in specs)
+        """Bytes of host memory that :meth:`empty_host` of ``specs`` holds: its block's."""
+        return packing(tuple(specs))[1]
 
     def empty_device(self, specs: Sequence[BufferSpec]) -> PageBuffers:
         """Uninitialised device buffers, one block."""

@@ -881,11 +881,11 @@ def _statistics(optimizer: PagedOptimizer) -> list[torch.Tensor]:
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer, rounding: int) -> int:
     """Bytes of the tensors of ``optimizer.state``, of every page (one block of its buffers, as a backend allocates
-    it: :func:`~hf_paged.device.packing`) and of rank-1 statistics, each rounded up to ``rounding``."""
+    it: :attr:`~hf_paged.store.Page.nbytes`) and of rank-1 statistics, each rounded up to ``rounding``."""
     storages = {id(tensor.untyped_storage()): tensor for tensor in _tensors(list(optimizer.state.values()))}
     sizes = [tensor.untyped_storage().nbytes() for tensor in storages.values()]
     if isinstance(optimizer, PagedOptimizer):
-        sizes += [device_module.packing(page.specs)[1] for page in optimizer._store.pages]
+        sizes += [page.nbytes for page in optimizer._store.pages]
         sizes += [tensor.untyped_storage().nbytes() for tensor in _statistics(optimizer)]
     return sum(math.ceil(size / rounding) * rounding for size in sizes)
 

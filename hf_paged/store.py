@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from .blocks import packing
 from .device import Buffers, BufferSpec, Event, SyncBackend, zero_buffers
 
 
@@ -128,7 +129,8 @@ class Page:
         self._capacity = capacity
         self.specs: tuple[tuple[int, torch.dtype], ...] = tuple(self.format.buffer_specs(capacity))
         """The buffers of the page's format at this capacity."""
-        self.nbytes: int = sum(numel * dtype.itemsize for numel, dtype in self.specs)
+        self.nbytes: int = self.format.nbytes(capacity)
+        """Bytes of the page's block (its buffers, each aligned), what a device slot of it holds."""
         self.host_nbytes: int | None = None
         """Bytes the store's backend holds for the page's host buffers (set by the store at first use)."""
 
@@ -356,7 +358,7 @@ class PageStore:
     def _release_slots(self) -> None:
         """Release the kept device slots and drop the kept host blocks."""
         for specs, free in self._slots.items():
-            nbytes = sum(numel * dtype.itemsize for numel, dtype in specs)
+            nbytes = packing(specs)[1]
             for slot in free:
                 self.backend.release(slot)
                 self.device_bytes -= nbytes

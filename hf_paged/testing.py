@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import device as device_module
+from .blocks import packing
 from .device import Buffers, BufferSpec, PageBuffers, SyncBackend, pinned_block_bytes, pinned_page_buffers
 
 
@@ -210,7 +211,7 @@ class SimulatedStreamBackend(SyncBackend):
 
     def empty_device(self, specs: Sequence[BufferSpec]) -> PageBuffers:
         specs = tuple(specs)
-        nbytes = sum(numel * dtype.itemsize for numel, dtype in specs)
+        nbytes = packing(specs)[1]
         free = self._free[specs]
         if free:
             buffers = free.pop()
@@ -232,7 +233,7 @@ class SimulatedStreamBackend(SyncBackend):
                     self._hazard(event, "a buffer of it was released")
             _poison(_tensors(buffers))
         self._free[buffers.specs].append(buffers)
-        self.device_bytes -= sum(numel * dtype.itemsize for numel, dtype in buffers.specs)
+        self.device_bytes -= packing(buffers.specs)[1]
 
     # Copies and events -----------------------------------------------------------------------------
 

@@ -68,6 +68,35 @@ def test_any_budget_and_prefetch_give_bitwise_same_result(name, budget_pages, pr
     assert stats["device_bytes"] + stats["host_bytes"] == state_bytes
 
 
+@pytest.mark.parametrize("name", ["PagedAdamW8bit", "PagedAdamW4bit"])
+def test_counted_device_bytes_are_the_allocated_blocks_and_a_page_fits_its_size(name):
+    """A page's block aligns each buffer to 16 bytes: with 16-element blocks its scales leave padding, which is
+    counted against the budget and kept within ``page_size``."""
+    page_size = 240
+    model = make_mlp()
+    kwargs = {**optimizer_kwargs(name), "page_size": page_size, "block_size": 16, "device_budget": 2 * page_size}
+    optimizer = OPTIMIZERS[name](decay_groups(model), **kwargs)
+    store = optimizer._store
+    blocks = []
+
+    def check(operation, page):
+        (device_store,) = store.stores.values()
+        slots = [slot for free in device_store._slots.values() for slot in free]
+        held = [page.device for page in store.pages if page.device is not None] + slots
+        allocated = sum(buffers.block.numel() for buffers in held)
+        blocks.append(allocated)
+        assert store.device_bytes == allocated, operation
+        assert allocated <= optimizer.device_budget
+
+    store.add_observer(check)
+    train(model, optimizer, regression_batches(2))
+    assert max(blocks) > 0
+    assert all(page.nbytes <= page_size for page in store.pages)
+    assert any(page.nbytes > sum(n * dtype.itemsize for n, dtype in page.specs) for page in store.pages)
+    host_blocks = sum(page.host.block.numel() for page in store.pages if page.host is not None)
+    assert optimizer.paging_stats()["host_bytes"] == host_blocks
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("prefetch", [0, 1, 3])
 def test_device_bytes_never_exceed_budget(name, prefetch):
