@@ -406,6 +406,23 @@ def test_lora_targets_that_match_nothing_are_a_config_error(tmp_path, capsys, qu
     assert "Traceback" not in error
 
 
+def test_adapters_peft_refuses_are_a_config_error(tmp_path, capsys):
+    """peft's LoRA of a mixture of experts' 3D weights refuses ``lora_dropout``: ``hf-paged train`` names ``lora``
+    with peft's reason and exits with status 2, as ``hf-paged plan`` does, not with peft's traceback."""
+    import transformers
+
+    sizes = {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1}
+    config = transformers.MixtralConfig(vocab_size=259, num_hidden_layers=1, num_local_experts=2, **sizes)
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "model")
+    capsys.readouterr()
+    overrides = [f"model.name={tmp_path / 'model'}", "tokenizer.name=byte", "lora.quantize=false"]
+    overrides += ["lora.target_modules=all-linear", "lora.lora_dropout=0.05", *FAST[1::2]]
+    status = main(["train", *(f"--set={item}" for item in overrides), "--output-dir", str(tmp_path / "out")])
+    error = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in error, error
+    assert error.splitlines()[-1].startswith("hf-paged: error: lora: lora of ") and "lora_dropout" in error, error
+
+
 def test_typo_in_yaml_names_the_nearest_key_at_any_depth(tmp_path):
     cases = {
         "model:\n  tiny:\n    hiden_size: 64\n": ("model.tiny.hiden_size", "model.tiny.hidden_size"),

@@ -27,7 +27,7 @@ from torch import nn
 from ..planner import MemoryPlan, PlanningError, plan
 from ..sharding import Strategy
 from .config import Config, ConfigError
-from .train import IGNORE_INDEX, add_lora_adapters
+from .train import IGNORE_INDEX, add_lora_adapters, setup_error
 
 METHODS = ("full", "lora", "qlora")
 """Full fine-tune (every weight trained), LoRA adapters on full-precision weights, QLoRA (4-bit weights)."""
@@ -224,8 +224,7 @@ def build_model(setup: TrainingSetup, device: str = "cpu", shapes_only: bool = F
     except ConfigError:
         raise
     except ValueError as error:
-        key = "model.name" if setup.method == "full" else "lora"
-        raise ConfigError(f"{key}: {setup.method} of {config.model.name!r} cannot be set up: {error}") from None
+        raise setup_error(setup.method, config.model.name, error) from None
 
 
 def _with_adapters(setup: TrainingSetup, model: nn.Module, device: str, shapes_only: bool) -> nn.Module:

@@ -177,14 +177,27 @@ def training_data(config: Config, tokenizer: Any, args: Any) -> Any:
 
 
 def build_model(config: Config, tokenizer: Any, device: torch.device) -> Any:
-    """The base model with LoRA adapters (4-bit base weights when ``lora.quantize``), on ``device``; targets that
-    match no module of the model are a :class:`ConfigError` naming ``lora.target_modules``."""
+    """The base model with LoRA adapters (4-bit base weights when ``lora.quantize``), on ``device``. Targets that
+    match no module of the model are a :class:`ConfigError` naming ``lora.target_modules``; adapters peft refuses
+    (LoRA of a mixture of experts' 3D weights with ``lora_dropout``) or a model without a linear layer to quantize
+    are one naming ``lora`` (:func:`setup_error`)."""
     from ..qlora import TargetModulesError
 
     try:
         return _model_with_adapters(config, tokenizer, device)
     except TargetModulesError as error:
         raise ConfigError(f"lora.{error}") from None
+    except ConfigError:
+        raise
+    except ValueError as error:
+        raise setup_error("qlora" if config.lora.quantize else "lora", config.model.name, error) from None
+
+
+def setup_error(method: str, model_name: str, error: ValueError) -> ConfigError:
+    """The :class:`ConfigError` for ``error``, raised by peft or the quantization while ``method`` (``full``, ``lora``
+    or ``qlora``) set up ``model_name``: it names ``model.name`` for a full fine-tune, else ``lora``."""
+    key = "model.name" if method == "full" else "lora"
+    return ConfigError(f"{key}: {method} of {model_name!r} cannot be set up: {error}")
 
 
 def _model_with_adapters(config: Config, tokenizer: Any, device: torch.device) -> Any:
