@@ -399,24 +399,25 @@ CAP = 36_000_000
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 def test_the_fewest_gpus_are_the_fewest_processes_that_train_under_a_memory_cap(tmp_path: Path) -> None:
     """``--fewest-gpus`` for FSDP2 on GPUs of 36 MB, planned for the CPU as a pseudo-device (host memory apart), is
-    3 without paging and 1 with paging; real runs through the Trainer with the counting allocator capped at 36 MB, a
+    3 without paging and 2 with paging; real runs through the Trainer with the counting allocator capped at 36 MB, a
     paged optimizer's host pages apart, agree: without paging (no budget, and no recovery of an out-of-memory error
-    in the step by paging) 1 and 2 processes run out of memory and 3 train; with paging (the planned budget) one
-    process trains. The cap leaves 5.2 MB above the plan of 3 ranks (30.8 MB), room for gloo's reduce-scatter copy
-    (one decoder layer's gradients, 2.9 MB) where its worker frees it late, which tests/scripts/sharded_peaks.py waits
-    for under FSDP2 (README.md, Planning memory). (One GPU is one process that the Trainer wraps in nothing: planned
-    without a strategy, launched as DDP of one process, which accelerate leaves unwrapped.)"""
+    in the step by paging) 2 processes run out of memory and 3 train; with paging (the planned budget) two processes
+    train. The cap leaves 5.2 MB above the plan of 3 ranks (30.8 MB), room for gloo's reduce-scatter copy (one decoder
+    layer's gradients, 2.9 MB) where its worker frees it late, which tests/scripts/sharded_peaks.py waits for under
+    FSDP2 (README.md, Planning memory). One GPU is planned wrapped in FSDP2, as ``accelerate launch`` starts one
+    process of an FSDP config on accelerators (through torchrun); on the CPU it starts one unwrapped, so no run here
+    checks that count. (One process without FSDP2 is the DDP row's count.)"""
     setup = setup_from_config(load_config(None, PARAMETER_HEAVY_LLAMA), "full")
     (count,) = fewest_gpus(setup, "cpu", CAP, ["fsdp2"], limit=4, host_memory_apart=True)
     print(format_fewest_gpus(setup, "cpu", CAP, [count]))
-    assert (count.gpus, count.paged_gpus) == (3, 1), (count.gpus, count.paged_gpus)
+    assert (count.gpus, count.paged_gpus) == (3, 2), (count.gpus, count.paged_gpus)
     assert count.budget is not None and count.budget >= 64 * 1024
 
     def trains(world_size: int, budget: int | None, name: str) -> bool:
         return _trains_under_cap("fsdp2", world_size, budget, tmp_path / name)
 
-    assert trains(1, count.budget, "paged-1")
-    assert [trains(world_size, None, f"unpaged-{world_size}") for world_size in (1, 2, 3)] == [False, False, True]
+    assert trains(2, count.budget, "paged-2")
+    assert [trains(world_size, None, f"unpaged-{world_size}") for world_size in (2, 3)] == [False, True]
 
 
 def _trains_under_cap(
@@ -424,17 +425,16 @@ def _trains_under_cap(
 ) -> bool:
     """Whether ``PARAMETER_HEAVY_LLAMA`` trains on ``world_size`` processes of ``strategy`` with the counting allocator
     capped at ``cap`` (a paged optimizer's host pages apart): with the paged optimizer's ``budget``, or without
-    paging (no budget, and no recovery of an out-of-memory error in the step by paging). One process is DDP of one
-    process, which accelerate leaves unwrapped, but for DeepSpeed's ZeRO, which applies on one GPU too (``overrides``:
-    more config keys; ``cap``: the pseudo-device's bytes)."""
-    strategy = strategy if world_size > 1 or strategy.startswith("zero") else "ddp"
+    paging (no budget, and no recovery of an out-of-memory error in the step by paging). One process of DDP is left
+    unwrapped, as accelerate leaves it; FSDP2 and ZeRO wrap one process too (``overrides``: more config keys; ``cap``:
+    the pseudo-device's bytes)."""
     optim_args = "page_size=64KiB" if budget is None else f"page_size=64KiB,device_budget={budget}"
     overrides = [*PARAMETER_HEAVY_LLAMA, *overrides, f"training.optim_args={optim_args}"]
     options = ["--cap", str(cap), "--host-apart", *(["--no-step-recovery"] if budget is None else [])]
     ranks = launch(strategy, world_size, "full", overrides, folder, *options)
     peaks = "out of memory" if ranks is None else [max(peak for *_, peak in rank["peaks"]) for rank in ranks]
     print(f"{strategy} on {world_size} process(es), budget {budget}: peaks {peaks} (cap {cap})")
-    if ranks is not None and world_size == 1:
+    if ranks is not None and world_size == 1 and strategy == "ddp":
         assert not ranks[0]["facts"]["ddp"], ranks[0]["facts"]
     elif ranks is not None:
         check_engine(strategy, world_size, ranks[0]["facts"])
@@ -529,6 +529,19 @@ def test_one_gpu_of_ddp_is_planned_unwrapped() -> None:
     wrapped = plan_setup(one_rank)
     assert [phase.peak_bytes for phase in wrapped.phases] == [phase.peak_bytes for phase in alone.phases]
     assert one_rank.describe() == setup.describe()
+
+
+def test_one_gpu_of_fsdp2_is_planned_wrapped() -> None:
+    """``accelerate launch`` wraps one process of an FSDP config on accelerators (it starts torchrun), so
+    ``--fewest-gpus`` plans FSDP2's count of one as a rank of FSDP2, as ``--gpus 1 --strategy fsdp2`` plans it, not as
+    one process without a strategy (the DDP row's count)."""
+    overrides = [*SMALL_LLAMA, "model.tiny.num_hidden_layers=1", *ADAMW, *NO_CHECKPOINTING]
+    setup = setup_from_config(load_config(None, overrides), "full")
+    wrapped = plan_setup(setup.with_changes(world_size=1, strategy="fsdp2"))
+    assert wrapped.peak_bytes != plan_setup(setup).peak_bytes
+    (count,) = fewest_gpus(setup, "cpu", 2 * wrapped.peak_bytes, ["fsdp2"], limit=2)
+    assert count.gpus == 1 and (count.plan.world_size, count.plan.strategy) == (1, "fsdp2")
+    assert [phase.peak_bytes for phase in count.plan.phases] == [phase.peak_bytes for phase in wrapped.phases]
 
 
 class _Peak:

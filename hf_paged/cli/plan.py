@@ -1152,9 +1152,9 @@ def fewest_gpus(
     """For each of ``strategies`` (default: every one of :data:`hf_paged.sharding.STRATEGIES`), the fewest GPUs of
     ``capacity`` bytes on which every rank of ``setup`` fits: one count with the paged optimizer's state all on the
     device (``device_budget`` removed), one with paging, whose device budget is one page while searching and then
-    the largest that fits at the count found. One GPU is the plan without a strategy (the Trainer wraps nothing for
-    one process) but for CPU offload and DeepSpeed ZeRO, which apply on one GPU too. DDP's rank holds the same at any
-    count, so two GPUs answer for all. ``host_memory_apart``: see :func:`hf_paged.planner.plan`."""
+    the largest that fits at the count found. Each count is planned as ``accelerate launch`` runs it
+    (:attr:`TrainingSetup.wrapping_strategy`): one process of DDP is not wrapped, one of FSDP2 or ZeRO is. DDP's rank
+    holds the same at any count, so two GPUs answer for all. ``host_memory_apart``: see :func:`hf_paged.planner.plan`."""
     from ..sharding import STRATEGIES, strategy_named
 
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
@@ -1169,9 +1169,8 @@ def fewest_gpus(
 
         def at(count: int, budget: int | None, strategy=strategy, plans=plans) -> MemoryPlan:
             if (count, budget) not in plans:
-                sharded = strategy.offload_parameters or strategy.engine == "zero" or count > 1
                 changed = _with_budget(setup, budget) if page_size is not None else setup
-                changed = changed.with_changes(world_size=count, strategy=strategy.name if sharded else None)
+                changed = changed.with_changes(world_size=count, strategy=strategy.name)
                 plans[count, budget] = plan_setup(changed, device, host_memory_apart)
             return plans[count, budget]
 
@@ -1206,10 +1205,7 @@ def _count(
         paged_most = most if gpus is None else gpus
         count.paged_gpus, count.paged_plan = _fewest(lambda count: at(count, page_size), capacity, paged_most)
         if count.paged_gpus is not None:
-            sharded = strategy.offload_parameters or strategy.engine == "zero" or count.paged_gpus > 1
-            at_count = _with_budget(setup, None).with_changes(
-                world_size=count.paged_gpus, strategy=name if sharded else None
-            )
+            at_count = _with_budget(setup, None).with_changes(world_size=count.paged_gpus, strategy=name)
             unlimited = planned if count.paged_gpus == gpus else plan_setup(at_count, device, host_memory_apart)
             count.budget, count.paged_plan = _largest_budget(at_count, unlimited, capacity, device, host_memory_apart)
             if not count.budget:  # one page fits, as searched, where the peaks without paging leave less room
