@@ -179,7 +179,7 @@ def test_bad_optimizer_settings_fail_when_the_arguments_are_built(tmp_path, opti
 def test_optimizer_settings_checked_early_only_for_our_optimizers(tmp_path, monkeypatch):
     TrainingArguments(output_dir=str(tmp_path), optim="hf_paged_adamw_8bit", optim_args="device_budget=auto,prefetch=1")
     TrainingArguments(output_dir=str(tmp_path), optim="adamw_torch", optim_args="anything=1")
-    monkeypatch.setattr(trainer_integration, "_replacing_bitsandbytes", False)
+    monkeypatch.setattr(trainer_integration, "_replace_choice", None)
     monkeypatch.delenv(trainer_integration.REPLACE_BITSANDBYTES_ENV, raising=False)
     TrainingArguments(output_dir=str(tmp_path), optim="paged_adamw_8bit", optim_args="anything=1")
     monkeypatch.setenv(trainer_integration.REPLACE_BITSANDBYTES_ENV, "1")
@@ -406,12 +406,27 @@ def test_fp16_loss_scaling_on_cuda(tmp_path):
     assert trainer.optimizer.optimizer.paging_stats()["page_outs"] > 0
 
 
+def test_an_explicit_choice_of_replacing_bitsandbytes_wins_over_the_environment(tmp_path, monkeypatch):
+    """``hf_paged.register(replace_bitsandbytes=False)`` keeps bitsandbytes' names for bitsandbytes where
+    ``HF_PAGED_REPLACE_BITSANDBYTES=1`` is set, and ``True`` routes them where it is not."""
+    pytest.importorskip("bitsandbytes")
+    monkeypatch.setattr(trainer_integration, "_replace_choice", None)
+    monkeypatch.setenv(trainer_integration.REPLACE_BITSANDBYTES_ENV, "1")
+    hf_paged.register(replace_bitsandbytes=False)
+    args = TrainingArguments(output_dir=str(tmp_path), optim="paged_adamw_8bit", optim_args="x=1", use_cpu=True)
+    assert "bitsandbytes" in Trainer.get_optimizer_cls_and_kwargs(args)[0].__module__
+    monkeypatch.delenv(trainer_integration.REPLACE_BITSANDBYTES_ENV)
+    hf_paged.register(replace_bitsandbytes=True)
+    args = TrainingArguments(output_dir=str(tmp_path), optim="paged_adamw_8bit", use_cpu=True)
+    assert Trainer.get_optimizer_cls_and_kwargs(args)[0] is hf_paged.PagedAdamW8bit
+
+
 def test_replacing_bitsandbytes_asked_after_the_imports_builds_what_was_checked(tmp_path, monkeypatch):
     """HF_PAGED_REPLACE_BITSANDBYTES=1 set once transformers' Trainer was imported: the arguments were checked as
     hf-paged's (``device_budget`` accepted) and the Trainer built bitsandbytes' AdamW, ignoring them; it now builds
     hf-paged's. Unset, bitsandbytes' names build bitsandbytes' optimizers as before."""
     pytest.importorskip("bitsandbytes")
-    monkeypatch.setattr(trainer_integration, "_replacing_bitsandbytes", False)
+    monkeypatch.setattr(trainer_integration, "_replace_choice", None)
     monkeypatch.delenv(trainer_integration.REPLACE_BITSANDBYTES_ENV, raising=False)
     args = TrainingArguments(output_dir=str(tmp_path), optim="paged_adamw_8bit", use_cpu=True)
     assert "bitsandbytes" in Trainer.get_optimizer_cls_and_kwargs(args)[0].__module__

@@ -50,19 +50,28 @@ BITSANDBYTES_NAMES: dict[str, str] = {
 
 REPLACE_BITSANDBYTES_ENV = "HF_PAGED_REPLACE_BITSANDBYTES"
 
-_replacing_bitsandbytes = False
-"""Whether ``register_handlers`` has routed bitsandbytes' paged names to ours in this process."""
+_replace_choice: bool | None = None
+"""``register``'s explicit ``replace_bitsandbytes`` in this process, which wins over the environment variable;
+``None`` where none was given."""
+
+_announced_replacing = False
+"""Whether the warning that bitsandbytes' names select ours was given in this process."""
 
 
 def _replace_requested_by_environment() -> bool:
     return os.environ.get(REPLACE_BITSANDBYTES_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _replaces_bitsandbytes() -> bool:
+    """Whether bitsandbytes' paged names select ours now: ``register``'s explicit choice, else the variable."""
+    return _replace_requested_by_environment() if _replace_choice is None else _replace_choice
+
+
 def optimizer_class_for(name: str) -> type | None:
     """The hf-paged optimizer the Trainer builds for ``optim=name``, ``None`` for any other optimizer."""
     if name in OPTIMIZER_NAMES:
         return OPTIMIZER_NAMES[name]
-    if name in BITSANDBYTES_NAMES and (_replacing_bitsandbytes or _replace_requested_by_environment()):
+    if name in BITSANDBYTES_NAMES and _replaces_bitsandbytes():
         return OPTIMIZER_NAMES[BITSANDBYTES_NAMES[name]]
     return None
 
@@ -227,8 +236,9 @@ def register_names() -> None:
 
 def register_handlers(replace_bitsandbytes: bool | None = None) -> None:
     """Make the Trainer build our optimizers for our names (and, if asked, for bitsandbytes' paged names)."""
-    if replace_bitsandbytes is None:
-        replace_bitsandbytes = _replace_requested_by_environment()
+    global _replace_choice
+    if replace_bitsandbytes is not None:
+        _replace_choice = replace_bitsandbytes
     register_names()
     for name, optimizer_cls in OPTIMIZER_NAMES.items():
         internals.set_optimizer_handler(name, _handler(optimizer_cls))
@@ -236,19 +246,19 @@ def register_handlers(replace_bitsandbytes: bool | None = None) -> None:
         theirs = internals.optimizer_handler(bitsandbytes_name)
         if not getattr(theirs, "_hf_paged_routes", False):
             internals.set_optimizer_handler(bitsandbytes_name, _routed(bitsandbytes_name, theirs))
-    if replace_bitsandbytes:
-        _replace_bitsandbytes()
+    if _replaces_bitsandbytes():
+        _announce_replacing()
 
 
-def _replace_bitsandbytes() -> None:
-    """Route bitsandbytes' paged names to ours from now on; say so once per process."""
-    global _replacing_bitsandbytes
-    if not _replacing_bitsandbytes:
+def _announce_replacing() -> None:
+    """Say once per process that bitsandbytes' paged names select ours."""
+    global _announced_replacing
+    if not _announced_replacing:
         logger.warning(
             "hf-paged: bitsandbytes' paged optimizer names (%s) now select hf-paged optimizers",
             ", ".join(BITSANDBYTES_NAMES),
         )
-    _replacing_bitsandbytes = True
+    _announced_replacing = True
 
 
 def _routed(name: str, theirs: Any):
@@ -260,7 +270,7 @@ def _routed(name: str, theirs: Any):
         optimizer_cls = optimizer_class_for(name)
         if optimizer_cls is None:
             return theirs(context)
-        _replace_bitsandbytes()
+        _announce_replacing()
         return _handler(optimizer_cls)(context)
 
     build._hf_paged_routes = True
@@ -305,9 +315,10 @@ def register(replace_bitsandbytes: bool | None = None) -> None:
     Args:
         replace_bitsandbytes: also route bitsandbytes' ``paged_adamw_8bit``, ``paged_adamw_32bit``,
             ``paged_lion_8bit``, ``paged_lion_32bit``, ``paged_ademamix_8bit`` and ``paged_ademamix_32bit`` to the
-            hf-paged optimizers. ``None`` reads the ``HF_PAGED_REPLACE_BITSANDBYTES`` environment variable (``1``
-            turns it on); off by default. The Trainer reads the variable again when it checks and builds the
-            optimizer, so that it takes effect when set after the imports too (``False`` does not override it).
+            hf-paged optimizers. ``True`` or ``False`` decides for the rest of the process, whatever the
+            environment says; ``None`` leaves it to the ``HF_PAGED_REPLACE_BITSANDBYTES`` environment variable
+            (``1`` turns it on; off by default), which the Trainer reads when it checks and builds the optimizer, so
+            that it takes effect when set after the imports too.
     """
     register_names()
     register_handlers(replace_bitsandbytes)
