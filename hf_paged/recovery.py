@@ -215,6 +215,24 @@ def empty_device_cache(device: torch.device) -> None:
             empty_cache()
 
 
+SHARDED_PARAMETERS_OBSTACLE = (
+    "the model's parameters are DTensors (FSDP2 or tensor parallelism), which FSDP2 gathers and reshards in hooks of "
+    "forward and backward: an error part way leaves them gathered and FSDP2 mid-step, so that a replay would train "
+    "copies the optimizer no longer updates (and across processes, leave collectives the other ranks wait in); only "
+    "DDP and models without sharded parameters replay such a step."
+)
+"""Why a step of a model whose parameters are DTensors is not replayed, in any number of processes."""
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a ``DTensor`` (a parameter FSDP2 or tensor parallelism shards)."""
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter) or not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
 class OOMRecovery:
     """Run the micro-batches of optimizer steps, recovering from out-of-memory errors in forward/backward.
 
@@ -508,6 +526,8 @@ class OOMRecovery:
                 "gradients were present before the step's first micro-batch, so a replay cannot restore them without "
                 "a copy; clear them with zero_grad(set_to_none=True)."
             )
+        if any(is_dtensor(param) for param in self._trained()):
+            return SHARDED_PARAMETERS_OBSTACLE
         if self.replay_obstacle is not None:
             obstacle = self.replay_obstacle()
             if obstacle is not None:

@@ -330,6 +330,41 @@ def test_gradients_left_before_a_step_are_not_silently_lost():
     assert "gradients were present before the step's first micro-batch" in raised.value.__notes__[0]
 
 
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_a_model_sharded_by_fsdp2_is_not_replayed_in_one_process():
+    """FSDP2 gathers its parameters in hooks of forward and backward; an error part way left them gathered, and a
+    replay in one process (accelerate wraps one process in FSDP2 on accelerators) then trained the gathered copies
+    while the optimizer updated the shards: the losses and weights drifted from a run without the error, silently.
+    The error is now raised with a note saying why, as under several processes."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        fully_shard(model[0])
+        fully_shard(model[2])
+        fully_shard(model)
+        optimizer = hf_paged.PagedAdamW(model.parameters(), lr=1e-2, page_size=512)
+
+        def fail(grad: torch.Tensor) -> torch.Tensor:
+            raise torch.OutOfMemoryError("injected in backward")
+
+        def forward_backward(micro_batch: torch.Tensor) -> torch.Tensor:
+            hidden = model[1](model[0](micro_batch))
+            hidden.register_hook(fail)  # reached once the last layer's gradients are reduced
+            loss = model[2](hidden).square().mean()
+            loss.backward()
+            return loss.detach()
+
+        with pytest.raises(torch.OutOfMemoryError) as raised:
+            hf_paged.recover_oom(forward_backward, torch.randn(2, 4, 8), optimizer, retries=2, model=model)
+    finally:
+        dist.destroy_process_group()
+    assert "the model's parameters are DTensors (FSDP2 or tensor parallelism)" in raised.value.__notes__[0]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_recover_oom_on_cuda_restores_the_device_generator():

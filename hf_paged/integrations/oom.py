@@ -29,7 +29,14 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..rank_failure import RankFailure, RankFailureWatcher
-from ..recovery import OOMRecovery, Recovery, check_callable, check_retries, paged_optimizer_of
+from ..recovery import (
+    SHARDED_PARAMETERS_OBSTACLE,
+    OOMRecovery,
+    Recovery,
+    check_callable,
+    check_retries,
+    paged_optimizer_of,
+)
 from . import _transformers_internals as internals
 
 logger = logging.getLogger(__name__)
@@ -163,7 +170,8 @@ def disable_oom_recovery(trainer: Any) -> None:
 
 def _engine_obstacle(trainer: Any, several: bool) -> str | None:
     """Why the engine that runs ``trainer``'s model, not DDP, keeps a step from being replayed (``None`` where nothing
-    does). DeepSpeed does in one process too: a replay would add the micro-batches it repeats to its gradients again."""
+    does). DeepSpeed and FSDP do in one process too: a replay would add the micro-batches it repeats to DeepSpeed's
+    gradients again, and FSDP2 leaves its parameters gathered at an error part way."""
     if getattr(trainer, "is_deepspeed_enabled", False):
         return (
             "DeepSpeed's engine gathers parameters (ZeRO-3) and reduces gradients into its partitions in hooks of its "
@@ -171,14 +179,10 @@ def _engine_obstacle(trainer: Any, several: bool) -> str | None:
             "rewind that state (a replay would count the micro-batches it repeats twice); on gloo and NCCL a "
             "collective a rank never joins cannot be left either, so only DDP replays such a step."
         )
+    if getattr(trainer, "is_fsdp_enabled", False):
+        return SHARDED_PARAMETERS_OBSTACLE
     if not several:
         return None
-    if getattr(trainer, "is_fsdp_enabled", False):
-        return (
-            "FSDP gathers each module's parameters in forward and backward and reduce-scatters its gradients, so a "
-            "rank that failed part way owes collectives it can run only by running the modules, and on gloo and NCCL "
-            "a collective a rank never joins cannot be left; only DDP replays such a step."
-        )
     return (
         "the model runs across processes without DDP, so hf-paged cannot tell which collectives a rank that failed "
         "owes; only DDP replays such a step."
