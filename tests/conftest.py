@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
 from unittest import mock
 
 os.environ.setdefault("HF_PAGED_COMPILE", "0")
@@ -48,10 +50,55 @@ def long_test_optimizers() -> list:
     ]
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip tests marked ``slow`` unless ``HF_PAGED_SLOW=1`` or a ``-m`` expression asks for them."""
+CAPABILITY_LADDER = ("default", "avx2", "avx512")
+"""The CPU capabilities the host kernels are built for, lowest first (tests/test_native_variants.py runs each one
+this machine can)."""
+
+_background_builds: list[subprocess.Popen] = []
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Start building the host kernels of every capability this process can lower to, each in a process of idle
+    priority: the builds (about 25 s of one core each the first time) then use a core the tests leave idle instead of
+    running one after another when the tests first need them. A built capability only loads. Not in a run whose
+    capability was lowered (tests/test_native_variants.py's), which needs only its own."""
+    current = torch.backends.cpu.get_cpu_capability().lower()
+    skipped = "ATEN_CPU_CAPABILITY" in os.environ or native.native_setting() is False
+    if skipped or current not in CAPABILITY_LADDER or not hasattr(os, "SCHED_IDLE"):
+        return
+    code = """
+import os
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+from hf_paged import native
+native.build_failure()
+"""
+    for capability in CAPABILITY_LADDER[: CAPABILITY_LADDER.index(current) + 1]:
+        environment = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "OMP_NUM_THREADS": "1"}
+        _background_builds.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code],
+                env=environment,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Wait for the background builds (a test run that ends early leaves them to finish their build)."""
+    for build in _background_builds:
+        build.wait()
+
+
+def runs_slow_tests(config: pytest.Config) -> bool:
+    """Whether this run takes the tests marked ``slow``: ``HF_PAGED_SLOW=1`` or a ``-m`` expression asks for them."""
     markexpr = config.getoption("markexpr") or ""
-    if os.environ.get("HF_PAGED_SLOW") == "1" or ("slow" in markexpr and "not slow" not in markexpr):
+    return os.environ.get("HF_PAGED_SLOW") == "1" or ("slow" in markexpr and "not slow" not in markexpr)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests marked ``slow`` unless :func:`runs_slow_tests`."""
+    if runs_slow_tests(config):
         return
     skip = pytest.mark.skip(reason="slow: run with HF_PAGED_SLOW=1 or -m slow")
     for item in items:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CAPABILITY_LADDER
 
 from hf_paged import native
 
@@ -43,9 +44,8 @@ def machine_capability() -> str:
 
 def runnable_capabilities() -> list[str]:
     """``default``, and on x86 ``avx2`` and ``avx512`` up to the machine's."""
-    ladder = ["default", "avx2", "avx512"]
     top = machine_capability()
-    return ladder[: ladder.index(top) + 1] if top in ladder else ["default", top]
+    return list(CAPABILITY_LADDER[: CAPABILITY_LADDER.index(top) + 1]) if top in CAPABILITY_LADDER else ["default", top]
 
 
 @pytest.mark.parametrize("suite", sorted(COMPARISONS))
