@@ -23,9 +23,13 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+from background import BackgroundRun
+from conftest import runs_slow_tests
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tests", "scripts", "deepspeed_train.py")
@@ -42,6 +46,8 @@ pytestmark = pytest.mark.skipif(
 STEPS, SAVE_AT = 6, 3
 SINGLE_PROCESS = ["zero1", "zero2", "zero3", "zero1_bf16", "zero2_offload", "zero3_offload"]
 TWO_RANKS = ["zero2", "zero3"]
+SLOW_RUN_ONLY = {("single_process", "zero2"), ("single_process", "zero3")}
+"""Setups the default run takes in two processes only (where ZeRO really partitions); the slow run in one too."""
 RUNS = [("single_process", setup) for setup in SINGLE_PROCESS] + [("two_ranks", setup) for setup in TWO_RANKS]
 """(fixture, setup) pairs: every setup of the two ``torch.distributed`` launches."""
 
@@ -69,8 +75,8 @@ def deepspeed_optimizer(setup: str) -> str:
     return "DeepSpeedZeroOptimizer"
 
 
-def launch(launcher: list[str], folder, *options: str) -> dict:
-    """Run the training script under ``launcher``; what rank 0 wrote."""
+def start(launcher: list[str], folder, *options: str) -> tuple[BackgroundRun, Path]:
+    """Start the training script under ``launcher``; the run and where rank 0 writes its result."""
     output = folder / "result.pt"
     command = [
         *launcher,
@@ -86,22 +92,48 @@ def launch(launcher: list[str], folder, *options: str) -> dict:
         *options,
     ]
     environment = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, check=False, capture_output=True, text=True, env=environment, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    return BackgroundRun(command, environment), output
+
+
+def result_of(started: tuple[BackgroundRun, Path]) -> dict:
+    """What rank 0 of a run of :func:`start` wrote, once it ended without an error."""
+    run, output = started
+    completed = run.wait()
+    assert completed.returncode == 0, completed.stderr[-4000:]
     return torch.load(output, weights_only=True)
 
 
+def launch(launcher: list[str], folder, *options: str) -> dict:
+    """Run the training script under ``launcher``; what rank 0 wrote."""
+    return result_of(start(launcher, folder, *options))
+
+
 @pytest.fixture(scope="module")
-def single_process(tmp_path_factory) -> dict:
+def launches(request, tmp_path_factory) -> Iterator[dict[str, tuple[BackgroundRun, Path]]]:
+    """The launches of every setup of :data:`SINGLE_PROCESS` in one process (but :data:`SLOW_RUN_ONLY` outside the
+    slow run) and of :data:`TWO_RANKS` in two, started together (a thread per process: they share the cores)."""
+    slow = runs_slow_tests(request.config)
+    single = [setup for setup in SINGLE_PROCESS if slow or ("single_process", setup) not in SLOW_RUN_ONLY]
+    two_ranks = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    started = {
+        "single_process": start([sys.executable], tmp_path_factory.mktemp("deepspeed_single"), "--setups", *single),
+        "two_ranks": start(two_ranks, tmp_path_factory.mktemp("deepspeed_two_ranks"), "--setups", *TWO_RANKS),
+    }
+    yield started
+    for run, _ in started.values():
+        run.stop()
+
+
+@pytest.fixture(scope="module")
+def single_process(launches) -> dict:
     """Every configuration under every setup of :data:`SINGLE_PROCESS`, in one process."""
-    return launch([sys.executable], tmp_path_factory.mktemp("deepspeed_single"), "--setups", *SINGLE_PROCESS)
+    return result_of(launches["single_process"])
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> dict:
+def two_ranks(launches) -> dict:
     """Every configuration under every setup of :data:`TWO_RANKS`, in two processes."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    return launch(launcher, tmp_path_factory.mktemp("deepspeed_two_ranks"), "--setups", *TWO_RANKS)
+    return result_of(launches["two_ranks"])
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +164,10 @@ def sub_groups(tmp_path_factory) -> dict:
     return launch([sys.executable], folder, "--setups", "zero3_sub_groups", "--configs", *configs)
 
 
-@pytest.fixture(params=RUNS, ids=[f"{setup}-{'1' if run == 'single_process' else '2'}rank" for run, setup in RUNS])
+@pytest.fixture(
+    params=[pytest.param(run, marks=(pytest.mark.slow,) if run in SLOW_RUN_ONLY else ()) for run in RUNS],
+    ids=[f"{setup}-{'1' if run == 'single_process' else '2'}rank" for run, setup in RUNS],
+)
 def run(request) -> tuple[dict, str]:
     """The summary of one launch and one of its setups."""
     launch_name, setup = request.param

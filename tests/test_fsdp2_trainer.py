@@ -12,11 +12,13 @@ parameters sharded on the device, and offloaded to the host with ``--fsdp_offloa
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+from background import BackgroundRun
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tests", "scripts", "fsdp2_trainer.py")
@@ -49,21 +51,32 @@ def offload(request) -> bool:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory, offload) -> dict:
-    """What ``fsdp2_trainer.py`` found for every optimizer, from one two-process launch."""
-    folder = tmp_path_factory.mktemp("fsdp2_trainer")
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIG,
-        "--mixed_precision", "no", "--main_process_port", "0",  # port 0: a free one
-        "--fsdp_offload_params", str(offload).lower(),
-        "-m", "hf_paged.run", SCRIPT, "--optim", *OPTIMS,
-        "--steps", str(STEPS), "--save-at", str(SAVE_AT), "--output-dir", str(folder),
-    ]
-    environment = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(
-        command, check=False, cwd=REPO, capture_output=True, text=True, env=environment, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+def launches(tmp_path_factory) -> Iterator[dict[bool, tuple[BackgroundRun, Path]]]:
+    """``fsdp2_trainer.py`` for every optimizer, one two-process launch without offload and one with it, started
+    together (a thread per process: they share the cores)."""
+    started = {}
+    for offloads in (False, True):
+        folder = tmp_path_factory.mktemp("fsdp2_trainer")
+        command = [
+            sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIG,
+            "--mixed_precision", "no", "--main_process_port", "0",  # port 0: a free one
+            "--fsdp_offload_params", str(offloads).lower(),
+            "-m", "hf_paged.run", SCRIPT, "--optim", *OPTIMS,
+            "--steps", str(STEPS), "--save-at", str(SAVE_AT), "--output-dir", str(folder),
+        ]  # fmt: skip
+        environment = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        started[offloads] = (BackgroundRun(command, environment, cwd=REPO), folder)
+    yield started
+    for run, _ in started.values():
+        run.stop()
+
+
+@pytest.fixture(scope="module")
+def results(launches, offload) -> dict:
+    """What ``fsdp2_trainer.py`` found for every optimizer, from the two-process launch of ``offload``."""
+    run, folder = launches[offload]
+    completed = run.wait()
+    assert completed.returncode == 0, completed.stderr[-4000:]
     return torch.load(folder / "results.pt", weights_only=True)
 
 
