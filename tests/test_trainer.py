@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -297,12 +298,19 @@ def test_runner_registers_names_for_unmodified_scripts(tmp_path):
 
 
 def test_runner_replaces_bitsandbytes_names_only_when_asked(tmp_path):
-    replaced = run_script("--output_dir", str(tmp_path), "--optim", "paged_adamw_8bit", "--max_steps", "1",
-                          env={"HF_PAGED_REPLACE_BITSANDBYTES": "1"})
+    """With and without ``HF_PAGED_REPLACE_BITSANDBYTES=1``, the two scripts run side by side (one thread each)."""
+    arguments = ["--optim", "paged_adamw_8bit", "--max_steps", "1"]
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    with ThreadPoolExecutor(2) as pool:
+        replacing = pool.submit(
+            run_script, "--output_dir", str(tmp_path / "replaced"), *arguments,
+            env={**one_thread, "HF_PAGED_REPLACE_BITSANDBYTES": "1"},
+        )  # fmt: skip
+        by_default = pool.submit(run_script, "--output_dir", str(tmp_path / "default"), *arguments, env=one_thread)
+        replaced, default = replacing.result(), by_default.result()
     assert replaced.returncode == 0, replaced.stderr
     assert json.loads(replaced.stdout.strip().splitlines()[-1])["optimizer"] == "PagedAdamW8bit"
     assert replaced.stderr.count("now select hf-paged optimizers") == 1
-    default = run_script("--output_dir", str(tmp_path), "--optim", "paged_adamw_8bit", "--max_steps", "1")
     assert default.returncode == 0, default.stderr
     assert json.loads(default.stdout.strip().splitlines()[-1])["optimizer"] != "PagedAdamW8bit"
 
