@@ -50,7 +50,7 @@ from typing import ClassVar
 
 import torch
 
-from .blocks import packing
+from .blocks import BufferSpec, packing
 from .rounding import ieee_sqrt
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -61,9 +61,6 @@ to 16 bytes as the first call's were, and copy any that are not in and out at ev
 
 EncodedSegment = tuple[torch.Tensor, ...]
 """The arrays of one segment's encoded state: views into a page's buffers."""
-
-BufferSpec = tuple[int, torch.dtype]
-"""A page buffer: its number of elements and dtype."""
 
 
 @dataclass(frozen=True)
