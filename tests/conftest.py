@@ -85,9 +85,13 @@ native.build_failure()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Wait for the background builds (a test run that ends early leaves them to finish their build)."""
-    for build in _background_builds:
-        build.wait()
+    """Stop the background builds where the run was interrupted (the next builder removes the lock a stopped build
+    leaves: hf_paged/native/__init__.py); otherwise those still going finish on their own, and a short run does not
+    wait for them."""
+    if exitstatus == pytest.ExitCode.INTERRUPTED:
+        for build in _background_builds:
+            build.kill()
+            build.wait()
 
 
 def runs_slow_tests(config: pytest.Config) -> bool:
