@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 from unittest import mock
@@ -58,21 +60,15 @@ _background_builds: list[subprocess.Popen] = []
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Start building the host kernels of every capability this process can lower to, each in a process of idle
-    priority: the builds (about 25 s of one core each the first time) then use a core the tests leave idle instead of
-    running one after another when the tests first need them. A built capability only loads. Not in a run whose
-    capability was lowered (tests/test_native_variants.py's), which needs only its own."""
+    """Start building the host kernels of every capability below this process's, each in a process at the lowest
+    nice level: the builds (about 25 s of one core each the first time) then use a core the tests leave idle instead
+    of running when tests/test_native_variants.py first needs them. This process builds its own at first use. A built
+    capability only loads. Not in a run whose capability was lowered (test_native_variants.py's own)."""
     current = torch.backends.cpu.get_cpu_capability().lower()
-    skipped = "ATEN_CPU_CAPABILITY" in os.environ or native.native_setting() is False
-    if skipped or current not in CAPABILITY_LADDER or not hasattr(os, "SCHED_IDLE"):
+    if "ATEN_CPU_CAPABILITY" in os.environ or native.native_setting() is False or current not in CAPABILITY_LADDER:
         return
-    code = """
-import os
-os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-from hf_paged import native
-native.build_failure()
-"""
-    for capability in CAPABILITY_LADDER[: CAPABILITY_LADDER.index(current) + 1]:
+    code = "import os; os.nice(19); from hf_paged import native; native.build_failure()"
+    for capability in CAPABILITY_LADDER[: CAPABILITY_LADDER.index(current)]:
         environment = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "OMP_NUM_THREADS": "1"}
         _background_builds.append(
             subprocess.Popen(
@@ -80,17 +76,19 @@ native.build_failure()
                 env=environment,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
+                start_new_session=True,
             )
         )
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Stop the background builds where the run was interrupted (the next builder removes the lock a stopped build
-    leaves: hf_paged/native/__init__.py); otherwise those still going finish on their own, and a short run does not
-    wait for them."""
+    """Stop the background builds and their compilers where the run was interrupted (the next builder removes the
+    lock a stopped build leaves: hf_paged/native/__init__.py); otherwise those still going finish on their own, and a
+    short run does not wait for them."""
     if exitstatus == pytest.ExitCode.INTERRUPTED:
         for build in _background_builds:
-            build.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(build.pid, signal.SIGKILL)
             build.wait()
 
 
