@@ -24,11 +24,10 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
-from background import BackgroundRun
+from background import BackgroundRun, Launches, selected_items
 from conftest import runs_slow_tests
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,8 +74,8 @@ def deepspeed_optimizer(setup: str) -> str:
     return "DeepSpeedZeroOptimizer"
 
 
-def start(launcher: list[str], folder, *options: str) -> tuple[BackgroundRun, Path]:
-    """Start the training script under ``launcher``; the run and where rank 0 writes its result."""
+def start(launcher: list[str], folder, *options: str) -> BackgroundRun:
+    """Start the training script under ``launcher``; its ``output`` is where rank 0 writes its result."""
     output = folder / "result.pt"
     command = [
         *launcher,
@@ -92,15 +91,14 @@ def start(launcher: list[str], folder, *options: str) -> tuple[BackgroundRun, Pa
         *options,
     ]
     environment = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-    return BackgroundRun(command, environment), output
+    return BackgroundRun(command, environment, output=output)
 
 
-def result_of(started: tuple[BackgroundRun, Path]) -> dict:
+def result_of(run: BackgroundRun) -> dict:
     """What rank 0 of a run of :func:`start` wrote, once it ended without an error."""
-    run, output = started
     completed = run.wait()
     assert completed.returncode == 0, completed.stderr[-4000:]
-    return torch.load(output, weights_only=True)
+    return torch.load(run.output, weights_only=True)
 
 
 def launch(launcher: list[str], folder, *options: str) -> dict:
@@ -109,19 +107,31 @@ def launch(launcher: list[str], folder, *options: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def launches(request, tmp_path_factory) -> Iterator[dict[str, tuple[BackgroundRun, Path]]]:
-    """The launches of every setup of :data:`SINGLE_PROCESS` in one process (but :data:`SLOW_RUN_ONLY` outside the
-    slow run) and of :data:`TWO_RANKS` in two, started together (a thread per process: they share the cores)."""
-    slow = runs_slow_tests(request.config)
-    single = [setup for setup in SINGLE_PROCESS if slow or ("single_process", setup) not in SLOW_RUN_ONLY]
+def launches(request, tmp_path_factory) -> Iterator[Launches]:
+    """The launch of every setup of :data:`SINGLE_PROCESS` in one process (but :data:`SLOW_RUN_ONLY` outside the slow
+    run) and of :data:`TWO_RANKS` in two, those the selected tests read started together (a thread per process: they
+    share the cores)."""
+    single = [
+        setup
+        for setup in SINGLE_PROCESS
+        if runs_slow_tests(request.config) or ("single_process", setup) not in SLOW_RUN_ONLY
+    ]
     two_ranks = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    started = {
-        "single_process": start([sys.executable], tmp_path_factory.mktemp("deepspeed_single"), "--setups", *single),
-        "two_ranks": start(two_ranks, tmp_path_factory.mktemp("deepspeed_two_ranks"), "--setups", *TWO_RANKS),
+    starts = {
+        "single_process": lambda: start(
+            [sys.executable], tmp_path_factory.mktemp("deepspeed_single"), "--setups", *single
+        ),
+        "two_ranks": lambda: start(two_ranks, tmp_path_factory.mktemp("deepspeed_two_ranks"), "--setups", *TWO_RANKS),
     }
-    yield started
-    for run, _ in started.values():
-        run.stop()
+    needed = set()
+    for item in selected_items(request):
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and "run" in callspec.params:
+            needed.add(callspec.params["run"][0])
+        needed.update(name for name in starts if name in item.fixturenames)
+    runs = Launches(starts, needed)
+    yield runs
+    runs.stop()
 
 
 @pytest.fixture(scope="module")

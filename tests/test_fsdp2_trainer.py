@@ -11,14 +11,14 @@ parameters sharded on the device, and offloaded to the host with ``--fsdp_offloa
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
-from background import BackgroundRun
+from background import BackgroundRun, Launches, selected_items
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tests", "scripts", "fsdp2_trainer.py")
@@ -51,11 +51,11 @@ def offload(request) -> bool:
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory) -> Iterator[dict[bool, tuple[BackgroundRun, Path]]]:
-    """``fsdp2_trainer.py`` for every optimizer, one two-process launch without offload and one with it, started
-    together (a thread per process: they share the cores)."""
-    started = {}
-    for offloads in (False, True):
+def launches(request, tmp_path_factory) -> Iterator[Launches]:
+    """``fsdp2_trainer.py`` for every optimizer, a two-process launch without offload and one with it, those the
+    selected tests read started together (a thread per process: they share the cores)."""
+
+    def start(offloads: bool) -> BackgroundRun:
         folder = tmp_path_factory.mktemp("fsdp2_trainer")
         command = [
             sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIG,
@@ -65,19 +65,26 @@ def launches(tmp_path_factory) -> Iterator[dict[bool, tuple[BackgroundRun, Path]
             "--steps", str(STEPS), "--save-at", str(SAVE_AT), "--output-dir", str(folder),
         ]  # fmt: skip
         environment = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        started[offloads] = (BackgroundRun(command, environment, cwd=REPO), folder)
-    yield started
-    for run, _ in started.values():
-        run.stop()
+        return BackgroundRun(command, environment, cwd=REPO, output=folder / "results.pt")
+
+    names = {False: "on-device", True: "cpu-offload"}
+    needed = set()
+    for item in selected_items(request):
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and "offload" in callspec.params:
+            needed.add(names[callspec.params["offload"]])
+    runs = Launches({name: functools.partial(start, offloads) for offloads, name in names.items()}, needed)
+    yield runs
+    runs.stop()
 
 
 @pytest.fixture(scope="module")
 def results(launches, offload) -> dict:
     """What ``fsdp2_trainer.py`` found for every optimizer, from the two-process launch of ``offload``."""
-    run, folder = launches[offload]
+    run = launches[{False: "on-device", True: "cpu-offload"}[offload]]
     completed = run.wait()
     assert completed.returncode == 0, completed.stderr[-4000:]
-    return torch.load(folder / "results.pt", weights_only=True)
+    return torch.load(run.output, weights_only=True)
 
 
 def runs(results: dict, optim: str, kind: str) -> list[dict]:
