@@ -423,6 +423,22 @@ def test_adapters_peft_refuses_are_a_config_error(tmp_path, capsys):
     assert error.splitlines()[-1].startswith("hf-paged: error: lora: lora of ") and "lora_dropout" in error, error
 
 
+def test_a_model_that_is_not_a_causal_lm_is_a_config_error_naming_the_model(tmp_path, capsys):
+    """A saved T5 (an encoder-decoder) for LoRA: ``model.name`` with transformers' reason and status 2, not
+    ``lora`` (the adapters were never reached) nor a traceback."""
+    import transformers
+
+    config = transformers.T5Config(vocab_size=259, d_model=16, d_ff=32, d_kv=8, num_layers=1, num_heads=2)
+    transformers.T5ForConditionalGeneration(config).save_pretrained(tmp_path / "model")
+    capsys.readouterr()
+    overrides = [f"model.name={tmp_path / 'model'}", "tokenizer.name=byte", "lora.quantize=false", *FAST[1::2]]
+    status = main(["train", *(f"--set={item}" for item in overrides), "--output-dir", str(tmp_path / "out")])
+    error = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in error, error
+    assert error.splitlines()[-1].startswith("hf-paged: error: model.name: "), error
+    assert "cannot be loaded as a causal LM" in error, error
+
+
 def test_typo_in_yaml_names_the_nearest_key_at_any_depth(tmp_path):
     cases = {
         "model:\n  tiny:\n    hiden_size: 64\n": ("model.tiny.hiden_size", "model.tiny.hidden_size"),

@@ -179,12 +179,14 @@ def training_data(config: Config, tokenizer: Any, args: Any) -> Any:
 def build_model(config: Config, tokenizer: Any, device: torch.device) -> Any:
     """The base model with LoRA adapters (4-bit base weights when ``lora.quantize``), on ``device``. Targets that
     match no module of the model are a :class:`ConfigError` naming ``lora.target_modules``; adapters peft refuses
-    (LoRA of a mixture of experts' 3D weights with ``lora_dropout``) or a model without a linear layer to quantize
-    are one naming ``lora`` (:func:`setup_error`)."""
+    (LoRA of a mixture of experts' 3D weights with ``lora_dropout``) or a model that 4-bit preparation refuses (one
+    without a linear layer to quantize, one that is not a causal LM) are one naming ``lora`` (:func:`setup_error`).
+    An error loading a model for LoRA is raised as it is."""
     from ..qlora import TargetModulesError
 
+    base = _base_model(config, tokenizer, device)
     try:
-        return _model_with_adapters(config, tokenizer, device)
+        return _with_adapters(config, base, device)
     except TargetModulesError as error:
         raise ConfigError(f"lora.{error}") from None
     except ConfigError:
@@ -200,46 +202,57 @@ def setup_error(method: str, model_name: str, error: ValueError) -> ConfigError:
     return ConfigError(f"{key}: {method} of {model_name!r} cannot be set up: {error}")
 
 
-def _model_with_adapters(config: Config, tokenizer: Any, device: torch.device) -> Any:
+def _base_model(config: Config, tokenizer: Any, device: torch.device) -> Any | None:
+    """The model before adapters: the tiny one on ``device``, or one loaded from the Hub for LoRA; ``None`` for a
+    QLoRA of a Hub model, which :func:`~hf_paged.qlora.prepare_qlora` loads quantized."""
+    model_config = config.model
+    dtype = _DTYPES.get(model_config.dtype, "auto")
+    if model_config.name == "tiny":
+        model = tiny_model(config, tokenizer).to(device)
+        return model if dtype == "auto" else model.to(dtype)
+    if config.lora.quantize:
+        return None
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            model_config.name, dtype=dtype, trust_remote_code=model_config.trust_remote_code
+        )
+    except ValueError as error:  # such as a model that is not a causal LM
+        reason = str(error).splitlines()[0]  # transformers' first line; the next lists every causal LM class
+        raise ConfigError(f"model.name: {model_config.name!r} cannot be loaded as a causal LM: {reason}") from None
+
+
+def _with_adapters(config: Config, base: Any | None, device: torch.device) -> Any:
+    """``base`` (see :func:`_base_model`) with 4-bit weights when ``lora.quantize``, and LoRA adapters."""
     from ..qlora import enable_activation_checkpointing, prepare_qlora
 
     model_config, lora = config.model, config.lora
-    dtype = _DTYPES.get(model_config.dtype, "auto")
-    qlora = {
-        "r": lora.r,
-        "lora_alpha": lora.lora_alpha,
-        "lora_dropout": lora.lora_dropout,
-        "target_modules": lora.target_modules,
-        "quant_type": lora.quant_type,
-        "double_quant": lora.double_quant,
-        "compute_dtype": lora.compute_dtype,
-        "quant_storage": lora.quant_storage,
-        "gradient_checkpointing": lora.gradient_checkpointing,
-    }
-    if model_config.name == "tiny":
-        model = tiny_model(config, tokenizer).to(device)
-        if dtype != "auto":
-            model.to(dtype)
-        if lora.quantize:
-            return prepare_qlora(model, **qlora)
-    elif lora.quantize:
+    if lora.quantize:
+        qlora = {
+            "r": lora.r,
+            "lora_alpha": lora.lora_alpha,
+            "lora_dropout": lora.lora_dropout,
+            "target_modules": lora.target_modules,
+            "quant_type": lora.quant_type,
+            "double_quant": lora.double_quant,
+            "compute_dtype": lora.compute_dtype,
+            "quant_storage": lora.quant_storage,
+            "gradient_checkpointing": lora.gradient_checkpointing,
+        }
+        if base is not None:
+            return prepare_qlora(base, **qlora)
         return prepare_qlora(
             model_config.name,
-            dtype=dtype,
+            dtype=_DTYPES.get(model_config.dtype, "auto"),
             device_map=str(device),
             trust_remote_code=model_config.trust_remote_code,
             **qlora,
         )
-    else:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(
-            model_config.name, dtype=dtype, trust_remote_code=model_config.trust_remote_code
-        )
     if lora.gradient_checkpointing:
-        enable_activation_checkpointing(model)
-        model.enable_input_require_grads()
-    return add_lora_adapters(model, lora)
+        enable_activation_checkpointing(base)
+        base.enable_input_require_grads()
+    return add_lora_adapters(base, lora)
 
 
 def add_lora_adapters(model: Any, lora: LoraSettings) -> Any:
