@@ -216,10 +216,10 @@ def empty_device_cache(device: torch.device) -> None:
 
 
 SHARDED_PARAMETERS_OBSTACLE = (
-    "the model's parameters are DTensors (FSDP2 or tensor parallelism), which FSDP2 gathers and reshards in hooks of "
-    "forward and backward: an error part way leaves them gathered and FSDP2 mid-step, so that a replay would train "
-    "copies the optimizer no longer updates (and across processes, leave collectives the other ranks wait in); only "
-    "DDP and models without sharded parameters replay such a step."
+    "the model's parameters are DTensors (FSDP2 or tensor parallelism), which their engine gathers or splits in hooks "
+    "of forward and backward: an error part way leaves that state mid-step (FSDP2 leaves its parameters gathered, so "
+    "that a replay trained copies the optimizer no longer updates) and, across processes, collectives the other ranks "
+    "wait in; only DDP and models without DTensor parameters replay such a step."
 )
 """Why a step of a model whose parameters are DTensors is not replayed, in any number of processes."""
 

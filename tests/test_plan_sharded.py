@@ -425,9 +425,9 @@ def _trains_under_cap(
 ) -> bool:
     """Whether ``PARAMETER_HEAVY_LLAMA`` trains on ``world_size`` processes of ``strategy`` with the counting allocator
     capped at ``cap`` (a paged optimizer's host pages apart): with the paged optimizer's ``budget``, or without
-    paging (no budget, and no recovery of an out-of-memory error in the step by paging). One process of DDP is left
-    unwrapped, as accelerate leaves it; FSDP2 and ZeRO wrap one process too (``overrides``: more config keys; ``cap``:
-    the pseudo-device's bytes)."""
+    paging (no budget, and no recovery of an out-of-memory error in the step by paging). On the CPU accelerate leaves
+    one process of DDP or FSDP2 unwrapped (checked for DDP; not called for FSDP2's one process), and DeepSpeed's ZeRO
+    applies on one process too (``overrides``: more config keys; ``cap``: the pseudo-device's bytes)."""
     optim_args = "page_size=64KiB" if budget is None else f"page_size=64KiB,device_budget={budget}"
     overrides = [*PARAMETER_HEAVY_LLAMA, *overrides, f"training.optim_args={optim_args}"]
     options = ["--cap", str(cap), "--host-apart", *(["--no-step-recovery"] if budget is None else [])]

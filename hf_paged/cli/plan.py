@@ -1086,7 +1086,7 @@ def _fewest(plan_at: Callable[[int], MemoryPlan], capacity: int, limit: int) -> 
     the count).
 
     A rank's peak is close to ``a + b/n``: what every rank holds whole, and its share of what is sharded. Once two
-    counts from 2 up are planned (one GPU is often planned without a strategy, off that line), the search predicts
+    counts from 2 up are planned (one GPU, whose rank shards nothing, is off that line), the search predicts
     where the line through the two nearest the answer meets ``capacity`` (:func:`_predicted`) and plans that count;
     one that fits is confirmed by planning the count below it. Where no prediction can be made, or the last one was
     off (its count did not fit, or the count below fitted too), the next count is the plain search's: counts double

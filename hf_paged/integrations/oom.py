@@ -29,14 +29,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..rank_failure import RankFailure, RankFailureWatcher
-from ..recovery import (
-    SHARDED_PARAMETERS_OBSTACLE,
-    OOMRecovery,
-    Recovery,
-    check_callable,
-    check_retries,
-    paged_optimizer_of,
-)
+from ..recovery import OOMRecovery, Recovery, check_callable, check_retries, paged_optimizer_of
 from . import _transformers_internals as internals
 
 logger = logging.getLogger(__name__)
@@ -180,7 +173,12 @@ def _engine_obstacle(trainer: Any, several: bool) -> str | None:
             "collective a rank never joins cannot be left either, so only DDP replays such a step."
         )
     if getattr(trainer, "is_fsdp_enabled", False):
-        return SHARDED_PARAMETERS_OBSTACLE
+        return (
+            "FSDP gathers each module's parameters in forward and backward and reduce-scatters its gradients: an error "
+            "part way leaves its parameters gathered and its state mid-step (a replay in one process trained copies the "
+            "optimizer no longer updates) and, across processes, collectives the other ranks wait in; only DDP replays "
+            "such a step."
+        )
     if not several:
         return None
     return (
