@@ -92,3 +92,14 @@ def selected_items(request: pytest.FixtureRequest) -> list[pytest.Item]:
         for item in request.session.items
         if item.module is request.module and item.get_closest_marker("skip") is None
     ]
+
+
+def selected_params(request: pytest.FixtureRequest, name: str) -> set:
+    """The values that the selected tests of ``request``'s module (:func:`selected_items`) give the parameter
+    ``name``."""
+    values = set()
+    for item in selected_items(request):
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and name in callspec.params:
+            values.add(callspec.params[name])
+    return values

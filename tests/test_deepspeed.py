@@ -27,7 +27,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from background import BackgroundRun, Launches, selected_items
+from background import BackgroundRun, Launches, selected_items, selected_params
 from conftest import runs_slow_tests
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -123,12 +123,8 @@ def launches(request, tmp_path_factory) -> Iterator[Launches]:
         ),
         "two_ranks": lambda: start(two_ranks, tmp_path_factory.mktemp("deepspeed_two_ranks"), "--setups", *TWO_RANKS),
     }
-    needed = set()
-    for item in selected_items(request):
-        callspec = getattr(item, "callspec", None)
-        if callspec is not None and "run" in callspec.params:
-            needed.add(callspec.params["run"][0])
-        needed.update(name for name in starts if name in item.fixturenames)
+    needed = {launch_name for launch_name, _ in selected_params(request, "run")}
+    needed.update(name for name in starts for item in selected_items(request) if name in item.fixturenames)
     runs = Launches(starts, needed)
     yield runs
     runs.stop()

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from background import BackgroundRun, Launches, selected_items
+from background import BackgroundRun, Launches, selected_params
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tests", "scripts", "fsdp2_trainer.py")
@@ -43,7 +43,11 @@ OPTIMS = [REFERENCE, *PAGED]
 RUNS = ("uninterrupted", "resumed")
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["on-device", "cpu-offload"])
+LAUNCH_NAMES = {False: "on-device", True: "cpu-offload"}
+"""Each launch's name, by whether it offloads."""
+
+
+@pytest.fixture(scope="module", params=list(LAUNCH_NAMES), ids=list(LAUNCH_NAMES.values()))
 def offload(request) -> bool:
     """Whether the launch offloads the sharded parameters, their gradients and the optimizer step to the host
     (``--fsdp_offload_params true``: FSDP2's ``CPUOffloadPolicy``, issue 21)."""
@@ -67,13 +71,8 @@ def launches(request, tmp_path_factory) -> Iterator[Launches]:
         environment = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
         return BackgroundRun(command, environment, cwd=REPO, output=folder / "results.pt")
 
-    names = {False: "on-device", True: "cpu-offload"}
-    needed = set()
-    for item in selected_items(request):
-        callspec = getattr(item, "callspec", None)
-        if callspec is not None and "offload" in callspec.params:
-            needed.add(names[callspec.params["offload"]])
-    runs = Launches({name: functools.partial(start, offloads) for offloads, name in names.items()}, needed)
+    needed = {LAUNCH_NAMES[offloads] for offloads in selected_params(request, "offload")}
+    runs = Launches({name: functools.partial(start, offloads) for offloads, name in LAUNCH_NAMES.items()}, needed)
     yield runs
     runs.stop()
 
@@ -81,7 +80,7 @@ def launches(request, tmp_path_factory) -> Iterator[Launches]:
 @pytest.fixture(scope="module")
 def results(launches, offload) -> dict:
     """What ``fsdp2_trainer.py`` found for every optimizer, from the two-process launch of ``offload``."""
-    run = launches[{False: "on-device", True: "cpu-offload"}[offload]]
+    run = launches[LAUNCH_NAMES[offload]]
     completed = run.wait()
     assert completed.returncode == 0, completed.stderr[-4000:]
     return torch.load(run.output, weights_only=True)
