@@ -161,6 +161,23 @@ def deviation(model: torch.nn.Module, reference: torch.nn.Module) -> float:
     return ((flat - expected).norm() / expected.norm()).item()
 
 
+def second_moment_midpoints(block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients whose squares, AdamW's second moment with beta2 = 0, lie on the midpoints between adjacent 4-bit
+    levels in the square-root domain and one fp32 step below and above each, in two blocks of ``block_size`` whose
+    second moments' scales are 1 and 2**-20 (every square and root exact), and the lowest and highest code each may take: a midpoint takes the upper level,
+    and one step below it the lower one, or the upper where ``sqrt(1024 sqrt(x) - 1)`` rounds up to the odd integer
+    (codecs.encode_4bit)."""
+    k = torch.arange(1, 16)
+    midpoints = ((2 * k * k + 2 * k + 1) / 512).float()
+    below, above = torch.nextafter(midpoints, torch.zeros(1)), torch.nextafter(midpoints, torch.ones(1))
+    roots = torch.cat([torch.ones(1), midpoints, below, above])
+    lowest = torch.cat([torch.tensor([15]), k, k - 1, k])
+    highest = torch.cat([torch.tensor([15]), k, k, k])
+    padding = block_size - roots.numel()
+    block, lowest, highest = (torch.nn.functional.pad(values, (0, padding)) for values in (roots, lowest, highest))
+    return torch.stack([block, block * 2.0**-10]), lowest.expand(2, -1), highest.expand(2, -1)
+
+
 def optimizer_kwargs(name: str, **paging) -> dict:
     """Keyword arguments that give every optimizer several pages of state on the tiny MLP."""
     kwargs = {"lr": 1e-3 if "Lion" in name else 1e-2, "page_size": 4096, **paging}

@@ -114,8 +114,9 @@ def test_codec_rounds_to_the_nearest_level_and_packs_two_codes_per_byte(signed, 
     assert torch.equal(scales, blocks.abs().amax(dim=1))
     levels = reference_levels(signed)
     normalized = blocks / scales.unsqueeze(1)
-    # signed: nearest in value; non-negative: nearest in the fourth-root domain (ties are measure-zero here)
-    distance = (normalized.unsqueeze(-1) - levels) if signed else (normalized.unsqueeze(-1) ** 0.25 - levels**0.25)
+    # signed: nearest in value; non-negative: nearest in the square-root domain, Adam's denominator's (ties are
+    # measure-zero here)
+    distance = (normalized.unsqueeze(-1) - levels) if signed else (normalized.unsqueeze(-1).sqrt() - levels.sqrt())
     nearest = levels[distance.abs().argmin(dim=-1)]
     assert torch.allclose(decoded, nearest * scales.unsqueeze(1), rtol=1e-6, atol=0)
     if not signed:

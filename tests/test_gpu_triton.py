@@ -20,15 +20,26 @@ import importlib.util
 
 import pytest
 import torch
-from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs
-from triton_cases import BLOCK, CASES, DTYPES, FORMATS, RANK1_CODECS, RULES, codecs_of, rank1_case, scalars_of
+from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, second_moment_midpoints
+from triton_cases import (
+    ADAMW_GROUP,
+    BLOCK,
+    CASES,
+    DTYPES,
+    FORMATS,
+    RANK1_CODECS,
+    RULES,
+    codecs_of,
+    rank1_case,
+    scalars_of,
+)
 
 from hf_paged import PagedAdamW4bit
 from hf_paged.codecs import PageFormat, random_page_buffers
 from hf_paged.kernels import SegmentKernel
 from hf_paged.kernels.batch import PageBatch
 from hf_paged.kernels.pytorch import update_in_buffers
-from hf_paged.kernels.rules import adamw_update_
+from hf_paged.kernels.rules import adamw_scalars, adamw_update_
 from hf_paged.optim.executor import StepRun
 from hf_paged.stochastic_rounding import ElementRounding, step_keys
 
@@ -156,6 +167,28 @@ def test_triton_kernels_match_the_pytorch_kernels_on_cuda(triton_kernels, rule_n
     exact = triton_kernels.lerp_rounds_once()
     assert disagreements(triton_kernels, triton_results, on_cpu, state_format, exact) == [0] * len(on_cpu)
     assert disagreements(triton_kernels, triton_results, on_device, state_format, False) == [0] * len(on_cpu)
+
+
+def test_the_4bit_second_moment_takes_the_cpu_codes_at_its_midpoints_on_cuda(triton_kernels):
+    """The second moments of tests/conftest.py's ``second_moment_midpoints`` (on and beside the rounding thresholds)
+    through the compiled Triton kernel: the codes and scales of the eager kernel on the CPU, bit for bit (tests/
+    test_triton_kernels.py checks the same under the interpreter)."""
+    codecs = codecs_of("adamw", "4bit")
+    grad, lowest, highest = second_moment_midpoints(BLOCK)
+    scalars = adamw_scalars({**ADAMW_GROUP, "betas": (0.9, 0.0)}, 1)
+    fallback = SegmentKernel(adamw_update_, codecs, False)
+    results = []
+    for device, kernel in (("cpu", fallback), (DEVICE, triton_kernels.TritonKernel(adamw_update_, codecs, fallback))):
+        zeros = [tuple(torch.zeros(n, dtype=t, device=device) for n, t in c.buffer_specs(grad.numel())) for c in codecs]
+        encoded = [codec.select(arrays, 0, grad.numel()) for codec, arrays in zip(codecs, zeros)]
+        kernel(torch.zeros(grad.shape, device=device), grad.to(device), encoded, scalars)
+        results.append([array.cpu() for segment in encoded for array in segment])
+    assert kernel.takes_batch(DEVICE, torch.float32, torch.float32)  # the Triton kernel ran, not its fallback
+    on_cpu, on_device = results
+    assert all(torch.equal(actual, expected) for actual, expected in zip(on_device, on_cpu))
+    packed = on_cpu[2]
+    codes = torch.cat([packed & 15, packed >> 4], dim=1)
+    assert ((codes >= lowest) & (codes <= highest)).all()
 
 
 @pytest.mark.parametrize("grad_dtype", DTYPES, ids=str)

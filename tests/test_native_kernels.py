@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from conftest import decay_groups, deviation, make_mlp, regression_batches, train
+from conftest import decay_groups, deviation, make_mlp, regression_batches, second_moment_midpoints, train
 
 import hf_paged
 from hf_paged import native
@@ -107,6 +107,22 @@ def test_host_kernel_matches_the_eager_kernel(built, rule_name, codec, block_siz
     assert_equal_to_eager(native_result, eager_result)
     zero_scales = [segment[1][3] for segment in native_result[1]]
     assert all(scale == 0 for scale in zero_scales)  # the all-zero block stays all zero, as eagerly
+
+
+def test_host_kernel_matches_the_eager_kernel_at_the_midpoints_of_the_4bit_second_moment(built):
+    codecs = (Blockwise4bitCodec(128, True), Blockwise4bitCodec(128, False))
+    grad, lowest, highest = second_moment_midpoints(128)
+    scalars = adamw_scalars({"lr": 1e-3, "betas": (0.9, 0.0), "eps": 1e-8, "weight_decay": 0.0}, 1)
+    param, numel = torch.zeros_like(grad), grad.numel()
+    zeros = [tuple(torch.zeros(n, dtype=dtype) for n, dtype in codec.buffer_specs(numel)) for codec in codecs]
+    encoded = [codec.select(arrays, 0, numel) for codec, arrays in zip(codecs, zeros)]
+    native_result = run_kernel(segment_kernel(adamw_update_, codecs, False, CPU), param, [grad], encoded, scalars)
+    eager_result = run_kernel(SegmentKernel(adamw_update_, codecs, False), param, [grad], encoded, scalars)
+    assert_equal_to_eager(native_result, eager_result)
+    packed, scales = eager_result[1][1]
+    codes = torch.cat([packed & 15, packed >> 4], dim=1)
+    assert torch.equal(scales, torch.tensor([1.0, 2.0**-20]))
+    assert ((codes >= lowest) & (codes <= highest)).all(), codes
 
 
 def test_the_build_targets_the_cpu_capability(built):

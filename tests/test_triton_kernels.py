@@ -49,7 +49,15 @@ def _interpreted_triton_kernels():
 
 TRITON_KERNELS = _interpreted_triton_kernels()
 
-from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
+from conftest import (
+    OPTIMIZERS,
+    decay_groups,
+    make_mlp,
+    optimizer_kwargs,
+    regression_batches,
+    second_moment_midpoints,
+    train,
+)
 from test_step_failures import FailingAllocations, failing_step, mark_streaming, snapshot
 from triton_cases import ADAMW_GROUP, BLOCK, CASES, DTYPES, FORMATS, RULES, codecs_of, scalars_of
 
@@ -110,6 +118,25 @@ def test_a_segment_matches_the_eager_and_host_kernels_bitwise(triton_kernels, ru
     assert not torch.equal(results["eager"][0], param)  # the update moved the parameter
     for name in kernels:
         assert_equal_bits(results[name], results["eager"])
+
+
+def test_the_4bit_second_moment_takes_the_eager_codes_at_its_midpoints(triton_kernels):
+    """AdamW's second moment (beta2 = 0: the squared gradient) on and beside the midpoints of the 4-bit levels in the
+    square-root domain: the Triton kernel's codes are the eager kernel's and those of tests/conftest.py's bounds."""
+    codecs = codecs_of("adamw", "4bit")
+    grad, lowest, highest = second_moment_midpoints(BLOCK)
+    scalars = adamw_scalars({**ADAMW_GROUP, "betas": (0.9, 0.0)}, 1)
+    buffers = [torch.zeros(n, dtype=dtype) for n, dtype in PageFormat(codecs).buffer_specs(grad.numel())]
+    (eager, _), (triton, encoded) = eager_and_triton(
+        triton_kernels, adamw_update_, codecs, torch.zeros(grad.numel()), grad.flatten(), buffers, scalars
+    )
+    kernel = triton_kernels.TritonKernel(adamw_update_, codecs, SegmentKernel(adamw_update_, codecs, False))
+    assert kernel.takes_batch(torch.device("cpu"), torch.float32, torch.float32)  # passed its first-use check
+    assert_equal_bits(triton, eager)
+    packed, scales = encoded[1]
+    codes = torch.cat([packed & 15, packed >> 4], dim=1)
+    assert torch.equal(scales, torch.tensor([1.0, 2.0**-20]))
+    assert ((codes >= lowest) & (codes <= highest)).all(), codes
 
 
 def eager_and_triton(triton_kernels, rule, codecs, param, grad, buffers, scalars) -> list[tuple[list, list]]:

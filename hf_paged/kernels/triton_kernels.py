@@ -288,14 +288,16 @@ def _signed_code(values, inverse, BITS: tl.constexpr):
 
 @triton.jit
 def _unsigned_code(roots, inverse_root, BITS: tl.constexpr):
-    """Codes of a non-negative state from the square roots of its values, as int32."""
+    """Codes of a non-negative state from the square roots of its values, as int32 (4 bits: the nearest level in the
+    square roots' domain, codecs.encode_4bit)."""
     normalized = _saturate(roots * inverse_root)
     if BITS == 8:
         code = _round_even(tl.sqrt_rn(normalized) * 255.0)
         return tl.maximum(code, tl.where(normalized > 0.0, 1.0, 0.0)).to(tl.int32)
     else:
-        code = _round_even(tl.sqrt_rn(normalized) * 16.0) - 1.0
-        return tl.minimum(tl.maximum(code, 0.0), 15.0).to(tl.int32)
+        excess = normalized * 1024.0 - 1.0
+        level = tl.floor((tl.sqrt_rn(tl.maximum(excess, 0.0)) + 1.0) * 0.5)
+        return tl.maximum(level - 1.0, 0.0).to(tl.int32)
 
 
 @triton.jit

@@ -62,7 +62,8 @@ constexpr int64_t kMaxBlockSize = 4096;
 // The codes of normalized values n, operation by operation, for the AVX2 and scalar `Vec`s (the AVX-512 one has fewer
 // operations of its own), with s = codecs.saturate_(n) (n clamped to [-1, 1], NaN as 0). 8-bit (Codes8):
 // rint(sqrt(|s|) top) with the sign of s, and max(rint(sqrt(s) top), 1) for s > 0, else 0. 4-bit (Codes4), as floats:
-// 7 + floor((sqrt(max(196 |s| - 1, 0)) + 1) / 2) with the sign of s, and max(rint(sqrt(s) 16) - 1, 0).
+// 7 + floor((sqrt(max(196 |s| - 1, 0)) + 1) / 2) with the sign of s, and
+// max(floor((sqrt(max(1024 s - 1, 0)) + 1) / 2) - 1, 0).
 template <class V>
 struct CodesByOperations {
   template <typename F>
@@ -84,8 +85,9 @@ struct CodesByOperations {
   }
   template <typename F>
   static F unsigned_root_code(F n) {
-    const F code = V::rint_root_times(V::saturate(n), V::splat(16.0f));
-    return V::max(V::sub(code, V::splat(1.0f)), V::zero());
+    const F excess = V::sub(V::mul(V::saturate(n), V::splat(1024.0f)), V::splat(1.0f));
+    const F level = V::floor_half_root_plus_half(V::max(excess, V::zero()));
+    return V::max(V::sub(level, V::splat(1.0f)), V::zero());
   }
 };
 
@@ -223,10 +225,12 @@ struct Vec {
     return _mm512_mask_sub_epi32(_mm512_add_epi32(seven, level), _mm512_cmp_ps_mask(n, zero(), _CMP_LT_OQ), seven,
                                  level);
   }
+  // min(n, 1) is s but for a NaN or non-positive n, whose code is then set to 0.
   static Codes unsigned_root_code(F n) {
-    const __m512i code = _mm512_cvt_roundps_epi32(mul(sqrt(min(n, splat(1.0f))), splat(16.0f)),
-                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return _mm512_maskz_max_epi32(_mm512_cmp_ps_mask(n, zero(), _CMP_GT_OQ), _mm512_sub_epi32(code, _mm512_set1_epi32(1)),
+    const F excess = max(sub(mul(min(n, splat(1.0f)), splat(1024.0f)), splat(1.0f)), zero());
+    const __m512i level = _mm512_cvt_roundps_epi32(mul(add(sqrt(excess), splat(1.0f)), splat(0.5f)),
+                                                   _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    return _mm512_maskz_max_epi32(_mm512_cmp_ps_mask(n, zero(), _CMP_GT_OQ), _mm512_sub_epi32(level, _mm512_set1_epi32(1)),
                                   _mm512_setzero_si512());
   }
   // Codes in [0, 15].
@@ -561,8 +565,8 @@ struct Codes4 {
     state.scales[block] = scale;
   }
 
-  // Nearest of the 16 codes in the (x / s)^(1/4) domain, from roots = sqrt(x); zero is not a level. The code is at
-  // most 15 as x / s <= 1.
+  // Nearest of the 16 levels in the sqrt(x / s) domain, from roots = sqrt(x): sqrt(x / s) >= the midpoint of codes
+  // k - 1 and k iff 1024 sqrt(x / s) - 1 >= (2k + 1)^2. Zero is not a level; the code is at most 15 as x / s <= 1.
   static Vec::Codes unsigned_code(F roots, F inverse_root) {
     return Vec::unsigned_root_code(Vec::mul(roots, inverse_root));
   }
