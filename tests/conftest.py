@@ -163,16 +163,18 @@ def deviation(model: torch.nn.Module, reference: torch.nn.Module) -> float:
 
 def second_moment_midpoints(block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients whose squares, AdamW's second moment with beta2 = 0, lie on the midpoints between adjacent 4-bit
-    levels in the square-root domain and one fp32 step below and above each, in two blocks of ``block_size`` whose
-    second moments' scales are 1 and 2**-20 (every square and root exact), and the lowest and highest code each may take: a midpoint takes the upper level,
-    and one step below it the lower one, or the upper where ``sqrt(1024 sqrt(x) - 1)`` rounds up to the odd integer
-    (codecs.encode_4bit)."""
+    levels in the square-root domain, one fp32 step below and above each, and between each and the midpoint of the
+    fourth-root domain (a quarter of 1 / 512 below), in two blocks of ``block_size`` whose second moments' scales are
+    1 and 2**-20 (the roots of the squares are exact), and the lowest and highest code each may take: a midpoint
+    takes the upper level, a value between the two domains' midpoints the lower one, and one step below a midpoint
+    the lower one, or the upper where ``sqrt(1024 sqrt(x) - 1)`` rounds up to the odd integer (codecs.encode_4bit)."""
     k = torch.arange(1, 16)
     midpoints = ((2 * k * k + 2 * k + 1) / 512).float()
     below, above = torch.nextafter(midpoints, torch.zeros(1)), torch.nextafter(midpoints, torch.ones(1))
-    roots = torch.cat([torch.ones(1), midpoints, below, above])
-    lowest = torch.cat([torch.tensor([15]), k, k - 1, k])
-    highest = torch.cat([torch.tensor([15]), k, k, k])
+    between = midpoints - 0.25 / 512
+    roots = torch.cat([torch.ones(1), midpoints, below, between, above])
+    lowest = torch.cat([torch.tensor([15]), k, k - 1, k - 1, k])
+    highest = torch.cat([torch.tensor([15]), k, k, k - 1, k])
     padding = block_size - roots.numel()
     block, lowest, highest = (torch.nn.functional.pad(values, (0, padding)) for values in (roots, lowest, highest))
     return torch.stack([block, block * 2.0**-10]), lowest.expand(2, -1), highest.expand(2, -1)

@@ -116,7 +116,9 @@ def test_host_kernel_matches_the_eager_kernel_at_the_midpoints_of_the_4bit_secon
     param, numel = torch.zeros_like(grad), grad.numel()
     zeros = [tuple(torch.zeros(n, dtype=dtype) for n, dtype in codec.buffer_specs(numel)) for codec in codecs]
     encoded = [codec.select(arrays, 0, numel) for codec, arrays in zip(codecs, zeros)]
-    native_result = run_kernel(segment_kernel(adamw_update_, codecs, False, CPU), param, [grad], encoded, scalars)
+    kernel = segment_kernel(adamw_update_, codecs, False, CPU)
+    assert isinstance(kernel, HostKernel)
+    native_result = run_kernel(kernel, param, [grad], encoded, scalars)
     eager_result = run_kernel(SegmentKernel(adamw_update_, codecs, False), param, [grad], encoded, scalars)
     assert_equal_to_eager(native_result, eager_result)
     packed, scales = eager_result[1][1]

@@ -241,8 +241,8 @@ def _reciprocal(scale):
 
 @triton.jit
 def _inverse_root(scale):
-    """1 / sqrt(scale) for a positive scale, else 0 (codecs.fourth_roots)."""
-    safe = tl.maximum(scale, 1.1754943508222875e-38)
+    """1 / sqrt(scale) for a positive scale, subnormal ones included, else 0 (codecs.square_roots)."""
+    safe = tl.where(scale > 0.0, scale, 1.0)
     return tl.where(scale > 0.0, tl.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(safe)), 0.0)
 
 

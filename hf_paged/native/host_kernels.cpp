@@ -450,7 +450,7 @@ struct AbsMax {
 // 1 / scale, and 0 for a zero or subnormal scale (codecs.inverse_scales).
 inline float inverse_scale(float scale) { return scale >= FLT_MIN ? 1.0f / scale : 0.0f; }
 
-// 1 / sqrt(scale) for a positive scale, else 0 (codecs.fourth_roots; torch.rsqrt on the CPU is 1 / sqrt).
+// 1 / sqrt(scale) for a positive scale, else 0 (codecs.square_roots; torch.rsqrt on the CPU is 1 / sqrt).
 inline float inverse_root_scale(float scale) { return scale > 0.0f ? 1.0f / std::sqrt(scale) : 0.0f; }
 
 // One state's storage: codes (one byte per element, or two 4-bit codes per byte) and one fp32 scale per block.
