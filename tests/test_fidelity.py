@@ -227,6 +227,7 @@ def test_the_readme_grid_has_every_cell_and_its_verdicts_follow_its_figures():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # about 25 min of one core, beyond the suite's 600 s per test
 @pytest.mark.skipif(not HAS_TORCHAO, reason="torchao not importable")
 def test_the_whole_grid_measures_what_the_readme_says():
     """``fidelity.py --only 4bit`` (200 steps, 18 cells, 3 seed sets; about 25 min of one core): every figure of
