@@ -22,7 +22,6 @@ import pytest
 import torch
 from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, second_moment_midpoints
 from triton_cases import (
-    ADAMW_GROUP,
     BLOCK,
     CASES,
     DTYPES,
@@ -32,6 +31,7 @@ from triton_cases import (
     codecs_of,
     rank1_case,
     scalars_of,
+    squared_gradient_state,
 )
 
 from hf_paged import PagedAdamW4bit
@@ -39,7 +39,7 @@ from hf_paged.codecs import PageFormat, random_page_buffers
 from hf_paged.kernels import SegmentKernel
 from hf_paged.kernels.batch import PageBatch
 from hf_paged.kernels.pytorch import update_in_buffers
-from hf_paged.kernels.rules import adamw_scalars, adamw_update_
+from hf_paged.kernels.rules import adamw_update_
 from hf_paged.optim.executor import StepRun
 from hf_paged.stochastic_rounding import ElementRounding, step_keys
 
@@ -169,30 +169,11 @@ def test_triton_kernels_match_the_pytorch_kernels_on_cuda(triton_kernels, rule_n
     assert disagreements(triton_kernels, triton_results, on_device, state_format, False) == [0] * len(on_cpu)
 
 
-def squared_gradient_state(triton_kernels, state_format: str, grad: torch.Tensor) -> list[torch.Tensor]:
-    """AdamW's state with beta2 = 0 (the second moment: the squares of ``grad``) encoded from zero state by the
-    compiled Triton kernel, asserted to have run (not its fallback) and to give the CPU eager kernel's codes and
-    scales bit for bit: the CPU's arrays."""
-    codecs = codecs_of("adamw", state_format)
-    scalars = adamw_scalars({**ADAMW_GROUP, "betas": (0.9, 0.0)}, 1)
-    fallback = SegmentKernel(adamw_update_, codecs, False)
-    results = []
-    for device, kernel in (("cpu", fallback), (DEVICE, triton_kernels.TritonKernel(adamw_update_, codecs, fallback))):
-        zeros = [tuple(torch.zeros(n, dtype=t, device=device) for n, t in c.buffer_specs(grad.numel())) for c in codecs]
-        encoded = [codec.select(arrays, 0, grad.numel()) for codec, arrays in zip(codecs, zeros)]
-        kernel(torch.zeros(grad.shape, device=device), grad.to(device), encoded, scalars)
-        results.append([array.cpu() for segment in encoded for array in segment])
-    assert kernel.takes_batch(DEVICE, torch.float32, torch.float32)
-    on_cpu, on_device = results
-    assert all(torch.equal(actual, expected) for actual, expected in zip(on_device, on_cpu))
-    return on_cpu
-
-
 def test_the_4bit_second_moment_takes_the_cpu_codes_at_its_midpoints_on_cuda(triton_kernels):
     """The second moments of tests/conftest.py's ``second_moment_midpoints`` (on and beside the rounding thresholds;
     tests/test_triton_kernels.py checks the same under the interpreter)."""
     grad, lowest, highest = second_moment_midpoints(BLOCK)
-    packed = squared_gradient_state(triton_kernels, "4bit", grad)[2]
+    packed = squared_gradient_state(triton_kernels, "4bit", grad, DEVICE)[2]
     codes = torch.cat([packed & 15, packed >> 4], dim=1)
     assert ((codes >= lowest) & (codes <= highest)).all()
 
@@ -201,7 +182,7 @@ def test_the_4bit_second_moment_takes_the_cpu_codes_at_its_midpoints_on_cuda(tri
 def test_a_subnormal_second_moments_block_takes_the_cpu_codes_on_cuda(triton_kernels, state_format):
     """Second moments near 1e-40 in a block whose scale is subnormal: the device must not flush it to zero."""
     grad = torch.randn(2, BLOCK, generator=torch.Generator().manual_seed(0)) * 1e-20
-    scales = squared_gradient_state(triton_kernels, state_format, grad)[3]
+    scales = squared_gradient_state(triton_kernels, state_format, grad, DEVICE)[3]
     assert ((scales > 0) & (scales < torch.finfo(torch.float32).tiny)).all()
 
 

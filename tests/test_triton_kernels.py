@@ -59,7 +59,17 @@ from conftest import (
     train,
 )
 from test_step_failures import FailingAllocations, failing_step, mark_streaming, snapshot
-from triton_cases import ADAMW_GROUP, BLOCK, CASES, DTYPES, FORMATS, RULES, codecs_of, scalars_of
+from triton_cases import (
+    ADAMW_GROUP,
+    BLOCK,
+    CASES,
+    DTYPES,
+    FORMATS,
+    RULES,
+    codecs_of,
+    scalars_of,
+    squared_gradient_state,
+)
 
 from hf_paged.codecs import Blockwise8bitCodec, Float32Codec, PageFormat, random_page_buffers, to_blocks
 from hf_paged.kernels import HostKernel, SegmentKernel, kernel_family, segment_kernel
@@ -120,27 +130,11 @@ def test_a_segment_matches_the_eager_and_host_kernels_bitwise(triton_kernels, ru
         assert_equal_bits(results[name], results["eager"])
 
 
-def squared_gradient_state(triton_kernels, state_format: str, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """AdamW's second moment with beta2 = 0, the squares of ``grad`` (blocks of ``BLOCK``), encoded by the Triton
-    kernel from zero state: its codes and scales, asserted bitwise the eager kernel's, and the Triton kernel asserted
-    to have taken the segment (not its fallback)."""
-    codecs = codecs_of("adamw", state_format)
-    scalars = adamw_scalars({**ADAMW_GROUP, "betas": (0.9, 0.0)}, 1)
-    buffers = [torch.zeros(n, dtype=dtype) for n, dtype in PageFormat(codecs).buffer_specs(grad.numel())]
-    (eager, _), (triton, encoded) = eager_and_triton(
-        triton_kernels, adamw_update_, codecs, torch.zeros(grad.numel()), grad.flatten(), buffers, scalars
-    )
-    kernel = triton_kernels.TritonKernel(adamw_update_, codecs, SegmentKernel(adamw_update_, codecs, False))
-    assert kernel.takes_batch(torch.device("cpu"), torch.float32, torch.float32)  # passed its first-use check
-    assert_equal_bits(triton, eager)
-    return encoded[1]
-
-
 def test_the_4bit_second_moment_takes_the_eager_codes_at_its_midpoints(triton_kernels):
     """AdamW's second moment on and beside the midpoints of the 4-bit levels in the square-root domain: the Triton
     kernel's codes are the eager kernel's and within tests/conftest.py's bounds."""
     grad, lowest, highest = second_moment_midpoints(BLOCK)
-    packed, scales = squared_gradient_state(triton_kernels, "4bit", grad)
+    _, _, packed, scales = squared_gradient_state(triton_kernels, "4bit", grad, "cpu")
     codes = torch.cat([packed & 15, packed >> 4], dim=1)
     assert torch.equal(scales, torch.tensor([1.0, 2.0**-20]))
     assert ((codes >= lowest) & (codes <= highest)).all(), codes
@@ -151,7 +145,7 @@ def test_a_subnormal_second_moments_block_takes_the_eager_codes(triton_kernels, 
     """Gradients near 1e-20 square to subnormal second moments (about 1e-40), so their block's scale is subnormal:
     its inverse square root is taken as for a normal scale, not as that of the smallest normal fp32."""
     grad = torch.randn(2, BLOCK, generator=torch.Generator().manual_seed(0)) * 1e-20
-    _, scales = squared_gradient_state(triton_kernels, state_format, grad)
+    scales = squared_gradient_state(triton_kernels, state_format, grad, "cpu")[3]
     assert ((scales > 0) & (scales < torch.finfo(torch.float32).tiny)).all()
 
 

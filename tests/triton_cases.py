@@ -19,6 +19,7 @@ from hf_paged.codecs import (
     Rank1Statistics,
     random_page_buffers,
 )
+from hf_paged.kernels import SegmentKernel
 from hf_paged.kernels.batch import PageBatch
 from hf_paged.kernels.pytorch import gather_in_buffers, update_in_buffers
 from hf_paged.kernels.rules import (
@@ -195,3 +196,23 @@ def rank1_case(seed: int, rounds: bool = False, gathering: bool = False) -> Rank
     scalars = [{name: float(torch.tensor(value, dtype=torch.float32)) for name, value in row.items()} for row in rows]
     keys = step_keys(seed=77, step=3) if rounds else None
     return Rank1Case(params, grads, pages, [tuple(entry) for entry in statistics], scalars, keys)
+
+
+def squared_gradient_state(triton_kernels, state_format: str, grad: torch.Tensor, device) -> list[torch.Tensor]:
+    """AdamW's state with beta2 = 0 (its second moment: the squares of ``grad``, blocks of :data:`BLOCK`) written
+    from zero state by the Triton kernel of ``triton_kernels`` on ``device``, asserted to have run (not its fallback)
+    and to give the codes and scales of the eager kernel on the CPU bit for bit: the CPU's arrays (the first moment's
+    codes and scales, then the second's)."""
+    codecs = codecs_of("adamw", state_format)
+    scalars = adamw_scalars({**ADAMW_GROUP, "betas": (0.9, 0.0)}, 1)
+    fallback = SegmentKernel(adamw_update_, codecs, False)
+    results = []
+    for where, kernel in (("cpu", fallback), (device, triton_kernels.TritonKernel(adamw_update_, codecs, fallback))):
+        zeros = [tuple(torch.zeros(n, dtype=t, device=where) for n, t in c.buffer_specs(grad.numel())) for c in codecs]
+        encoded = [codec.select(arrays, 0, grad.numel()) for codec, arrays in zip(codecs, zeros)]
+        kernel(torch.zeros(grad.shape, device=where), grad.to(where), encoded, scalars)
+        results.append([array.cpu() for segment in encoded for array in segment])
+    assert kernel.takes_batch(torch.device(device), torch.float32, torch.float32)  # passed its first-use check
+    on_cpu, on_device = results
+    assert all(torch.equal(actual, expected) for actual, expected in zip(on_device, on_cpu))
+    return on_cpu
