@@ -1,10 +1,11 @@
 """The host kernels in every CPU capability this machine runs, each against the eager kernels.
 
 ``ATEN_CPU_CAPABILITY`` lowers the capability PyTorch's kernels (and so the host kernels' build) use. The
-comparisons of tests/test_native_kernels.py (per segment), tests/test_batch_kernels.py (page batches) and
-tests/test_nonfinite.py (non-finite and huge gradients) run in this process for the capability it has; here they run
-again in a subprocess for each other capability the machine can run (about 25 s per capability the first time, to
-build).
+comparisons of tests/test_native_kernels.py (per segment), tests/test_batch_kernels.py (page batches),
+tests/test_nonfinite.py (non-finite and huge gradients) and tests/test_rank1_host_kernels.py (rank-1 normalized 4-bit
+state) run in this process for the capability it has; here they run again, in one subprocess for each other capability
+the machine can run (one interpreter and one collection per capability; the build, about 20 s of one core, starts in
+the background when the session starts: tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -23,14 +24,21 @@ from hf_paged import native
 
 TESTS = Path(__file__).parent
 COMPARISONS = {
-    "per segment": ("test_native_kernels.py", "matches_the_eager or tracks_the_eager or targets_the_cpu_capability"),
-    "batch": (
-        "test_batch_kernels.py",
-        "matches_the_per_segment_path or independent_of_the_number_of_threads or rounds_by_its_index",
+    "test_native_kernels.py": "matches_the_eager or tracks_the_eager or targets_the_cpu_capability",
+    "test_batch_kernels.py": (
+        "matches_the_per_segment_path or independent_of_the_number_of_threads or rounds_by_its_index"
     ),
-    "non-finite": ("test_nonfinite.py", "native or store_non_finite_values"),
+    "test_nonfinite.py": "native or store_non_finite_values",
+    "test_rank1_host_kernels.py": (
+        "(match_the_references or counts_nan or independent_of_the_number_of_threads) and not capability"
+    ),
 }
-"""The comparisons rerun per capability: a test file and the ``-k`` expression of its comparisons."""
+"""The comparisons rerun per capability: each test file and the ``-k`` expression of its comparisons."""
+
+
+def comparisons_expression() -> str:
+    """One ``-k`` expression for every file's comparisons, each file's own expression applying to that file alone."""
+    return " or ".join(f"({test_file} and ({expression}))" for test_file, expression in COMPARISONS.items())
 
 
 @functools.cache
@@ -48,27 +56,22 @@ def runnable_capabilities() -> list[str]:
     return list(CAPABILITY_LADDER[: CAPABILITY_LADDER.index(top) + 1]) if top in CAPABILITY_LADDER else ["default", top]
 
 
-@pytest.mark.parametrize("suite", sorted(COMPARISONS))
 @pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
-def test_host_kernels_match_the_eager_kernels_in_every_capability(capability, suite):
+def test_host_kernels_match_the_eager_kernels_in_every_capability(capability):
     if capability not in runnable_capabilities():
         pytest.skip(f"this machine runs {machine_capability()} at most")
     if capability == torch.backends.cpu.get_cpu_capability().lower():
-        pytest.skip(f"this process's capability: tests/{COMPARISONS[suite][0]} compares it")
+        pytest.skip("this process's capability: the comparisons' own files compare it")
     if native.native_setting() is False or native.build_failure() is not None:
         pytest.skip("host kernels off or unavailable here")
     environment = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "HF_PAGED_NATIVE": "1"}
-    test_file, comparisons = COMPARISONS[suite]
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / test_file)]
+    files = [str(TESTS / test_file) for test_file in COMPARISONS]
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *files, "-k", comparisons_expression()]
     result = subprocess.run(
-        [*command, "-k", comparisons],
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=TESTS.parent,
-        check=False,
+        command, env=environment, capture_output=True, text=True, timeout=900, cwd=TESTS.parent, check=False
     )
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-2000:]
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert "skipped" not in summary and "passed" in summary, summary
+    ran = {test_file for test_file in COMPARISONS if f"{test_file} ." in result.stdout}
+    assert ran == set(COMPARISONS), f"no comparison ran from {sorted(set(COMPARISONS) - ran)}"

@@ -10,18 +10,11 @@ optimizer's step does (``StepRun.gather_statistics``, then the update).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from test_batch_kernels import ADAMW_ROWS, assert_same, bits, clone_all, rounding_keys
-from test_native_variants import machine_capability, runnable_capabilities
 
 import hf_paged
-from hf_paged import native
 from hf_paged.codecs import Blockwise4bitCodec, PageFormat, Rank1Normalized4bitCodec, Rank1Statistics
 from hf_paged.kernels import HostKernel, SegmentKernel, host_rule_name, segment_kernel
 from hf_paged.kernels.batch import NO_ROUNDING, PageBatch
@@ -442,33 +435,3 @@ def test_rank1_optimizer_steps_take_the_host_kernels_with_the_eager_results(buil
     for index, entries in expected_state.items():
         for key, value in entries.items():
             assert torch.equal(saved[index][key], value), (index, key)
-
-
-COMPARISONS = "(match_the_references or counts_nan or independent_of_the_number_of_threads) and not capability"
-"""The ``-k`` expression of this file's comparisons, rerun per CPU capability."""
-
-
-@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
-def test_rank1_comparisons_rerun_in_every_cpu_capability(capability):
-    """As tests/test_native_variants.py: the comparisons again in a subprocess for each other capability the
-    machine runs (``ATEN_CPU_CAPABILITY`` lowers the build's), each about 30 s the first time, to build."""
-    if capability not in runnable_capabilities():
-        pytest.skip(f"this machine runs {machine_capability()} at most")
-    if capability == torch.backends.cpu.get_cpu_capability().lower():
-        pytest.skip("this process's capability: the tests above compare it")
-    if native.native_setting() is False or native.build_failure() is not None:
-        pytest.skip("host kernels off or unavailable here")
-    environment = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "HF_PAGED_NATIVE": "1"}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", COMPARISONS]
-    result = subprocess.run(
-        command,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=Path(__file__).parent.parent,
-        check=False,
-    )
-    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-2000:]
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
-    assert "skipped" not in summary and "passed" in summary, summary
