@@ -1,11 +1,13 @@
 """Run a training script with the hf-paged optimizer names registered: ``python -m hf_paged.run SCRIPT.py ARGS...``.
 
-The script needs no change: the names are registered before it builds its ``HfArgumentParser``, so
-``--optim hf_paged_adamw_8bit`` works. Under ``accelerate launch -m hf_paged.run SCRIPT.py ARGS...`` every
-process does the same, and once the script returns (or exits with status 0), a process group it left open is ended (all ranks meet, then
-the group is destroyed, as PyTorch asks of a program before it exits) and the process ends without the
-interpreter's finalization, in which gloo's threads can abort it (see :mod:`hf_paged.process_exit`).
-``HF_PAGED_REPLACE_BITSANDBYTES=1`` also routes bitsandbytes' paged names to ours.
+The script needs no change: the import hook that ``import hf_paged`` installs (:mod:`hf_paged._autoregister`)
+registers the names as the script loads transformers, before it builds its ``HfArgumentParser``, so
+``--optim hf_paged_adamw_8bit`` works, and a script that never loads transformers does not wait for it. Under
+``accelerate launch -m hf_paged.run SCRIPT.py ARGS...`` every process does the same, and once the script returns (or
+exits with status 0), a process group it left open is ended (all ranks meet, then the group is destroyed, as PyTorch
+asks of a program before it exits) and the process ends without the interpreter's finalization, in which gloo's
+threads can abort it (see :mod:`hf_paged.process_exit`). ``HF_PAGED_REPLACE_BITSANDBYTES=1`` also routes
+bitsandbytes' paged names to ours.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import os
 import runpy
 import sys
 
-from .integrations import register
 from .process_exit import end_distributed_run
 
 
@@ -26,7 +27,6 @@ def main(argv: list[str] | None = None) -> None:
     script = argv[0]
     if not os.path.isfile(script):
         raise SystemExit(f"hf_paged.run: no such script: {script}")
-    register()
     sys.argv = [script, *argv[1:]]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:

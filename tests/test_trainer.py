@@ -356,6 +356,17 @@ def test_runner_keeps_a_failing_scripts_exit_status(tmp_path):
     assert result.returncode == 3, result.stderr
 
 
+def test_runner_leaves_transformers_to_the_script(tmp_path):
+    """The names are registered by the import hook as the script loads transformers; a script that does not load it
+    (a launcher's helper, a failing script) is not made to wait for transformers, peft and their integrations."""
+    script = tmp_path / "no_transformers.py"
+    script.write_text("import sys\nprint(sorted(set(sys.modules) & {'transformers', 'peft', 'torchao'}))\n")
+    result = subprocess.run([sys.executable, "-m", "hf_paged.run", str(script)], check=False, capture_output=True,
+                            text=True, env={**os.environ, "PYTHONPATH": REPO}, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["[]"]
+
+
 def test_runner_without_a_script_explains_usage():
     result = subprocess.run([sys.executable, "-m", "hf_paged.run"], check=False, capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": REPO})
