@@ -60,15 +60,18 @@ _background_builds: list[subprocess.Popen] = []
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Start building the host kernels of every capability below this process's, each in a process at the lowest
-    nice level: the builds (about 25 s of one core each the first time) then use a core the tests leave idle instead
-    of running when tests/test_native_variants.py first needs them. This process builds its own at first use. A built
-    capability only loads. Not in a run whose capability was lowered (test_native_variants.py's own)."""
+    """Start building the host kernels of this process's capability and of every one below it, each in its own
+    process, before the tests are collected: this process's build (about 20 s of one core the first time) then runs
+    on the core collection leaves idle, so the first test that steps with them finds them built or nearly, and the
+    builds of the lower capabilities, at the lowest nice level, use a core the tests leave idle instead of running
+    when tests/test_native_variants.py first needs them. A built capability only loads. Not in a run whose capability
+    was lowered (test_native_variants.py's own)."""
     current = torch.backends.cpu.get_cpu_capability().lower()
     if "ATEN_CPU_CAPABILITY" in os.environ or native.native_setting() is False or current not in CAPABILITY_LADDER:
         return
-    code = "import os; os.nice(19); from hf_paged import native; native.build_failure()"
-    for capability in CAPABILITY_LADDER[: CAPABILITY_LADDER.index(current)]:
+    for capability in CAPABILITY_LADDER[: CAPABILITY_LADDER.index(current) + 1]:
+        niceness = 0 if capability == current else 19
+        code = f"import os; os.nice({niceness}); from hf_paged import native; native.build_failure()"
         environment = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "OMP_NUM_THREADS": "1"}
         _background_builds.append(
             subprocess.Popen(
