@@ -60,16 +60,20 @@ _background_builds: list[subprocess.Popen] = []
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Start building the host kernels of this process's capability and of every one below it, each in its own
-    process, before the tests are collected: this process's build (about 20 s of one core the first time) then runs
-    on the core collection leaves idle, so the first test that steps with them finds them built or nearly, and the
-    builds of the lower capabilities, at the lowest nice level, use a core the tests leave idle instead of running
-    when tests/test_native_variants.py first needs them. A built capability only loads. Not in a run whose capability
-    was lowered (test_native_variants.py's own)."""
+    """Start building the host kernels of this process's capability and of every one below it that is not built yet,
+    each in its own process, before the tests are collected: this process's build (about 20 s of one core the first
+    time) then runs on the core collection leaves idle, so the first test that steps with the host kernels finds them
+    built or nearly, and the builds of the lower capabilities, at the lowest nice level, use a core the tests leave
+    idle instead of running when tests/test_native_variants.py first needs them. Nothing starts where the host kernels
+    are off (``HF_PAGED_NATIVE=0``), where ``ATEN_CPU_CAPABILITY`` is set (test_native_variants.py's own runs) or where
+    PyTorch's capability is not one the host kernels are built for."""
     current = torch.backends.cpu.get_cpu_capability().lower()
     if "ATEN_CPU_CAPABILITY" in os.environ or native.native_setting() is False or current not in CAPABILITY_LADDER:
         return
     for capability in CAPABILITY_LADDER[: CAPABILITY_LADDER.index(current) + 1]:
+        name = native.build_name(capability)
+        if (native.extension_directory(name) / f"{name}.so").exists():
+            continue
         niceness = 0 if capability == current else 19
         code = f"import os; os.nice({niceness}); from hf_paged import native; native.build_failure()"
         environment = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "OMP_NUM_THREADS": "1"}

@@ -84,13 +84,15 @@ def host_kernels_enabled() -> bool:
     return reason is None
 
 
-def build_name() -> str:
-    """The extension's name for the CPU capability PyTorch runs now (``ATEN_CPU_CAPABILITY`` can lower it) and this
-    source: one build per capability (``hf_paged_host_kernels_default_...``, ``..._avx2_...`` or ``..._avx512_...``)
-    and version of ``host_kernels.cpp`` (the first 12 hex digits of its SHA-256), so that installs or checkouts of
-    other versions sharing the extension cache never load each other's build."""
+def build_name(capability: str | None = None) -> str:
+    """The extension's name for ``capability`` (``default``, ``avx2`` or ``avx512``; by default the one PyTorch runs
+    now, which ``ATEN_CPU_CAPABILITY`` can lower) and this source: one build per capability
+    (``hf_paged_host_kernels_default_...``, ``..._avx2_...`` or ``..._avx512_...``) and version of ``host_kernels.cpp``
+    (the first 12 hex digits of its SHA-256), so that installs or checkouts of other versions sharing the extension
+    cache never load each other's build."""
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    return f"hf_paged_host_kernels_{torch.backends.cpu.get_cpu_capability().lower()}_{digest}"
+    capability = capability or torch.backends.cpu.get_cpu_capability()
+    return f"hf_paged_host_kernels_{capability.lower()}_{digest}"
 
 
 def extension_directory(name: str) -> Path:
