@@ -132,6 +132,9 @@ def test_the_build_targets_the_cpu_capability(built):
     of AVX-512 code for AVX512, eight of AVX2 code for AVX2, one scalar lane for DEFAULT."""
     capability = torch.backends.cpu.get_cpu_capability()
     assert native.build_name().startswith(f"hf_paged_host_kernels_{capability.lower()}_")
+    assert native.build_name(capability) == native.build_name()
+    digest = native.build_name().rsplit("_", 1)[1]
+    assert native.build_name("DEFAULT") == native.build_name("default") == f"hf_paged_host_kernels_default_{digest}"
     assert torch.ops.hf_paged.vector_lanes() == {"AVX512": 16, "AVX2": 8}.get(capability, 1)
 
 
