@@ -29,9 +29,7 @@ COMPARISONS = {
         "matches_the_per_segment_path or independent_of_the_number_of_threads or rounds_by_its_index"
     ),
     "test_nonfinite.py": "native or store_non_finite_values",
-    "test_rank1_host_kernels.py": (
-        "(match_the_references or counts_nan or independent_of_the_number_of_threads) and not capability"
-    ),
+    "test_rank1_host_kernels.py": "match_the_references or counts_nan or independent_of_the_number_of_threads",
 }
 """The comparisons rerun per capability: each test file and the ``-k`` expression of its comparisons."""
 
