@@ -12,6 +12,7 @@ from conftest import decay_groups, deviation, make_mlp, regression_batches, trai
 
 import hf_paged
 from hf_paged.codecs import Blockwise4bitCodec, to_blocks
+from hf_paged.optim.state_format import rows_shorter_than_block
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -141,7 +142,9 @@ def test_4bit_and_8bit_state_dicts_are_told_apart_and_load_into_each_other():
     four = hf_paged.PagedAdamW4bit(decay_groups(model), lr=1e-2, page_size=4096, block_size=64, min_4bit_size=256)
     train(model, four, batches)
     saved = four.state_dict()
-    assert "exp_avg_packed_codes" in saved["state"][0] and "exp_avg_codes" not in saved["state"][0]
+    # the 64 x 64 matrix in 4-bit codes; the first layer's rows (20 elements) are shorter than a block: 8-bit codes
+    assert "exp_avg_packed_codes" in saved["state"][1] and "exp_avg_codes" not in saved["state"][1]
+    assert "exp_avg_codes" in saved["state"][0] and "exp_avg_packed_codes" not in saved["state"][0]
     exact = hf_paged.PagedAdamW(decay_groups(model), lr=1e-2, page_size=4096)
     exact.load_state_dict(saved)
     again = hf_paged.PagedAdamW4bit(decay_groups(model), lr=1e-2, page_size=4096, block_size=64, min_4bit_size=256)
@@ -162,3 +165,46 @@ def test_4bit_and_8bit_state_dicts_are_told_apart_and_load_into_each_other():
                 codes = to_blocks(eight_state[index][f"{name}_codes"].reshape(-1), 128)
                 values = codec.decode((codes, eight_state[index][f"{name}_scales"])).reshape(-1)[:numel]
                 assert ((values - entry[name].reshape(-1)).abs().max() / entry[name].abs().max()).item() < 0.05
+
+
+@pytest.mark.parametrize(
+    "shape, narrow",
+    [
+        ((256, 32), True),
+        ((32, 256), False),
+        ((128, 128), False),
+        ((64, 3, 3, 3), True),
+        ((4096,), False),
+        ((0, 8), False),
+    ],
+)
+def test_rows_shorter_than_a_block_are_told_by_shape(shape, narrow):
+    assert rows_shorter_than_block(shape, 128) is narrow
+
+
+@pytest.mark.parametrize(
+    "four_bit_class, eight_bit_class",
+    [(hf_paged.PagedAdamW4bit, hf_paged.PagedAdamW8bit), (hf_paged.PagedAdEMAMix4bit, hf_paged.PagedAdEMAMix8bit)],
+)
+def test_a_matrix_whose_rows_are_shorter_than_a_block_keeps_8bit_state(four_bit_class, eight_bit_class):
+    """LoRA's adapters in a 4-bit optimizer: ``B`` (256 x 32, rows shorter than a block of 128) is updated bitwise as
+    the 8-bit optimizer with blocks of 128 updates it, and saved in 8-bit codes; ``A`` (32 x 256) keeps 4-bit state;
+    a group that names ``"4bit"`` keeps ``B`` 4-bit."""
+    generator = torch.Generator().manual_seed(0)
+    lora_a, lora_b = torch.randn(32, 256, generator=generator), torch.zeros(256, 32)
+    grads = [(torch.randn(32, 256, generator=generator), torch.randn(256, 32, generator=generator)) for _ in range(4)]
+    paging = {"lr": 1e-2, "page_size": "8KiB", "device_budget": "16KiB"}
+    a, b, named_b, reference_b = (torch.nn.Parameter(t.clone()) for t in (lora_a, lora_b, lora_b, lora_b))
+    optimizer = four_bit_class([{"params": [a, b]}, {"params": [named_b], "state_format": "4bit"}], **paging)
+    reference = eight_bit_class([reference_b], block_size=128, **paging)
+    for grad_a, grad_b in grads:
+        a.grad, b.grad, named_b.grad, reference_b.grad = grad_a, grad_b.clone(), grad_b.clone(), grad_b.clone()
+        optimizer.step()
+        reference.step()
+    assert [optimizer._layout[param].kind for param in (a, b, named_b)] == ["4bit", "8bit", "4bit"]
+    assert torch.equal(b, reference_b) and not torch.equal(b, named_b)
+    saved, expected = optimizer.state_dict()["state"], reference.state_dict()["state"][0]
+    assert "exp_avg_packed_codes" in saved[0] and "exp_avg_packed_codes" in saved[2]
+    assert saved[1].keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(saved[1][key], value), key

@@ -44,7 +44,8 @@ def test_a_group_names_the_format_of_its_state(name):
     optimizer = QUANTIZED[name](groups, **SMALL_BLOCKS, **{f"min_{bits}_size": 256})
     train(model, optimizer, regression_batches(2))
     assert kinds(optimizer, [middle.weight, first.bias, last.bias]) == ["32bit", bits, bits]
-    assert kinds(optimizer, [first.weight, middle.bias, last.weight]) == [bits, "32bit", "32bit"]
+    # the first layer's rows (20 elements) are shorter than a block: 8-bit state in either optimizer
+    assert kinds(optimizer, [first.weight, middle.bias, last.weight]) == ["8bit", "32bit", "32bit"]
     saved = optimizer.state_dict()
     assert saved["param_groups"][0]["state_format"] == "fp32" and "state_format" not in saved["param_groups"][2]
     assert saved["state"][0]["exp_avg"].shape == middle.weight.shape
@@ -138,7 +139,7 @@ def test_fp32_state_modules_page_and_resume_bitwise(name):
     model, optimizer = build()
     train(model, optimizer, batches)
     assert len(optimizer.param_groups) == 2  # the groups as given
-    assert kinds(optimizer, [*model[2].parameters(), model[0].weight]) == ["32bit", "32bit", name[-4:]]
+    assert kinds(optimizer, [*model[2].parameters(), model[0].weight]) == ["32bit", "32bit", "8bit"]
     paged_model, paged = build(budget=4096)
     train(paged_model, paged, batches)
     assert paged.paging_stats()["page_outs"] > 0

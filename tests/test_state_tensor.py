@@ -14,9 +14,10 @@ BLOCK = 64
 
 
 def trained(cls, budget=None, steps=3):
-    """``cls`` over two parameters (one quantized, one small 32-bit one) after ``steps`` steps, pages of 4 KiB."""
+    """``cls`` over two parameters (one quantized, one small 32-bit one) after ``steps`` steps, pages of 4 KiB. The
+    quantized one's rows span whole blocks, so that a 4-bit optimizer keeps its state in 4-bit codes."""
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(300, 7)), torch.nn.Parameter(torch.randn(5))]
+    params = [torch.nn.Parameter(torch.randn(7, 300)), torch.nn.Parameter(torch.randn(5))]
     options = {} if cls is PagedAdamW else {"block_size": BLOCK, QUANTIZED[cls][1]: 256}
     optimizer = cls(params, lr=1e-2, page_size="4KiB", device_budget=budget, **options)
     for _ in range(steps):

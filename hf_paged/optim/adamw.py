@@ -252,7 +252,10 @@ class PagedAdamW4bit(_PagedAdamWBase):
     with one fp32 scale per block (see :class:`~hf_paged.codecs.Blockwise4bitCodec`), or with
     ``normalization="rank1"`` each element of a 2-D tensor by its row's and column's largest magnitude (see
     :class:`~hf_paged.codecs.Rank1Normalized4bitCodec`), which follows fp32 AdamW more closely. Tensors with fewer
-    than ``min_4bit_size`` elements keep fp32 moments.
+    than ``min_4bit_size`` elements keep fp32 moments, and those whose rows are shorter than a block (LoRA's ``B``
+    matrices, ``out x r``) blockwise 8-bit ones (2.06 bytes per parameter, as :class:`PagedAdamW8bit` with blocks of
+    ``block_size``): a 4-bit block spanning rows of unlike scales trained LoRA measurably faster than fp32 AdamW
+    (README.md, Fidelity). A param group naming ``"state_format": "4bit"`` keeps them 4-bit.
 
     Args:
         params, lr, betas, eps, weight_decay, amsgrad, maximize, foreach, capturable, differentiable, fused: as

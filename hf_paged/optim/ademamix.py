@@ -216,7 +216,8 @@ class PagedAdEMAMix4bit(_PagedAdEMAMixBase):
 
     Both averages use the signed quadratic 4-bit map with zero, the second moment the zero-excluding quartic one,
     each with one fp32 scale per block (see :class:`~hf_paged.codecs.Blockwise4bitCodec`). Tensors with fewer than
-    ``min_4bit_size`` elements keep fp32 state.
+    ``min_4bit_size`` elements keep fp32 state, and those whose rows are shorter than a block (LoRA's ``B`` matrices)
+    blockwise 8-bit state, as :class:`~hf_paged.optim.adamw.PagedAdamW4bit` does.
 
     Args:
         params, lr, betas, alpha, t_alpha, t_beta3, eps, weight_decay: as :class:`PagedAdEMAMix`.

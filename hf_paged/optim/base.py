@@ -20,7 +20,14 @@ import torch
 from torch.optim import Optimizer
 
 from ..budget import AutoBudget
-from ..codecs import QUANTIZED_CODECS, Float32Codec, PageFormat, Rank1Normalized4bitCodec, rank1_eligible
+from ..codecs import (
+    QUANTIZED_CODECS,
+    Blockwise8bitCodec,
+    Float32Codec,
+    PageFormat,
+    Rank1Normalized4bitCodec,
+    rank1_eligible,
+)
 from ..device import backend_for
 from ..kernels import UpdateRule, resolve_compiled, runs_compiled, segment_kernel
 from ..recovery import Recovery
@@ -47,7 +54,14 @@ from .state_dict import (
     sharded_entry,
     write_state_values,
 )
-from .state_format import FP32, STATE_FORMAT, check_modules, check_state_format, ordered_param_groups
+from .state_format import (
+    FP32,
+    STATE_FORMAT,
+    check_modules,
+    check_state_format,
+    ordered_param_groups,
+    rows_shorter_than_block,
+)
 
 DEFAULT_PAGE_SIZE = 4 * 2**20
 """Default page size in bytes (see ``benchmarks/optimizer_step.py``)."""
@@ -194,7 +208,8 @@ class PagedOptimizer(Optimizer):
         eight_bit: store tensors of ``min_8bit_size`` or more elements in blockwise 8-bit codes.
         block_size: elements per quantization block (8-bit or 4-bit state), a power of two from 16 to 4096.
         min_8bit_size: tensors with fewer elements keep 32-bit state.
-        four_bit: store tensors of ``min_4bit_size`` or more elements in blockwise 4-bit codes instead.
+        four_bit: store tensors of ``min_4bit_size`` or more elements in blockwise 4-bit codes instead, but those
+            whose rows are shorter than a block (LoRA's ``B``) in 8-bit codes, as a group naming no format.
         min_4bit_size: tensors with fewer elements keep 32-bit state (4-bit state).
         normalization: what 4-bit codes are normalized by: ``"block"``, one fp32 scale per block; ``"rank1"``, for
             2-D tensors whose statistics cost no more than block scales (see
@@ -210,7 +225,8 @@ class PagedOptimizer(Optimizer):
             before its first step (accelerate's FSDP2 shards) keeps fp32 state too.
 
     A param group may name its tensors' state format, ``"state_format"``: ``"fp32"``, or the optimizer's quantized
-    format (``"8bit"``, ``"4bit"``) for tensors of any size; unnamed, a tensor's size chooses.
+    format (``"8bit"``, ``"4bit"``) for tensors of any size and shape; unnamed, a tensor's size (and for 4-bit state,
+    its rows' length) chooses.
     """
 
     state_names: ClassVar[tuple[str, ...]]
@@ -309,6 +325,8 @@ class PagedOptimizer(Optimizer):
             codec = QUANTIZED_CODECS[self.state_bits]
             codecs = tuple(codec(block_size, signed) for signed in self.signed_states)
             formats[f"{self.state_bits}bit"] = PageFormat(codecs)
+        if self.state_bits == 4:
+            formats["8bit"] = PageFormat(tuple(Blockwise8bitCodec(block_size, signed) for signed in self.signed_states))
         if self.normalization == "rank1":
             formats["4bit-rank1"] = PageFormat(
                 tuple(Rank1Normalized4bitCodec(block_size, signed) for signed in self.signed_states)
@@ -430,7 +448,8 @@ class PagedOptimizer(Optimizer):
     def _state_format(self, param: torch.Tensor, group: dict[str, Any]) -> str:
         """The name of the page format of ``param``'s state: fp32 for a tensor kept so (``fp32_state_modules``), else
         the one its group names (``"state_format"``), else quantized from ``min_8bit_size`` (or ``min_4bit_size``)
-        elements of the whole parameter (a DTensor's numel), so that every rank picks the same."""
+        elements of the whole parameter (a DTensor's numel and shape, so that every rank picks the same): 4-bit
+        state in 8-bit codes where the tensor's rows are shorter than a block (:func:`rows_shorter_than_block`)."""
         bits = self.state_bits
         named = FP32 if self._keeps_fp32(param) else group.get(STATE_FORMAT)
         if bits == 32 or named == FP32 or (named is None and param.numel() < group[f"min_{bits}bit_size"]):
@@ -441,6 +460,8 @@ class PagedOptimizer(Optimizer):
             and rank1_eligible(param.shape, group["block_size"])
         ):
             return "4bit-rank1"
+        if bits == 4 and named is None and rows_shorter_than_block(param.shape, group["block_size"]):
+            return "8bit"
         return f"{bits}bit"
 
     def lay_out(self) -> None:

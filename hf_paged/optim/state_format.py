@@ -2,15 +2,18 @@
 :func:`keep_fp32_state` moves chosen modules' parameters into groups that keep fp32 state (an optimizer's
 ``fp32_state_modules`` keeps it for them within the groups as given).
 
-A quantized optimizer picks a tensor's format by its size (``min_8bit_size``, ``min_4bit_size``). A group with
+A quantized optimizer picks a tensor's format by its size (``min_8bit_size``, ``min_4bit_size``), and a 4-bit one by
+its shape as well: a tensor whose rows are shorter than a block (:func:`rows_shorter_than_block`, LoRA's ``B``
+matrices) keeps 8-bit state, whose blocks then mix fewer rows' scales (README.md, Fidelity). A group with
 ``"state_format": "fp32"`` keeps fp32 state for every tensor it lists, as bitsandbytes'
 ``GlobalOptimManager.register_module_override(module, name, {"optim_bits": 32})`` does for a module's parameter
 (transformers' Trainer does it for every ``nn.Embedding`` of a model it trains with a bitsandbytes 8-bit optimizer);
-one naming the optimizer's own quantized format (``"8bit"``, ``"4bit"``) quantizes tensors of any size.
+one naming the optimizer's own quantized format (``"8bit"``, ``"4bit"``) quantizes tensors of any size and shape in it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -26,6 +29,13 @@ def state_formats(state_bits: int) -> tuple[str, ...]:
     """The formats a param group of an optimizer with ``state_bits``-bit state may name: ``"fp32"``, and for a
     quantized optimizer its own (``"8bit"`` or ``"4bit"``)."""
     return (FP32,) if state_bits == 32 else (FP32, f"{state_bits}bit")
+
+
+def rows_shorter_than_block(shape: torch.Size | tuple[int, ...], block_size: int) -> bool:
+    """Whether a tensor of ``shape`` has two or more dimensions and rows (its elements per index of the first
+    dimension: a linear layer's weights of one output) shorter than ``block_size`` elements, so that each block of its
+    flat state spans several rows, whose gradients may differ in scale by orders of magnitude."""
+    return len(shape) >= 2 and shape[0] > 0 and math.prod(shape) < block_size * shape[0]
 
 
 def check_state_format(group: dict[str, Any], state_bits: int, optimizer_name: str) -> None:
