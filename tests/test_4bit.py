@@ -156,7 +156,7 @@ def test_4bit_and_8bit_state_dicts_are_told_apart_and_load_into_each_other():
     for index, entry in exact_state.items():
         for name in ("exp_avg", "exp_avg_sq"):
             # decoding to fp32 and encoding again gives the same codes and scales back
-            for key in (f"{name}_packed_codes", f"{name}_scales"):
+            for key in (f"{name}_packed_codes", f"{name}_codes", f"{name}_scales"):
                 if key in saved["state"][index]:
                     assert torch.equal(again_state[index][key], saved["state"][index][key]), (index, key)
             if f"{name}_codes" in eight_state[index]:
@@ -208,3 +208,13 @@ def test_a_matrix_whose_rows_are_shorter_than_a_block_keeps_8bit_state(four_bit_
     assert saved[1].keys() == expected.keys()
     for key, value in expected.items():
         assert torch.equal(saved[1][key], value), key
+
+
+def test_pages_too_small_for_an_8bit_block_keep_short_rows_4bit():
+    """Blocks of 4096 in pages of 8 KiB hold a 4-bit block (4104 bytes) but not an 8-bit one: the optimizer is built
+    as before the short-rows rule, and a matrix with rows shorter than a block keeps 4-bit state."""
+    lora_b = torch.nn.Parameter(torch.randn(512, 32))
+    optimizer = hf_paged.PagedAdamW4bit([lora_b], block_size=4096, page_size="8KiB")
+    lora_b.grad = torch.randn_like(lora_b)
+    optimizer.step()
+    assert optimizer._layout[lora_b].kind == "4bit"

@@ -209,7 +209,8 @@ class PagedOptimizer(Optimizer):
         block_size: elements per quantization block (8-bit or 4-bit state), a power of two from 16 to 4096.
         min_8bit_size: tensors with fewer elements keep 32-bit state.
         four_bit: store tensors of ``min_4bit_size`` or more elements in blockwise 4-bit codes instead, but those
-            whose rows are shorter than a block (LoRA's ``B``) in 8-bit codes, as a group naming no format.
+            whose rows are shorter than a block (LoRA's ``B``) in blockwise 8-bit codes where a group names no format
+            and a page holds a block of them.
         min_4bit_size: tensors with fewer elements keep 32-bit state (4-bit state).
         normalization: what 4-bit codes are normalized by: ``"block"``, one fp32 scale per block; ``"rank1"``, for
             2-D tensors whose statistics cost no more than block scales (see
@@ -326,7 +327,9 @@ class PagedOptimizer(Optimizer):
             codecs = tuple(codec(block_size, signed) for signed in self.signed_states)
             formats[f"{self.state_bits}bit"] = PageFormat(codecs)
         if self.state_bits == 4:
-            formats["8bit"] = PageFormat(tuple(Blockwise8bitCodec(block_size, signed) for signed in self.signed_states))
+            short_rows = PageFormat(tuple(Blockwise8bitCodec(block_size, signed) for signed in self.signed_states))
+            if short_rows.capacity_for(self.page_size):  # else tensors with short rows keep 4-bit state too
+                formats["8bit"] = short_rows
         if self.normalization == "rank1":
             formats["4bit-rank1"] = PageFormat(
                 tuple(Rank1Normalized4bitCodec(block_size, signed) for signed in self.signed_states)
@@ -449,7 +452,8 @@ class PagedOptimizer(Optimizer):
         """The name of the page format of ``param``'s state: fp32 for a tensor kept so (``fp32_state_modules``), else
         the one its group names (``"state_format"``), else quantized from ``min_8bit_size`` (or ``min_4bit_size``)
         elements of the whole parameter (a DTensor's numel and shape, so that every rank picks the same): 4-bit
-        state in 8-bit codes where the tensor's rows are shorter than a block (:func:`rows_shorter_than_block`)."""
+        state in 8-bit codes where the tensor's rows are shorter than a block (:func:`rows_shorter_than_block`) and a
+        page holds a block of 8-bit state."""
         bits = self.state_bits
         named = FP32 if self._keeps_fp32(param) else group.get(STATE_FORMAT)
         if bits == 32 or named == FP32 or (named is None and param.numel() < group[f"min_{bits}bit_size"]):
@@ -460,7 +464,8 @@ class PagedOptimizer(Optimizer):
             and rank1_eligible(param.shape, group["block_size"])
         ):
             return "4bit-rank1"
-        if bits == 4 and named is None and rows_shorter_than_block(param.shape, group["block_size"]):
+        short_rows = bits == 4 and rows_shorter_than_block(param.shape, group["block_size"])
+        if short_rows and named is None and "8bit" in self._formats:
             return "8bit"
         return f"{bits}bit"
 
