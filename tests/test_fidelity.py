@@ -46,10 +46,11 @@ COLUMNS = [
     "weight deviation from fp32",
     "note",
 ]
-OURS_4BIT_QUICK_BOUNDS = {"mlp teacher": (2.2, 0.07), "tiny LM": (3.0, 0.05), "tiny LoRA": (0.1, 0.075)}
+OURS_4BIT_QUICK_BOUNDS = {"mlp teacher": (2.2, 0.07), "tiny LM": (3.0, 0.05), "tiny LoRA": (0.1, 0.05)}
 """Upper bounds on PagedAdamW4bit's loss gap (percent) and weight deviation per task in the quick run: the figures
 when this test was written (1.71%, 0.0555; 2.40%, 0.0389; 0.02%, 0.0583; rank-1 on the MLP teacher: 1.75%, 0.0567)
-with about a quarter's slack, so a change that loses fidelity fails the test."""
+with about a quarter's slack, so a change that loses fidelity fails the test; the LoRA's since its ``B`` matrices
+keep 8-bit state (0.01%, 0.0376; 0.0583 with 4-bit state, which this bound refuses)."""
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
 GRID_COLUMNS = [
