@@ -13,7 +13,7 @@ Tasks, each seeded and offline, one thread:
   (no responses; once per run, as many steps as the task), then frozen, with peft LoRA adapters of rank 32 on every
   projection fine-tuned on whole records; its loss is the eval loss. Each adapter matrix has 4096 elements or more,
   the least that torchao's optimizers keep in low bits (its threshold is fixed), so every library quantizes all of
-  them.
+  them (hf-paged's 4-bit optimizers the ``B`` matrices, whose rows of 32 are shorter than a block, in 8 bits).
 
 Each task runs at its own learning rate (:data:`TASK_LEARNING_RATES`, 1e-3) times each of :data:`LR_FACTORS` (0.3, 1
 and 3: 10x from the lowest to the highest), each with each weight decay of :data:`WEIGHT_DECAYS` (0 and 0.1,

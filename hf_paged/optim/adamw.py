@@ -254,8 +254,8 @@ class PagedAdamW4bit(_PagedAdamWBase):
     :class:`~hf_paged.codecs.Rank1Normalized4bitCodec`), which follows fp32 AdamW more closely. Tensors with fewer
     than ``min_4bit_size`` elements keep fp32 moments, and those whose rows are shorter than a block (LoRA's ``B``
     matrices, ``out x r``) blockwise 8-bit ones (2.06 bytes per parameter, as :class:`PagedAdamW8bit` with blocks of
-    ``block_size``): a 4-bit block spanning rows of unlike scales trained LoRA measurably faster than fp32 AdamW
-    (README.md, Fidelity). A param group naming ``"state_format": "4bit"`` keeps them 4-bit.
+    ``block_size``): 4-bit state for them trained LoRA measurably faster than fp32 AdamW (README.md, Fidelity). A
+    param group naming ``"state_format": "4bit"`` keeps them 4-bit, as do pages too small for a block of 8-bit state.
 
     Args:
         params, lr, betas, eps, weight_decay, amsgrad, maximize, foreach, capturable, differentiable, fused: as

@@ -212,7 +212,8 @@ class PagedAdEMAMix8bit(_PagedAdEMAMixBase):
 
 
 class PagedAdEMAMix4bit(_PagedAdEMAMixBase):
-    """AdEMAMix with blockwise 4-bit state (1.59 bytes per parameter) in pages under a device budget.
+    """AdEMAMix with blockwise 4-bit state (1.59 bytes per parameter; 3.09 for rows shorter than a block) in pages
+    under a device budget.
 
     Both averages use the signed quadratic 4-bit map with zero, the second moment the zero-excluding quartic one,
     each with one fp32 scale per block (see :class:`~hf_paged.codecs.Blockwise4bitCodec`). Tensors with fewer than
