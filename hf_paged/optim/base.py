@@ -20,14 +20,7 @@ import torch
 from torch.optim import Optimizer
 
 from ..budget import AutoBudget
-from ..codecs import (
-    QUANTIZED_CODECS,
-    Blockwise8bitCodec,
-    Float32Codec,
-    PageFormat,
-    Rank1Normalized4bitCodec,
-    rank1_eligible,
-)
+from ..codecs import QUANTIZED_CODECS, Float32Codec, PageFormat, Rank1Normalized4bitCodec, rank1_eligible
 from ..device import backend_for
 from ..kernels import UpdateRule, resolve_compiled, runs_compiled, segment_kernel
 from ..recovery import Recovery
@@ -321,19 +314,18 @@ class PagedOptimizer(Optimizer):
     # Layout -------------------------------------------------------------------------------------------
 
     def _page_formats(self, block_size: int) -> dict[str, PageFormat]:
+        def quantized(codec_class: type) -> PageFormat:
+            return PageFormat(tuple(codec_class(block_size, signed) for signed in self.signed_states))
+
         formats = {"32bit": PageFormat(tuple(Float32Codec() for _ in self.state_names))}
         if self.state_bits != 32:
-            codec = QUANTIZED_CODECS[self.state_bits]
-            codecs = tuple(codec(block_size, signed) for signed in self.signed_states)
-            formats[f"{self.state_bits}bit"] = PageFormat(codecs)
+            formats[f"{self.state_bits}bit"] = quantized(QUANTIZED_CODECS[self.state_bits])
         if self.state_bits == 4:
-            short_rows = PageFormat(tuple(Blockwise8bitCodec(block_size, signed) for signed in self.signed_states))
+            short_rows = quantized(QUANTIZED_CODECS[8])
             if short_rows.capacity_for(self.page_size):  # else tensors with short rows keep 4-bit state too
                 formats["8bit"] = short_rows
         if self.normalization == "rank1":
-            formats["4bit-rank1"] = PageFormat(
-                tuple(Rank1Normalized4bitCodec(block_size, signed) for signed in self.signed_states)
-            )
+            formats["4bit-rank1"] = quantized(Rank1Normalized4bitCodec)
         return formats
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -5,11 +5,11 @@
 A quantized optimizer picks a tensor's format by its size (``min_8bit_size``, ``min_4bit_size``), and a 4-bit one by
 its shape as well: a tensor whose rows are shorter than a block (:func:`rows_shorter_than_block`, LoRA's ``B``
 matrices) keeps 8-bit state, as 4-bit state for them made LoRA train measurably faster than fp32 AdamW (README.md,
-Fidelity). A group with
-``"state_format": "fp32"`` keeps fp32 state for every tensor it lists, as bitsandbytes'
+Fidelity). A group with ``"state_format": "fp32"`` keeps fp32 state for every tensor it lists, as bitsandbytes'
 ``GlobalOptimManager.register_module_override(module, name, {"optim_bits": 32})`` does for a module's parameter
 (transformers' Trainer does it for every ``nn.Embedding`` of a model it trains with a bitsandbytes 8-bit optimizer);
-one naming the optimizer's own quantized format (``"8bit"``, ``"4bit"``) quantizes tensors of any size and shape in it.
+one naming the optimizer's own quantized format (``"8bit"``, ``"4bit"``) keeps tensors of any size and shape in that
+format.
 """
 
 from __future__ import annotations
