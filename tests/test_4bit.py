@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import sys
 from pathlib import Path
@@ -218,3 +219,21 @@ def test_pages_too_small_for_an_8bit_block_keep_short_rows_4bit():
     lora_b.grad = torch.randn_like(lora_b)
     optimizer.step()
     assert optimizer._layout[lora_b].kind == "4bit"
+
+
+def test_short_rows_4bit_keeps_them_4bit_for_the_whole_optimizer():
+    """``short_rows="4bit"``: a matrix with rows shorter than a block keeps 4-bit state; the setting is saved in the
+    param groups (only where it is not the default, as torch.optim.AdamW's groups have no such key), survives a copy,
+    and is refused per group or with another value."""
+    lora_b = torch.nn.Parameter(torch.randn(512, 32))
+    optimizer = hf_paged.PagedAdamW4bit([lora_b], short_rows="4bit")
+    lora_b.grad = torch.randn_like(lora_b)
+    optimizer.step()
+    assert optimizer._layout[lora_b].kind == "4bit"
+    assert optimizer.state_dict()["param_groups"][0]["short_rows"] == "4bit"
+    assert copy.deepcopy(optimizer).short_rows == "4bit"
+    assert "short_rows" not in hf_paged.PagedAdamW4bit([lora_b]).state_dict()["param_groups"][0]
+    with pytest.raises(ValueError, match="short_rows must be one of '8bit', '4bit', got '2bit'"):
+        hf_paged.PagedAdamW4bit([lora_b], short_rows="2bit")
+    with pytest.raises(ValueError, match="short_rows='4bit' differs from the optimizer's short_rows='8bit'"):
+        hf_paged.PagedAdamW4bit([{"params": [lora_b], "short_rows": "4bit"}])

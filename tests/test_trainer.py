@@ -105,6 +105,21 @@ def test_trainer_creates_adamw_4bit_with_its_layout_arguments(tmp_path):
         "min_4bit_size": 1024, "block_size": 128}
 
 
+@pytest.mark.parametrize("short_rows", [None, "4bit"])
+def test_optim_args_keep_short_rows_4bit(tmp_path, short_rows):
+    """The tiny Llama's matrices but down_proj have rows of 64, shorter than a block of 128: 8-bit state by default,
+    4-bit with ``optim_args="short_rows=4bit"``, which an 8-bit optimizer refuses."""
+    optim_args = None if short_rows is None else f"short_rows={short_rows}"
+    trainer = fit(tmp_path, "hf_paged_adamw_4bit", max_steps=1, optim_args=optim_args)
+    optimizer = trainer.optimizer.optimizer
+    layout = optimizer._layout
+    kinds = {layout[param].kind for param in trainer.model.parameters() if param.ndim == 2}
+    assert kinds == ({"4bit", "32bit"} if short_rows == "4bit" else {"4bit", "8bit", "32bit"})
+    assert optimizer.short_rows == (short_rows or "8bit")
+    with pytest.raises(ValueError, match="short_rows"):
+        parse_optim_args({"short_rows": "4bit"}, hf_paged.PagedAdamW8bit)
+
+
 def test_ademamix_takes_the_hyperparameters_transformers_gives_bitsandbytes_ademamix(tmp_path, monkeypatch):
     """beta1, beta2 and eps from optim_args or the Trainer's adam_* settings, beta3, alpha, t_alpha and t_beta3 from
     optim_args (defaults 0.9999, 5.0, none), as transformers builds bitsandbytes' AdEMAMix; with

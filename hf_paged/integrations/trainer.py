@@ -97,7 +97,7 @@ _COMMON_ARGS = {
     "compiled": _boolean,
 }
 _EIGHT_BIT_ARGS = {"block_size": int, "min_8bit_size": int}
-_FOUR_BIT_ARGS = {"block_size": int, "min_4bit_size": int}
+_FOUR_BIT_ARGS = {"block_size": int, "min_4bit_size": int, "short_rows": str}
 _NORMALIZATION_ARGS = {"normalization": str}
 _ADEMAMIX_ARGS = {
     "beta1": float,

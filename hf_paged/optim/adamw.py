@@ -254,8 +254,9 @@ class PagedAdamW4bit(_PagedAdamWBase):
     :class:`~hf_paged.codecs.Rank1Normalized4bitCodec`), which follows fp32 AdamW more closely. Tensors with fewer
     than ``min_4bit_size`` elements keep fp32 moments, and those whose rows are shorter than a block (LoRA's ``B``
     matrices, ``out x r``) blockwise 8-bit ones (2.06 bytes per parameter, as :class:`PagedAdamW8bit` with blocks of
-    ``block_size``): 4-bit state for them trained LoRA measurably faster than fp32 AdamW (README.md, Fidelity). A
-    param group naming ``"state_format": "4bit"`` keeps them 4-bit, as do pages too small for a block of 8-bit state.
+    ``block_size``): 4-bit state for them trained LoRA measurably faster than fp32 AdamW (README.md, Fidelity).
+    ``short_rows="4bit"`` or a param group naming ``"state_format": "4bit"`` keeps them 4-bit, as do pages too small
+    for a block of 8-bit state.
 
     Args:
         params, lr, betas, eps, weight_decay, amsgrad, maximize, foreach, capturable, differentiable, fused: as
@@ -264,6 +265,8 @@ class PagedAdamW4bit(_PagedAdamWBase):
         min_4bit_size: tensors with fewer elements keep fp32 state.
         normalization: ``"block"`` (one scale per block) or ``"rank1"`` (rank-1 statistics for 2-D tensors whose
             statistics take no more memory than block scales, block scales for the others).
+        short_rows: the state format of tensors whose rows are shorter than a block: ``"8bit"`` (blockwise 8-bit
+            moments with blocks of ``block_size``) or ``"4bit"``.
         page_size, device_budget, prefetch, compiled: paging settings, see :class:`PagedOptimizer`.
         bf16_stochastic_round: round bf16 parameters' updated values to bf16 stochastically instead of to nearest,
             so that updates below half a bf16 spacing are kept in expectation (no effect on other dtypes).
@@ -289,6 +292,7 @@ class PagedAdamW4bit(_PagedAdamWBase):
         block_size: int = 128,
         min_4bit_size: int = 4096,
         normalization: str = "block",
+        short_rows: str = "8bit",
         page_size: int | str = DEFAULT_PAGE_SIZE,
         device_budget: int | str | None = None,
         prefetch: int = 2,
@@ -310,6 +314,7 @@ class PagedAdamW4bit(_PagedAdamWBase):
             block_size=block_size,
             min_4bit_size=min_4bit_size,
             normalization=normalization,
+            short_rows=short_rows,
             compiled=compiled,
             fp32_state_modules=fp32_state_modules,
         )

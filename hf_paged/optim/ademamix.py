@@ -218,12 +218,13 @@ class PagedAdEMAMix4bit(_PagedAdEMAMixBase):
     Both averages use the signed quadratic 4-bit map with zero, the second moment the zero-excluding quartic one,
     each with one fp32 scale per block (see :class:`~hf_paged.codecs.Blockwise4bitCodec`). Tensors with fewer than
     ``min_4bit_size`` elements keep fp32 state, and those whose rows are shorter than a block (LoRA's ``B`` matrices)
-    blockwise 8-bit state, as :class:`~hf_paged.optim.adamw.PagedAdamW4bit` does.
+    blockwise 8-bit state unless ``short_rows="4bit"``, as :class:`~hf_paged.optim.adamw.PagedAdamW4bit` does.
 
     Args:
         params, lr, betas, alpha, t_alpha, t_beta3, eps, weight_decay: as :class:`PagedAdEMAMix`.
         block_size: elements per quantization block (one fp32 scale each), a power of two from 16 to 4096.
         min_4bit_size: tensors with fewer elements keep fp32 state.
+        short_rows: the state format of tensors whose rows are shorter than a block, ``"8bit"`` or ``"4bit"``.
         page_size, device_budget, prefetch, compiled: paging settings, see :class:`PagedOptimizer`.
         bf16_stochastic_round, stochastic_round_seed: as :class:`PagedAdEMAMix`.
         fp32_state_modules: modules whose parameters keep fp32 state whatever their size, in the
@@ -243,6 +244,7 @@ class PagedAdEMAMix4bit(_PagedAdEMAMixBase):
         *,
         block_size: int = 128,
         min_4bit_size: int = 4096,
+        short_rows: str = "8bit",
         page_size: int | str = DEFAULT_PAGE_SIZE,
         device_budget: int | str | None = None,
         prefetch: int = 2,
@@ -263,6 +265,7 @@ class PagedAdEMAMix4bit(_PagedAdEMAMixBase):
             four_bit=True,
             block_size=block_size,
             min_4bit_size=min_4bit_size,
+            short_rows=short_rows,
             compiled=compiled,
             fp32_state_modules=fp32_state_modules,
         )

@@ -82,11 +82,14 @@ updated eagerly: three to four), whatever the page and model size."""
 NORMALIZATIONS = ("block", "rank1")
 """What 4-bit codes may be normalized by (``normalization``)."""
 
+SHORT_ROWS_FORMATS = ("8bit", "4bit")
+"""The state formats a 4-bit optimizer may keep tensors whose rows are shorter than a block in (``short_rows``)."""
+
 _BETWEEN_STEPS = "hf_paged.optimizer.between_steps"
 """The probe mark automatic budgets set at the end of each step: the forward/backward phase. Every optimizer on a
 device shares it, so the first to step after a forward/backward measures it; their predictions are pooled."""
 
-_LAYOUT_KEYS = ("block_size", "min_8bit_size", "min_4bit_size", "normalization", STATE_FORMAT)
+_LAYOUT_KEYS = ("block_size", "min_8bit_size", "min_4bit_size", "normalization", "short_rows", STATE_FORMAT)
 """Group entries that fix the state layout: saved with the state, never taken from a loaded state dict."""
 
 
@@ -202,14 +205,16 @@ class PagedOptimizer(Optimizer):
         block_size: elements per quantization block (8-bit or 4-bit state), a power of two from 16 to 4096.
         min_8bit_size: tensors with fewer elements keep 32-bit state.
         four_bit: store tensors of ``min_4bit_size`` or more elements in blockwise 4-bit codes instead, but those
-            whose rows are shorter than a block (LoRA's ``B``) in blockwise 8-bit codes where a group names no format
-            and a page holds a block of them.
+            whose rows are shorter than a block (LoRA's ``B``) in ``short_rows`` codes where a group names no format.
         min_4bit_size: tensors with fewer elements keep 32-bit state (4-bit state).
         normalization: what 4-bit codes are normalized by: ``"block"``, one fp32 scale per block; ``"rank1"``, for
             2-D tensors whose statistics cost no more than block scales (see
             :func:`~hf_paged.codecs.rank1_eligible`), each element by the smaller of its row's and its column's
             largest magnitude (:class:`~hf_paged.codecs.Rank1Normalized4bitCodec`), other tensors by blocks. A step
             then reads the pages of rank-1 tensors twice: once to gather the new state's statistics, once to update.
+        short_rows: the 4-bit state format of tensors whose rows are shorter than a block
+            (:func:`~hf_paged.optim.state_format.rows_shorter_than_block`): ``"8bit"``, blockwise 8-bit codes with
+            blocks of ``block_size`` where a page holds such a block (else 4-bit), or ``"4bit"``.
         compiled: fuse each segment's decode-update-encode with ``torch.compile``; ``None`` chooses by the
             ``HF_PAGED_COMPILE`` environment variable, else compiles parameters of 2**21 elements or more where a
             compiler is available (see :func:`~hf_paged.kernels.resolve_compiled`).
@@ -249,6 +254,7 @@ class PagedOptimizer(Optimizer):
         four_bit: bool = False,
         min_4bit_size: int = 4096,
         normalization: str = "block",
+        short_rows: str = "8bit",
         compiled: bool | None = None,
         fp32_state_modules: Iterable[torch.nn.Module] = (),
     ) -> None:
@@ -275,6 +281,14 @@ class PagedOptimizer(Optimizer):
                 raise ValueError(f"normalization={normalization!r} is for 4-bit state only (four_bit=True)")
             defaults = {**defaults, "normalization": normalization}
         self.normalization = normalization
+        if short_rows not in SHORT_ROWS_FORMATS:
+            allowed = ", ".join(map(repr, SHORT_ROWS_FORMATS))
+            raise ValueError(f"short_rows must be one of {allowed}, got {short_rows!r}")
+        if short_rows != "8bit":
+            if self.state_bits != 4:
+                raise ValueError(f"short_rows={short_rows!r} is for 4-bit state only (four_bit=True)")
+            defaults = {**defaults, "short_rows": short_rows}
+        self.short_rows = short_rows
         self._formats = self._page_formats(block_size)
         for page_format in self._formats.values():
             if page_format.capacity_for(self.page_size) == 0:
@@ -320,7 +334,7 @@ class PagedOptimizer(Optimizer):
         formats = {"32bit": PageFormat(tuple(Float32Codec() for _ in self.state_names))}
         if self.state_bits != 32:
             formats[f"{self.state_bits}bit"] = quantized(QUANTIZED_CODECS[self.state_bits])
-        if self.state_bits == 4:
+        if self.state_bits == 4 and self.short_rows == "8bit":
             short_rows = quantized(QUANTIZED_CODECS[8])
             if short_rows.capacity_for(self.page_size):  # else tensors with short rows keep 4-bit state too
                 formats["8bit"] = short_rows
@@ -385,13 +399,18 @@ class PagedOptimizer(Optimizer):
         self._checked_options = now
 
     def _check_layout_keys(self, group: dict[str, Any]) -> None:
-        """Raise ValueError where ``group`` sets a quantized state's ``block_size`` or ``normalization`` other than
-        the optimizer's (they fix the one page format of all its quantized state), or a smallest quantized tensor
-        (``min_8bit_size``, ``min_4bit_size``: a group's own) that is not an integer >= 0. An fp32 optimizer has
-        no such state and ignores them (a group copied from a quantized optimizer's carries them)."""
+        """Raise ValueError where ``group`` sets a quantized state's ``block_size``, ``normalization`` or ``short_rows``
+        other than the optimizer's (they fix the page formats of all its quantized state), or a smallest quantized
+        tensor (``min_8bit_size``, ``min_4bit_size``: a group's own) that is not an integer >= 0. An fp32 optimizer
+        has no such state and ignores them (a group copied from a quantized optimizer's carries them)."""
         if self.state_bits == 32:
             return
-        for key, value in (("block_size", self.defaults["block_size"]), ("normalization", self.normalization)):
+        optimizer_wide = (
+            ("block_size", self.defaults["block_size"]),
+            ("normalization", self.normalization),
+            ("short_rows", self.short_rows),
+        )
+        for key, value in optimizer_wide:
             if key in group and group[key] != value:
                 raise ValueError(
                     f"{key}={group[key]!r} differs from the optimizer's {key}={value!r}: one page format holds all "
