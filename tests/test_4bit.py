@@ -237,3 +237,7 @@ def test_short_rows_4bit_keeps_them_4bit_for_the_whole_optimizer():
         hf_paged.PagedAdamW4bit([lora_b], short_rows="2bit")
     with pytest.raises(ValueError, match="short_rows='4bit' differs from the optimizer's short_rows='8bit'"):
         hf_paged.PagedAdamW4bit([{"params": [lora_b], "short_rows": "4bit"}])
+    with pytest.raises(ValueError, match="short_rows='4bit' is for 4-bit state only"):
+        hf_paged.PagedOptimizer.__init__(
+            hf_paged.PagedAdamW8bit.__new__(hf_paged.PagedAdamW8bit), [], {}, eight_bit=True, short_rows="4bit"
+        )

@@ -80,10 +80,11 @@ undone, and for rank-1 state each chunk's normalizers. A step's workspace is thu
 updated eagerly: three to four), whatever the page and model size."""
 
 NORMALIZATIONS = ("block", "rank1")
-"""What 4-bit codes may be normalized by (``normalization``)."""
+"""What 4-bit codes may be normalized by (``normalization``), the default first."""
 
 SHORT_ROWS_FORMATS = ("8bit", "4bit")
-"""The state formats a 4-bit optimizer may keep tensors whose rows are shorter than a block in (``short_rows``)."""
+"""The state formats a 4-bit optimizer may keep tensors whose rows are shorter than a block in (``short_rows``), the
+default first."""
 
 _BETWEEN_STEPS = "hf_paged.optimizer.between_steps"
 """The probe mark automatic budgets set at the end of each step: the forward/backward phase. Every optimizer on a
@@ -183,6 +184,21 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     return value
 
 
+def _with_four_bit_choice(
+    defaults: dict[str, Any], name: str, value: str, allowed: tuple[str, ...], state_bits: int
+) -> dict[str, Any]:
+    """``defaults`` with the 4-bit state setting ``name`` (``normalization``, ``short_rows``) added where ``value`` is
+    not its default, ``allowed[0]``; ValueError for a value not in ``allowed``, or another than the default without
+    4-bit state."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+    if value == allowed[0]:
+        return defaults
+    if state_bits != 4:
+        raise ValueError(f"{name}={value!r} is for 4-bit state only (four_bit=True)")
+    return {**defaults, name: value}
+
+
 class PagedOptimizer(Optimizer):
     """A ``torch.optim.Optimizer`` whose state lives in pages under a device budget.
 
@@ -273,22 +289,9 @@ class PagedOptimizer(Optimizer):
             min_name, min_size = ("min_8bit_size", min_8bit_size) if eight_bit else ("min_4bit_size", min_4bit_size)
             _check_int(min_name, min_size, 0)
             defaults = {**defaults, "block_size": block_size, min_name: min_size}
-        if normalization not in NORMALIZATIONS:
-            allowed = ", ".join(map(repr, NORMALIZATIONS))
-            raise ValueError(f"normalization must be one of {allowed}, got {normalization!r}")
-        if normalization != "block":
-            if self.state_bits != 4:
-                raise ValueError(f"normalization={normalization!r} is for 4-bit state only (four_bit=True)")
-            defaults = {**defaults, "normalization": normalization}
-        self.normalization = normalization
-        if short_rows not in SHORT_ROWS_FORMATS:
-            allowed = ", ".join(map(repr, SHORT_ROWS_FORMATS))
-            raise ValueError(f"short_rows must be one of {allowed}, got {short_rows!r}")
-        if short_rows != "8bit":
-            if self.state_bits != 4:
-                raise ValueError(f"short_rows={short_rows!r} is for 4-bit state only (four_bit=True)")
-            defaults = {**defaults, "short_rows": short_rows}
-        self.short_rows = short_rows
+        defaults = _with_four_bit_choice(defaults, "normalization", normalization, NORMALIZATIONS, self.state_bits)
+        defaults = _with_four_bit_choice(defaults, "short_rows", short_rows, SHORT_ROWS_FORMATS, self.state_bits)
+        self.normalization, self.short_rows = normalization, short_rows
         self._formats = self._page_formats(block_size)
         for page_format in self._formats.values():
             if page_format.capacity_for(self.page_size) == 0:
