@@ -466,8 +466,8 @@ class PagedOptimizer(Optimizer):
         """The name of the page format of ``param``'s state: fp32 for a tensor kept so (``fp32_state_modules``), else
         the one its group names (``"state_format"``), else quantized from ``min_8bit_size`` (or ``min_4bit_size``)
         elements of the whole parameter (a DTensor's numel and shape, so that every rank picks the same): 4-bit
-        state in 8-bit codes where the tensor's rows are shorter than a block (:func:`rows_shorter_than_block`) and a
-        page holds a block of 8-bit state."""
+        state in 8-bit codes where the tensor's rows are shorter than a block (:func:`rows_shorter_than_block`) and the
+        optimizer has that format (``short_rows="8bit"``, and a page holds a block of 8-bit state)."""
         bits = self.state_bits
         named = FP32 if self._keeps_fp32(param) else group.get(STATE_FORMAT)
         if bits == 32 or named == FP32 or (named is None and param.numel() < group[f"min_{bits}bit_size"]):
