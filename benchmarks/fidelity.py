@@ -21,13 +21,15 @@ decoupled, every optimizer the same): a cell. Prints a markdown table: per cell 
 to its fp32 reference's in percent (``|loss - loss_fp32| / loss_fp32``; the AdamW optimizers' reference is
 ``torch.optim.AdamW``, the AdEMAMix ones' bitsandbytes' reference AdEMAMix, ``_ReferenceAdEMAMix``, with its
 defaults), and the relative deviation of the trained weights from its reference's (``|w - w_fp32| / |w_fp32|`` over
-the trained parameters flattened), as means over the seed sets with the gap's range; then, per cell, whether
+the trained parameters flattened), as means over the seed sets with the gap's range; then each optimizer's mean and
+largest gap and deviation over the cells, and where each of :data:`RIVALS` is closer; then, per cell, whether
 PagedAdamW4bit (its default setting, and ``normalization="rank1"``) is closer to fp32 AdamW than torchao's
 ``AdamW4bit`` on the means. Optimizers that cannot run here are listed with the reason. torchao's optimizers run their
 update eagerly (its ``torch.compile`` would only change the speed).
 
     PYTHONPATH=. python benchmarks/fidelity.py                  # 200 steps, 18 cells, 3 seed sets: hours on one core
     PYTHONPATH=. python benchmarks/fidelity.py --only 4bit      # the 4-bit comparison: about 25 min of one core
+    PYTHONPATH=. python benchmarks/fidelity.py --only 8bit      # the 8-bit AdamWs (ademamix: the AdEMAMixes)
     PYTHONPATH=. python benchmarks/fidelity.py --quick          # 20 steps, one cell per task, one seed set: a minute
 """
 
@@ -66,8 +68,25 @@ OURS_4BIT = "hf-paged PagedAdamW4bit"
 OURS_RANK1 = "hf-paged PagedAdamW4bit (rank-1)"
 OURS_4BIT_VARIANTS = (OURS_4BIT, OURS_RANK1)
 THEIRS_4BIT = "torchao AdamW4bit"
-GROUPS = {"4bit": (ADAMW_REFERENCE, *OURS_4BIT_VARIANTS, THEIRS_4BIT)}
+GROUPS = {
+    "4bit": (ADAMW_REFERENCE, *OURS_4BIT_VARIANTS, THEIRS_4BIT),
+    "8bit": (ADAMW_REFERENCE, "hf-paged PagedAdamW8bit", "torchao AdamW8bit", "bitsandbytes AdamW8bit"),
+    "ademamix": (
+        ADEMAMIX_REFERENCE,
+        "hf-paged PagedAdEMAMix",
+        "hf-paged PagedAdEMAMix8bit",
+        "hf-paged PagedAdEMAMix4bit",
+        "bitsandbytes AdEMAMix8bit",
+    ),
+}
 """Named subsets of the optimizers for ``--only``."""
+RIVALS = (
+    ("hf-paged PagedAdamW8bit", "torchao AdamW8bit"),
+    ("hf-paged PagedAdamW8bit", "bitsandbytes AdamW8bit"),
+    ("hf-paged PagedAdEMAMix8bit", "bitsandbytes AdEMAMix8bit"),
+)
+"""Pairs of optimizers of the same state size whose cells :func:`grid_summary` counts: where the first is closer to
+their fp32 reference than the second."""
 SEED_STRIDE = 100
 """Seed set ``k`` adds ``k * SEED_STRIDE`` to every seed of a task (initialization, teacher, data order); set 0 has the
 seeds the benchmark always had."""
@@ -422,6 +441,43 @@ def target_checks(results: dict[Cell, dict[str, Result | str]]) -> list[str]:
     return lines
 
 
+def grid_summary(results: dict[Cell, dict[str, Result | str]]) -> list[str]:
+    """Per optimizer that is not a reference, over the cells it ran: the mean and the largest of its loss gaps and of
+    its weight deviations (each a mean over the seed sets) as a markdown table; then, per pair of :data:`RIVALS`
+    that both ran, in how many cells the first is closer to the reference on each measure."""
+    references = {reference for reference, _ in optimizers().values()}
+    ran: dict[str, list[tuple[Cell, Result]]] = {}
+    for cell, rows in results.items():
+        for name, result in rows.items():
+            if name not in references and isinstance(result, Result):
+                ran.setdefault(name, []).append((cell, result))
+    lines = [
+        "| optimizer | cells | mean loss gap | largest loss gap | mean weight deviation | largest weight deviation |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, found in ran.items():
+        gaps = [result.gap_percent for _, result in found]
+        deviations = [result.deviation for _, result in found]
+        lines.append(
+            f"| {name} | {len(found)} | {statistics.fmean(gaps):.2f}% | {max(gaps):.2f}% "
+            f"| {statistics.fmean(deviations):.4f} | {max(deviations):.4f} |"
+        )
+    for ours, theirs in RIVALS:
+        pairs = [
+            (rows[ours], rows[theirs])
+            for rows in results.values()
+            if isinstance(rows.get(ours), Result) and isinstance(rows.get(theirs), Result)
+        ]
+        if pairs:
+            gap_wins = sum(mine.gap_percent <= its.gap_percent for mine, its in pairs)
+            deviation_wins = sum(mine.deviation <= its.deviation for mine, its in pairs)
+            lines.append(
+                f"- {ours} closer to its fp32 reference than {theirs}: loss gap in {gap_wins} of {len(pairs)} cells, "
+                f"weight deviation in {deviation_wins}"
+            )
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="20 steps, one seed set, one cell per task: a test's size")
@@ -450,8 +506,11 @@ def main() -> None:
     results = measure(steps, seeds, grid, names)
     print(f"{steps} steps per run, one thread, means over {seeds} seed set(s)\n")
     print(table(results))
-    print(f"\nPagedAdamW4bit against torchao's AdamW4bit, on the means over {seeds} seed set(s):\n")
-    print("\n".join(target_checks(results)))
+    print(f"\nEach optimizer over the {len(results)} cell(s), on the means over {seeds} seed set(s):\n")
+    print("\n".join(grid_summary(results)))
+    if any(variant in rows for rows in results.values() for variant in OURS_4BIT_VARIANTS):
+        print(f"\nPagedAdamW4bit against torchao's AdamW4bit, on the means over {seeds} seed set(s):\n")
+        print("\n".join(target_checks(results)))
 
 
 if __name__ == "__main__":

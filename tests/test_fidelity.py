@@ -69,8 +69,12 @@ GRID_COLUMNS = [
 
 @pytest.fixture(scope="module")
 def quick_rows() -> dict[tuple[str, str], dict[str, str]]:
-    """The quick run's table, by (task, optimizer)."""
-    (table,) = markdown_tables(run_benchmark("fidelity.py", "--quick"))
+    """The quick run's table, by (task, optimizer); its summary has a row for each optimizer but the references."""
+    table, summary = markdown_tables(run_benchmark("fidelity.py", "--quick"))
+    references = {"torch AdamW (fp32)", "bitsandbytes reference AdEMAMix (fp32)"}
+    assert [(row["optimizer"], row["cells"]) for row in summary] == [
+        (name, str(len(TASKS))) for name in OPTIMIZERS if name not in references
+    ]
     assert list(table[0]) == COLUMNS
     assert [(row["task"], row["optimizer"]) for row in table] == [(t, o) for t in TASKS for o in OPTIMIZERS]
     assert {(row["lr"], row["weight decay"]) for row in table} == {("1e-03", "0.1")}
@@ -190,6 +194,44 @@ def test_seed_sets_change_every_seed_and_the_table_gives_their_means_and_the_gap
     result = fidelity.summary([(1.0, 2.0, 0.25), (3.0, 6.0, 0.75)])
     assert result == fidelity.Result(loss=2.0, gap_percent=4.0, deviation=0.5, gap_range=(2.0, 6.0))
     assert fidelity.summary("skipped: why") == "skipped: why"
+
+
+def test_the_grid_summary_gives_each_optimizers_means_and_largest_figures_and_counts_the_rivals_cells():
+    def result(gap: float, deviation: float) -> fidelity.Result:
+        return fidelity.Result(loss=1.0, gap_percent=gap, deviation=deviation, gap_range=(gap, gap))
+
+    ours, theirs = fidelity.RIVALS[0]
+    results = {
+        ("mlp teacher", 1e-3, 0.0): {
+            "torch AdamW (fp32)": result(0.0, 0.0),
+            ours: result(1.0, 0.01),
+            theirs: result(2.0, 0.005),
+        },
+        ("tiny LM", 1e-3, 0.0): {
+            "torch AdamW (fp32)": result(0.0, 0.0),
+            ours: result(3.0, 0.03),
+            theirs: "skipped: not here",
+        },
+        ("tiny LoRA", 1e-3, 0.0): {
+            "torch AdamW (fp32)": result(0.0, 0.0),
+            ours: result(0.5, 0.02),
+            theirs: result(1.0, 0.04),
+        },
+    }
+    lines = fidelity.grid_summary(results)
+    assert lines[2:4] == [
+        f"| {ours} | 3 | 1.50% | 3.00% | 0.0200 | 0.0300 |",
+        f"| {theirs} | 2 | 1.50% | 2.00% | 0.0225 | 0.0400 |",
+    ]
+    assert lines[4:] == [
+        f"- {ours} closer to its fp32 reference than {theirs}: loss gap in 2 of 2 cells, weight deviation in 1"
+    ]
+
+
+def test_every_named_group_names_optimizers_of_the_benchmark():
+    for group, names in fidelity.GROUPS.items():
+        assert set(names) <= set(fidelity.optimizers()), group
+    assert {name for pair in fidelity.RIVALS for name in pair} <= set(fidelity.optimizers())
 
 
 def written(cell: fidelity.Cell) -> tuple[str, str, str]:
