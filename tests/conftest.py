@@ -11,10 +11,6 @@ import sys
 from unittest import mock
 
 os.environ.setdefault("HF_PAGED_COMPILE", "0")
-# OpenMP's threads (PyTorch's and the host kernels') sleep between parallel regions instead of spinning: the tests
-# share two cores with the launches they start, and spinning took about a third of tests/test_trainer.py's CPU time.
-# Set before PyTorch loads the OpenMP runtime, which reads it once; the tests' subprocesses inherit it.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 import torch
