@@ -446,18 +446,18 @@ def grid_summary(results: dict[Cell, dict[str, Result | str]]) -> list[str]:
     its weight deviations (each a mean over the seed sets) as a markdown table; then, per pair of :data:`RIVALS`
     that both ran, in how many cells the first is closer to the reference on each measure."""
     references = {reference for reference, _ in optimizers().values()}
-    ran: dict[str, list[tuple[Cell, Result]]] = {}
-    for cell, rows in results.items():
+    ran: dict[str, list[Result]] = {}
+    for rows in results.values():
         for name, result in rows.items():
             if name not in references and isinstance(result, Result):
-                ran.setdefault(name, []).append((cell, result))
+                ran.setdefault(name, []).append(result)
     lines = [
         "| optimizer | cells | mean loss gap | largest loss gap | mean weight deviation | largest weight deviation |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for name, found in ran.items():
-        gaps = [result.gap_percent for _, result in found]
-        deviations = [result.deviation for _, result in found]
+        gaps = [result.gap_percent for result in found]
+        deviations = [result.deviation for result in found]
         lines.append(
             f"| {name} | {len(found)} | {statistics.fmean(gaps):.2f}% | {max(gaps):.2f}% "
             f"| {statistics.fmean(deviations):.4f} | {max(deviations):.4f} |"
