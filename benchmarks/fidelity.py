@@ -445,11 +445,10 @@ def grid_summary(results: dict[Cell, dict[str, Result | str]]) -> list[str]:
     """Per optimizer that is not a reference, over the cells it ran: the mean and the largest of its loss gaps and of
     its weight deviations (each a mean over the seed sets) as a markdown table; then, per pair of :data:`RIVALS`
     that both ran, in how many cells the first is closer to the reference on each measure."""
-    references = {reference for reference, _ in optimizers().values()}
     ran: dict[str, list[Result]] = {}
     for rows in results.values():
         for name, result in rows.items():
-            if name not in references and isinstance(result, Result):
+            if name not in (ADAMW_REFERENCE, ADEMAMIX_REFERENCE) and isinstance(result, Result):
                 ran.setdefault(name, []).append(result)
     lines = [
         "| optimizer | cells | mean loss gap | largest loss gap | mean weight deviation | largest weight deviation |",
