@@ -11,6 +11,11 @@ import sys
 from unittest import mock
 
 os.environ.setdefault("HF_PAGED_COMPILE", "0")
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    # Workers share the cores: PyTorch's threads in each worker, and in the processes it launches, would otherwise
+    # outnumber them and spin while they wait (the suite took 900 s on two cores with two threads per worker, 508 s
+    # with one). Set before PyTorch is first imported, which reads it then.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
@@ -58,6 +63,16 @@ this machine can)."""
 
 _background_builds: list[subprocess.Popen] = []
 
+MOST_WORKERS = 8
+"""The most workers ``-n auto`` starts: each holds PyTorch and transformers (about 1 GB) and launches runs of two
+processes."""
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker per core this process may run on, at most :data:`MOST_WORKERS`."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(cores, MOST_WORKERS)
+
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Start building the host kernels of this process's capability and of every one below it that is not built yet,
@@ -66,9 +81,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     built or nearly, and the builds of the lower capabilities, at the lowest nice level, use a core the tests leave
     idle instead of running when tests/test_native_variants.py first needs them. Nothing starts where the host kernels
     are off (``HF_PAGED_NATIVE=0``), where ``ATEN_CPU_CAPABILITY`` is set (test_native_variants.py's own runs) or where
-    PyTorch's capability is not one the host kernels are built for."""
+    PyTorch's capability is not one the host kernels are built for. Under ``-n``, the controlling process starts
+    them for its workers."""
     current = torch.backends.cpu.get_cpu_capability().lower()
     if "ATEN_CPU_CAPABILITY" in os.environ or native.native_setting() is False or current not in CAPABILITY_LADDER:
+        return
+    if "PYTEST_XDIST_WORKER" in os.environ:
         return
     for capability in CAPABILITY_LADDER[: CAPABILITY_LADDER.index(current) + 1]:
         name = native.build_name(capability)
