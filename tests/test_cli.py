@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from packaging.version import Version
 from test_examples import unwanted_lines
 
 from hf_paged.cli import main
@@ -406,21 +407,39 @@ def test_lora_targets_that_match_nothing_are_a_config_error(tmp_path, capsys, qu
     assert "Traceback" not in error
 
 
-def test_adapters_peft_refuses_are_a_config_error(tmp_path, capsys):
-    """peft's LoRA of a mixture of experts' 3D weights refuses ``lora_dropout``: ``hf-paged train`` names ``lora``
-    with peft's reason and exits with status 2, as ``hf-paged plan`` does, not with peft's traceback."""
+PEFT_ADAPTS_EXPERTS_UNDER_QLORA = Version(importlib.metadata.version("peft")) >= Version("0.22")
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        "lora",
+        pytest.param(
+            "qlora",
+            marks=pytest.mark.skipif(
+                not PEFT_ADAPTS_EXPERTS_UNDER_QLORA, reason="peft adapts experts' 3D weights under QLoRA from 0.22"
+            ),
+        ),
+    ],
+)
+def test_adapters_peft_refuses_are_a_config_error(tmp_path, capsys, method):
+    """peft's adapters of a mixture of experts' 3D weights refuse ``lora_dropout`` (LoRA's, and QLoRA's from peft
+    0.22): ``hf-paged train`` names ``lora.lora_dropout`` with peft's reason and the value that works, and exits with
+    status 2, as ``hf-paged plan`` does, not with peft's traceback."""
     import transformers
 
     sizes = {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1}
     config = transformers.MixtralConfig(vocab_size=259, num_hidden_layers=1, num_local_experts=2, **sizes)
     transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "model")
     capsys.readouterr()
-    overrides = [f"model.name={tmp_path / 'model'}", "tokenizer.name=byte", "lora.quantize=false"]
+    overrides = [f"model.name={tmp_path / 'model'}", "tokenizer.name=byte", f"lora.quantize={method == 'qlora'}"]
     overrides += ["lora.target_modules=all-linear", "lora.lora_dropout=0.05", *FAST[1::2]]
     status = main(["train", *(f"--set={item}" for item in overrides), "--output-dir", str(tmp_path / "out")])
     error = capsys.readouterr().err
     assert status == 2 and "Traceback" not in error, error
-    assert error.splitlines()[-1].startswith("hf-paged: error: lora: lora of ") and "lora_dropout" in error, error
+    last = error.splitlines()[-1]
+    assert last.startswith(f"hf-paged: error: lora.lora_dropout: {method} of "), error
+    assert "lora_dropout != 0" in last and last.endswith("set lora.lora_dropout=0"), error
 
 
 def test_a_model_that_is_not_a_causal_lm_is_a_config_error_naming_the_model(tmp_path, capsys):

@@ -331,16 +331,19 @@ def _write_config(directory: Path, name: str) -> str:
 
 
 def test_cli_names_a_model_that_peft_or_quantization_refuses(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
-    """peft's LoRA of a mixture of experts' 3D weights refuses lora_dropout, and a model whose linear layers are all
+    """peft's LoRA of a mixture of experts' 3D weights refuses lora_dropout (named), and a model whose linear layers are all
     subclasses of nn.Linear (Falcon's) has none that transformers quantizes: exit status 2 with the reason, not a
     traceback."""
-    cases = {"mixtral": ("lora", "lora_dropout != 0"), "falcon": ("qlora", "has no linear layers to quantize")}
-    for name, (method, reason) in cases.items():
+    cases = {
+        "mixtral": ("lora", "lora.lora_dropout", "lora_dropout != 0"),
+        "falcon": ("qlora", "lora", "has no linear layers to quantize"),
+    }
+    for name, (method, key, reason) in cases.items():
         overrides = [f"model.name={_write_config(tmp_path, name)}", "tokenizer.max_length=16"]
         arguments = [item for override in overrides for item in ("--set", override)]
         assert main(["plan", *arguments, "--method", method, "--device", "cpu"]) == 2
         error = capsys.readouterr().err
-        assert error.startswith("hf-paged: error: lora: ") and reason in error, error
+        assert error.startswith(f"hf-paged: error: {key}: ") and reason in error, error
 
 
 def test_cli_reports_an_alternative_that_cannot_be_planned(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:

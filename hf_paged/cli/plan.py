@@ -198,8 +198,8 @@ def build_model(setup: TrainingSetup, device: str = "cpu", shapes_only: bool = F
     """The model ``hf-paged train`` would train, with random weights, on the CPU; ``shapes_only``: 4-bit layers
     are shells of the right size (for fake tensors, which bitsandbytes cannot quantize). Targets that match no
     module of the model are a :class:`ConfigError` naming ``lora.target_modules``, as in ``hf-paged train``; adapters
-    peft refuses (LoRA of a mixture of experts' 3D weights with ``lora_dropout``) or a model without a linear layer
-    to quantize are one naming ``lora``."""
+    peft refuses (those of a mixture of experts' 3D weights with ``lora_dropout``: ``lora.lora_dropout``) or a model
+    without a linear layer to quantize are one naming ``lora``."""
     from ..qlora import TargetModulesError
 
     config = setup.config

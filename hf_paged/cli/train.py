@@ -179,8 +179,9 @@ def training_data(config: Config, tokenizer: Any, args: Any) -> Any:
 def build_model(config: Config, tokenizer: Any, device: torch.device) -> Any:
     """The base model with LoRA adapters (4-bit base weights when ``lora.quantize``), on ``device``. Targets that
     match no module of the model are a :class:`ConfigError` naming ``lora.target_modules``; adapters peft refuses
-    (LoRA of a mixture of experts' 3D weights with ``lora_dropout``) or a model that 4-bit preparation refuses (one
-    without a linear layer to quantize, one that is not a causal LM) are one naming ``lora`` (:func:`setup_error`).
+    (those of a mixture of experts' 3D weights with ``lora_dropout``: one naming ``lora.lora_dropout``) or a model that
+    4-bit preparation refuses (one without a linear layer to quantize, one that is not a causal LM) are one naming
+    ``lora`` (:func:`setup_error`).
     An error loading a model for LoRA is raised as it is."""
     from ..qlora import TargetModulesError
 
@@ -197,9 +198,18 @@ def build_model(config: Config, tokenizer: Any, device: torch.device) -> Any:
 
 def setup_error(method: str, model_name: str, error: ValueError) -> ConfigError:
     """The :class:`ConfigError` for ``error``, raised by peft or the quantization while ``method`` (``full``, ``lora``
-    or ``qlora``) set up ``model_name``: it names ``model.name`` for a full fine-tune, else ``lora``."""
-    key = "model.name" if method == "full" else "lora"
-    return ConfigError(f"{key}: {method} of {model_name!r} cannot be set up: {error}")
+    or ``qlora``) set up ``model_name``: it names ``model.name`` for a full fine-tune, ``lora.lora_dropout`` where
+    peft refuses dropout (the adapters of weights it targets as parameters, such as a mixture of experts' 3D expert
+    weights, which LoRA, and QLoRA from peft 0.22, adapt), else ``lora``."""
+    if method == "full":
+        return ConfigError(f"model.name: full of {model_name!r} cannot be set up: {error}")
+    if "lora_dropout" in str(error):
+        return ConfigError(
+            f"lora.lora_dropout: {method} of {model_name!r} cannot be set up with dropout: peft adapts some of its "
+            f"weights as parameters (a mixture of experts' 3D expert weights), whose inputs it cannot drop out "
+            f"({error}); set lora.lora_dropout=0"
+        )
+    return ConfigError(f"lora: {method} of {model_name!r} cannot be set up: {error}")
 
 
 def _base_model(config: Config, tokenizer: Any, device: torch.device) -> Any | None:
