@@ -83,10 +83,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     are off (``HF_PAGED_NATIVE=0``), where ``ATEN_CPU_CAPABILITY`` is set (test_native_variants.py's own runs) or where
     PyTorch's capability is not one the host kernels are built for. Under ``-n``, the controlling process starts
     them for its workers."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        return
     current = torch.backends.cpu.get_cpu_capability().lower()
     if "ATEN_CPU_CAPABILITY" in os.environ or native.native_setting() is False or current not in CAPABILITY_LADDER:
-        return
-    if "PYTEST_XDIST_WORKER" in os.environ:
         return
     for capability in CAPABILITY_LADDER[: CAPABILITY_LADDER.index(current) + 1]:
         name = native.build_name(capability)
