@@ -42,21 +42,6 @@ OPTIMIZERS = {
 }
 
 
-LONG_TESTS_SLOW_RUN_ONLY = ("PagedAdEMAMix", "PagedAdEMAMix4bit")
-"""Optimizers that the longest per-optimizer tests (a training run or a large page each) take in the slow run only:
-PagedAdEMAMix8bit runs them by default for AdEMAMix's rule, whose fp32 and 4-bit kernels the kernel tests hold
-bitwise to the eager ones."""
-
-
-def long_test_optimizers() -> list:
-    """The names of :data:`OPTIMIZERS` for a long per-optimizer test, those of :data:`LONG_TESTS_SLOW_RUN_ONLY` marked
-    slow."""
-    return [
-        pytest.param(name, marks=pytest.mark.slow) if name in LONG_TESTS_SLOW_RUN_ONLY else name
-        for name in sorted(OPTIMIZERS)
-    ]
-
-
 CAPABILITY_LADDER = ("default", "avx2", "avx512")
 """The CPU capabilities the host kernels are built for, lowest first (tests/test_native_variants.py runs each one
 this machine can)."""

@@ -47,12 +47,6 @@ def ours_run():
     return fit(lambda params: hf_paged.PagedAdamW4bit(params, lr=1e-3, device_budget="256KiB", page_size="64KiB"))
 
 
-SLOW_200_STEPS = pytest.mark.slow
-"""The 200-step runs take about 40 s; the default run holds the same claims on the same task at 20 steps
-(tests/test_fidelity.py, which also covers the tiny LM and LoRA tasks)."""
-
-
-@SLOW_200_STEPS
 def test_adamw4bit_final_loss_within_5_percent_of_fp32(fp32_run, ours_run):
     _, first, reference_loss = fp32_run
     _, _, loss = ours_run
@@ -60,7 +54,6 @@ def test_adamw4bit_final_loss_within_5_percent_of_fp32(fp32_run, ours_run):
     assert abs(loss - reference_loss) <= 0.05 * reference_loss
 
 
-@SLOW_200_STEPS
 def test_adamw4bit_deviates_from_fp32_no_more_than_torchao(fp32_run, ours_run, monkeypatch):
     torchao_optim = pytest.importorskip("torchao.optim")
     reference, _, reference_loss = fp32_run
@@ -73,7 +66,6 @@ def test_adamw4bit_deviates_from_fp32_no_more_than_torchao(fp32_run, ours_run, m
     assert deviation(ours, reference) > 0
 
 
-@pytest.mark.slow  # about 20 s; tests/test_readme.py measures every class's bytes per parameter from real optimizers
 def test_adamw4bit_state_bytes_per_parameter_in_memory_and_saved():
     params = [torch.nn.Parameter(torch.zeros(1024, 1024)) for _ in range(4)]
     optimizer = hf_paged.PagedAdamW4bit(params)

@@ -11,7 +11,6 @@ import torch
 from conftest import (
     OPTIMIZERS,
     decay_groups,
-    long_test_optimizers,
     make_mlp,
     optimizer_kwargs,
     regression_batches,
@@ -138,7 +137,7 @@ def assert_stopped_in_whole_chunks(model, optimizer, error, before, after, at) -
 
 
 @pytest.mark.parametrize("budget", sorted(BUDGETS))
-@pytest.mark.parametrize("name", long_test_optimizers())
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_an_out_of_memory_error_at_any_allocation_of_the_step_is_recovered_bitwise(name, budget):
     """Step 2 fails at one allocation (its step counts read, a page, a gathered copy, a chunk's temporaries, a saved
     copy, a write-back): the step is finished under a smaller budget and steps 2 and 3 equal those of a run without

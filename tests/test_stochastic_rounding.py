@@ -14,7 +14,6 @@ import torch
 from conftest import (
     OPTIMIZERS,
     decay_groups,
-    long_test_optimizers,
     make_mlp,
     optimizer_kwargs,
     regression_batches,
@@ -216,7 +215,7 @@ def stall_run(name: str, dtype: torch.dtype, stochastic: bool, steps: int = 300)
     return losses[0], losses[-1], weight.detach().float()
 
 
-@pytest.mark.parametrize("optimizer_name", long_test_optimizers())
+@pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
 def test_stochastic_rounding_tracks_fp32_master_weights_where_rounding_to_nearest_stalls(optimizer_name):
     first, fp32_loss, fp32_weight = stall_run(optimizer_name, torch.float32, stochastic=False)
     _, nearest_loss, nearest_weight = stall_run(optimizer_name, torch.bfloat16, stochastic=False)
@@ -274,7 +273,7 @@ def test_long_chunks_round_in_slices_with_the_bits_of_short_ones(name, monkeypat
 
 
 @pytest.mark.parametrize("page_size", [32 * 2**10, 2**20])
-@pytest.mark.parametrize("optimizer_name", long_test_optimizers())
+@pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
 def test_eager_rounding_temporaries_fit_the_reserved_workspace(optimizer_name, page_size, monkeypatch):
     from test_workspace import PeakAllocation
 

@@ -223,18 +223,7 @@ def test_matches_trainer_with_torch_adamw(tmp_path, overrides):
     )
 
 
-SCHEDULERS_OF_THE_DEFAULT_RUN = ("constant", "cosine_with_restarts", "greedy", "linear", "reduce_lr_on_plateau")
-"""One scheduler of each way a scheduler reaches the optimizer (a lambda per group, restarts, metric-driven); the
-slow run takes every one."""
-
-
-@pytest.mark.parametrize(
-    "scheduler",
-    [
-        value if value in SCHEDULERS_OF_THE_DEFAULT_RUN else pytest.param(value, marks=pytest.mark.slow)
-        for value in (scheduler.value for scheduler in transformers.SchedulerType)
-    ],
-)
+@pytest.mark.parametrize("scheduler", [scheduler.value for scheduler in transformers.SchedulerType])
 def test_every_lr_scheduler(tmp_path, scheduler):
     kwargs = {"lr_scheduler_type": scheduler, "warmup_steps": 1, "max_steps": 3}
     if scheduler in ("reduce_lr_on_plateau", "greedy"):
