@@ -331,9 +331,9 @@ def _write_config(directory: Path, name: str) -> str:
 
 
 def test_cli_names_a_model_that_peft_or_quantization_refuses(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
-    """peft's LoRA of a mixture of experts' 3D weights refuses lora_dropout (named), and a model whose linear layers are all
-    subclasses of nn.Linear (Falcon's) has none that transformers quantizes: exit status 2 with the reason, not a
-    traceback."""
+    """peft's LoRA of a mixture of experts' 3D weights refuses lora_dropout (named), and a model whose linear layers
+    are all subclasses of nn.Linear (Falcon's) has none that transformers quantizes: exit status 2 with the reason, not
+    a traceback."""
     cases = {
         "mixtral": ("lora", "lora.lora_dropout", "lora_dropout != 0"),
         "falcon": ("qlora", "lora", "has no linear layers to quantize"),
