@@ -7,6 +7,10 @@ host thread as the compute stream:
   each ``delay`` seconds after the one before; an event completes when its copy has run;
 * :meth:`~SimulatedStreamBackend.order_after` blocks the host (the compute stream) until the event's copy
   has run, as a stream wait blocks later kernels;
+* :meth:`~SimulatedStreamBackend.is_done` reports a copy complete once it has run, as an event query does, so what a
+  store does next (the copies it starts ahead, the blocks it reuses, and so what it allocates) follows the threads'
+  timing; with ``early_completion=False`` it reports only the copies the host waited for or ordered the compute
+  stream after, as if every copy took longer than the host's work, and two runs of one program allocate alike;
 * a released device block goes back to a free list and is handed to the next allocation of its size at
   once, as PyTorch's caching allocator does; its content is overwritten (NaN, or 0xA5 bytes) on release
   and fresh blocks, host buffers included, start so, as the next owner's data would;
@@ -126,14 +130,25 @@ class SimulatedStreamBackend(SyncBackend):
         delay: seconds each copy takes on its stream.
         round_host: round host allocations up as PyTorch's caching host allocator rounds pinned memory
             (one block per page, a power of two), so ``host_bytes`` accounting is exercised.
+        early_completion: whether :meth:`is_done` reports a copy complete as soon as it has run; ``False``: only
+            once the host has waited for it or ordered the compute stream after it, so that a store's path does not
+            depend on when the copy threads run (for a test that counts what a step does in one run and acts on
+            that count in another).
     """
 
     pins_host_memory = False
 
-    def __init__(self, device: torch.device | str = "cpu", delay: float = 5e-4, round_host: bool = False) -> None:
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        delay: float = 5e-4,
+        round_host: bool = False,
+        early_completion: bool = True,
+    ) -> None:
         super().__init__(torch.device(device))
         self.delay = delay
         self.round_host = round_host
+        self.early_completion = early_completion
         self.hazards: list[str] = []
         self.host_waits: defaultdict[str, int] = defaultdict(int)
         """Calls of :meth:`wait` per stream."""
@@ -306,9 +321,9 @@ class SimulatedStreamBackend(SyncBackend):
                 self._unobserved.remove(event)
 
     def is_done(self, event: SimulatedEvent | None) -> bool:
-        if event is None:
+        if event is None or event.observed:
             return True
-        if not event.done.is_set():
+        if not (self.early_completion and event.done.is_set()):
             return False
         self._observe(event)
         return True
@@ -339,8 +354,10 @@ class SimulatedStreamBackend(SyncBackend):
 
 
 @contextlib.contextmanager
-def simulated_streams(delay: float = 5e-4, round_host: bool = False) -> Iterator[list[SimulatedStreamBackend]]:
-    """Within the block, every new page store gets a :class:`SimulatedStreamBackend`.
+def simulated_streams(
+    delay: float = 5e-4, round_host: bool = False, early_completion: bool = True
+) -> Iterator[list[SimulatedStreamBackend]]:
+    """Within the block, every new page store gets a :class:`SimulatedStreamBackend` of these arguments.
 
     Yields the list of backends created so far (for their ``hazards`` and ``peak_device_bytes``); they are
     closed on exit.
@@ -348,7 +365,7 @@ def simulated_streams(delay: float = 5e-4, round_host: bool = False) -> Iterator
     backends: list[SimulatedStreamBackend] = []
 
     def factory(device: torch.device) -> SimulatedStreamBackend:
-        backend = SimulatedStreamBackend(device, delay=delay, round_host=round_host)
+        backend = SimulatedStreamBackend(device, delay=delay, round_host=round_host, early_completion=early_completion)
         backends.append(backend)
         return backend
 
