@@ -9,8 +9,10 @@ host thread as the compute stream:
   has run, as a stream wait blocks later kernels;
 * :meth:`~SimulatedStreamBackend.is_done` reports a copy complete once it has run, as an event query does, so what a
   store does next (the copies it starts ahead, the blocks it reuses, and so what it allocates) follows the threads'
-  timing; with ``early_completion=False`` it reports only the copies the host waited for or ordered the compute
-  stream after, as if every copy took longer than the host's work, and two runs of one program allocate alike;
+  timing. Two other settings of ``completion`` make it follow the program alone, so that two runs of one program
+  allocate alike: ``"waited"`` reports only the copies the host waited for or ordered the compute stream after, as
+  if every copy took longer than the host's work; ``"instant"`` has every copy run before the store asks (the host
+  waits for it there), as if copies took no time beside the host's work;
 * a released device block goes back to a free list and is handed to the next allocation of its size at
   once, as PyTorch's caching allocator does; its content is overwritten (NaN, or 0xA5 bytes) on release
   and fresh blocks, host buffers included, start so, as the next owner's data would;
@@ -44,6 +46,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 
@@ -122,6 +125,10 @@ def _collected(backend_ref: weakref.ref, storage: int, nbytes: int) -> None:
         backend._collected(storage, nbytes)
 
 
+Completion = Literal["timed", "waited", "instant"]
+"""When a store's query sees a simulated copy complete (see :class:`SimulatedStreamBackend`'s ``completion``)."""
+
+
 class SimulatedStreamBackend(SyncBackend):
     """A stream device simulated on the CPU (see the module docstring).
 
@@ -130,10 +137,10 @@ class SimulatedStreamBackend(SyncBackend):
         delay: seconds each copy takes on its stream.
         round_host: round host allocations up as PyTorch's caching host allocator rounds pinned memory
             (one block per page, a power of two), so ``host_bytes`` accounting is exercised.
-        early_completion: whether :meth:`is_done` reports a copy complete as soon as it has run; ``False``: only
-            once the host has waited for it or ordered the compute stream after it, so that a store's path does not
-            depend on when the copy threads run (for a test that counts what a step does in one run and acts on
-            that count in another).
+        completion: when :meth:`is_done` sees a copy complete: ``"timed"``, once its thread has run it;
+            ``"waited"``, only once the host has waited for it or ordered the compute stream after it; ``"instant"``,
+            always (it waits for the copy first). The last two do not depend on when the copy threads run, for a
+            test that counts what a step does in one run and acts on that count in another.
     """
 
     pins_host_memory = False
@@ -143,12 +150,15 @@ class SimulatedStreamBackend(SyncBackend):
         device: torch.device | str = "cpu",
         delay: float = 5e-4,
         round_host: bool = False,
-        early_completion: bool = True,
+        completion: Completion = "timed",
     ) -> None:
+        if completion not in get_args(Completion):
+            allowed = ", ".join(map(repr, get_args(Completion)))
+            raise ValueError(f"completion must be one of {allowed}, got {completion!r}")
         super().__init__(torch.device(device))
         self.delay = delay
         self.round_host = round_host
-        self.early_completion = early_completion
+        self.completion = completion
         self.hazards: list[str] = []
         self.host_waits: defaultdict[str, int] = defaultdict(int)
         """Calls of :meth:`wait` per stream."""
@@ -323,7 +333,9 @@ class SimulatedStreamBackend(SyncBackend):
     def is_done(self, event: SimulatedEvent | None) -> bool:
         if event is None or event.observed:
             return True
-        if not (self.early_completion and event.done.is_set()):
+        if self.completion == "instant":
+            event.done.wait()
+        if self.completion == "waited" or not event.done.is_set():
             return False
         self._observe(event)
         return True
@@ -355,7 +367,7 @@ class SimulatedStreamBackend(SyncBackend):
 
 @contextlib.contextmanager
 def simulated_streams(
-    delay: float = 5e-4, round_host: bool = False, early_completion: bool = True
+    delay: float = 5e-4, round_host: bool = False, completion: Completion = "timed"
 ) -> Iterator[list[SimulatedStreamBackend]]:
     """Within the block, every new page store gets a :class:`SimulatedStreamBackend` of these arguments.
 
@@ -365,7 +377,7 @@ def simulated_streams(
     backends: list[SimulatedStreamBackend] = []
 
     def factory(device: torch.device) -> SimulatedStreamBackend:
-        backend = SimulatedStreamBackend(device, delay=delay, round_host=round_host, early_completion=early_completion)
+        backend = SimulatedStreamBackend(device, delay=delay, round_host=round_host, completion=completion)
         backends.append(backend)
         return backend
 

@@ -47,29 +47,35 @@ def test_simulated_copies_run_in_order_per_stream_and_each_direction_on_its_own(
         backend.close()
 
 
-@pytest.mark.parametrize("early_completion", [True, False])
-def test_a_copy_that_has_run_is_seen_complete_at_once_or_only_once_waited_for(early_completion):
-    """``early_completion=False`` reports a copy complete only once the host has waited for it (or ordered the
-    compute stream after it), whenever its thread ran it."""
-    backend = SimulatedStreamBackend(delay=0, early_completion=early_completion)
+@pytest.mark.parametrize("completion", ["timed", "waited", "instant"])
+def test_a_copy_is_seen_complete_when_it_has_run_only_once_waited_for_or_always(completion):
+    """``completion="timed"`` reports a copy complete once its thread has run it, ``"waited"`` only once the host has
+    waited for it (or ordered the compute stream after it), ``"instant"`` at the first query, whenever it ran."""
+    backend = SimulatedStreamBackend(delay=0.05, completion=completion)
     try:
         host, device = (torch.zeros(4),), backend.empty_device([(4, torch.float32)])
         device[0].fill_(1.0)
         write_back = backend.copy_to_host(host, device)
+        assert backend.is_done(write_back) is (completion == "instant")
+        assert torch.equal(host[0], torch.ones(4)) is (completion == "instant")
         write_back.done.wait()
         assert torch.equal(host[0], torch.ones(4))
-        assert backend.is_done(write_back) is early_completion
+        assert backend.is_done(write_back) is (completion != "waited")
         backend.wait(write_back)
         assert backend.is_done(write_back)
         page_in = backend.copy_to_device(device, (torch.full((4,), 2.0),))
         page_in.done.wait()
-        assert torch.equal(device[0], torch.full((4,), 2.0))
-        assert backend.is_done(page_in) is early_completion
+        assert backend.is_done(page_in) is (completion != "waited")
         backend.order_after(page_in)
-        assert backend.is_done(page_in)
+        assert backend.is_done(page_in) and torch.equal(device[0], torch.full((4,), 2.0))
         assert backend.hazards == []
     finally:
         backend.close()
+
+
+def test_an_unknown_completion_is_refused_with_the_settings_allowed():
+    with pytest.raises(ValueError, match="completion must be one of 'timed', 'waited', 'instant', got 'eager'"):
+        SimulatedStreamBackend(completion="eager")
 
 
 CASES = [(1, 0), (2, 1), (3, 3)]

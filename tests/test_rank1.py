@@ -274,7 +274,7 @@ def test_an_out_of_memory_error_in_the_step_is_recovered_bitwise(monkeypatch):
     bitwise the result of a run without the error. Copies are seen complete only once waited for, so that the runs
     allocate alike (see tests/test_step_failures.py)."""
     batches = regression_batches(3)
-    with simulated_streams(early_completion=False):
+    with simulated_streams(completion="waited"):
         model, optimizer = build(budget=2 * PAGE)
         train(model, optimizer, batches[:1])
         counted = FailingAllocations()
