@@ -542,6 +542,28 @@ def test_parameters_that_share_memory_get_a_clear_error(name):
         paged(name, [("a", torch.nn.Parameter(a)), ("b", torch.nn.Parameter(b))])
 
 
+def test_a_new_group_is_checked_against_the_earlier_parameters_that_meet_it_at_either_end():
+    """An earlier contiguous parameter is compared with a new group's only where their bytes meet: one element of
+    overlap at either end, or inside, is found, and ranges that only touch are taken; so is an earlier strided
+    parameter that crosses a new one."""
+    base, matrix = torch.zeros(100), torch.zeros(8, 8)
+    optimizer = hf_paged.PagedAdamW(
+        [torch.nn.Parameter(base[10:20]), torch.nn.Parameter(base[40:50]), torch.nn.Parameter(matrix[:, 0])], lr=1e-3
+    )
+    optimizer.add_param_group({"params": [torch.nn.Parameter(base[20:40])]})
+    for overlapping, earlier in [
+        (base[19:21], r"parameter [03] of param group [01]"),
+        (base[0:11], "parameter 0 of param group 0"),
+        (base[49:60], "parameter 1 of param group 0"),
+        (base[45:46], "parameter 1 of param group 0"),
+        (matrix[3], "parameter 2 of param group 0"),
+    ]:
+        with pytest.raises(ValueError, match=rf"parameter 0 of param group 2 shares memory with {earlier} "):
+            optimizer.add_param_group({"params": [torch.nn.Parameter(overlapping)]})
+    optimizer.add_param_group({"params": [torch.nn.Parameter(base[50:60]), torch.nn.Parameter(matrix[3, 1:])]})
+    assert len(optimizer.param_groups) == 3
+
+
 def test_many_views_of_one_buffer_are_checked_by_neighbours_in_bounded_memory(monkeypatch):
     """The shared-memory check compared every pair of parameters on one storage (2000 views of one flat buffer, as
     FSDP with use_orig_params gives, took 4.6 s) and listed the elements of two strided views that met with an

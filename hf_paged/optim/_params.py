@@ -122,7 +122,8 @@ def check_disjoint_parameters(
     ``Parameter(base)`` and ``Parameter(base[:10])``): each would be updated from its own state, and the kernels would
     write the shared elements twice. Views of disjoint elements of one tensor are taken.
 
-    Parameters are grouped by storage, and only storages that a new parameter uses are looked at. Within one, the
+    Parameters are grouped by storage, and only storages that a new parameter uses are looked at; of an earlier
+    contiguous parameter there, only one whose bytes meet a new parameter's. Within one storage, the
     byte ranges are sorted by start and swept: only tensors whose ranges meet are compared
     (:func:`_share_elements`, exact, in memory bounded by :data:`_CHUNK`), and parameters are described only
     for the error."""
@@ -131,10 +132,15 @@ def check_disjoint_parameters(
         _add_extent(new, param, (group_index, position), create=True)
     if not new:
         return
-    # An earlier parameter on a storage of a new one has its first element inside that storage's bytes: other
-    # parameters are passed over on their data_ptr, without a storage object or an extent each.
+    # An earlier parameter on a storage of a new one has its first element inside that storage's bytes, and one that
+    # shares an element with a new one has bytes within a new one's: other parameters are passed over on their
+    # data_ptr (and, contiguous, their length), without a storage object or an extent each.
     spans = sorted((pointer, pointer + storage.nbytes()) for storage, pointer in _storages(params))
     starts = [span[0] for span in spans]
+    reached = _merged(
+        (pointer + start, pointer + end) for (_, pointer), extents in new.items() for start, end, *_ in extents
+    )
+    reached_starts = [start for start, _ in reached]
     for index, group in enumerate(existing_groups):
         for position, param in enumerate(group["params"]):
             if type(param) in _PLAIN_TENSORS:
@@ -142,6 +148,11 @@ def check_disjoint_parameters(
                 span = bisect.bisect_right(starts, pointer) - 1
                 if span < 0 or pointer >= spans[span][1]:
                     continue
+                if param.is_contiguous():
+                    end = pointer + param.numel() * param.element_size()
+                    meets = bisect.bisect_left(reached_starts, end) - 1
+                    if meets < 0 or reached[meets][1] <= pointer:
+                        continue
             _add_extent(new, param, (index, position), create=False)
     for extents in new.values():
         if len(extents) < 2:
@@ -162,6 +173,17 @@ def check_disjoint_parameters(
                         "tensor); give each parameter its own memory or disjoint elements of a tensor"
                     )
             active.append(extent)
+
+
+def _merged(ranges) -> list[tuple[int, int]]:
+    """``ranges`` (``(start, end)`` byte addresses) as sorted, disjoint ranges covering the same bytes."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 def _storages(params: Sequence[torch.Tensor]):
