@@ -4,6 +4,7 @@ each test makes the same calls on both and compares what they do.
 
 from __future__ import annotations
 
+import collections
 import copy
 import io
 import itertools
@@ -385,6 +386,46 @@ def test_state_entries_that_no_step_wrote_and_keys_users_add_round_trip_as_in_to
     saved, loaded, empty, steps, _after = results[name]
     assert saved[1] == {} and saved[0] == {"scale": 0.5} and saved[2]["count"][1] == [3, 4]
     assert empty == {} and steps == [3, 1, 3, 3, 3, 3]
+
+
+STATE_RESETS = {
+    "del state[p]": lambda optimizer, param: optimizer.state.__delitem__(param),
+    "state[p] = {}": lambda optimizer, param: optimizer.state.__setitem__(param, {}),
+    "state[p].clear()": lambda optimizer, param: optimizer.state[param].clear(),
+    "state.clear()": lambda optimizer, param: optimizer.state.clear(),
+    "state = defaultdict(dict)": lambda optimizer, param: setattr(optimizer, "state", collections.defaultdict(dict)),
+}
+"""Ways users and libraries reset a tensor's state (the last two: every tensor's) in ``torch.optim``."""
+
+
+@pytest.mark.parametrize(
+    ("name", "reset"),
+    [(name, "del state[p]") for name in sorted(OPTIMIZERS) if name not in TWO_KINDS]
+    + [(name, reset) for name in (None, *TWO_KINDS) for reset in STATE_RESETS],
+    ids=lambda value: value or "torch.AdamW",
+)
+def test_a_tensor_whose_state_entry_was_reset_starts_afresh_as_in_torch(name, reset):
+    """A tensor whose entry of ``optimizer.state`` is gone or empty takes its next step as a first step, from zero
+    moments, as ``torch.optim`` gives it: not from the moments its pages held. The other tensors go on as they were."""
+    model, optimizer = trained(name, steps=3)
+    kept_model, kept = copy.deepcopy((model, optimizer))
+    fresh_model = copy.deepcopy(model)
+    fresh = reference(decay_groups(fresh_model)) if name is None else paged(name, decay_groups(fresh_model))
+    reset_param = model[0].weight
+    STATE_RESETS[reset](optimizer, reset_param)
+    if name is not None:
+        with pytest.raises(KeyError, match="no 'exp_avg' state"):
+            optimizer.get_state_tensor(reset_param, "exp_avg")
+    saved = optimizer.state_dict()["state"]
+    assert 0 not in saved or saved[0] == {}
+    batch = regression_batches(1, seed=7)
+    for each_model, each in ((model, optimizer), (kept_model, kept), (fresh_model, fresh)):
+        train(each_model, each, batch)
+    resets_all = reset.startswith("state ") or reset.startswith("state.")
+    for param, kept_param, fresh_param in zip(model.parameters(), kept_model.parameters(), fresh_model.parameters()):
+        started_afresh = resets_all or param is reset_param
+        assert torch.equal(param, fresh_param if started_afresh else kept_param)
+        assert optimizer.state[param]["step"].item() == (1 if started_afresh else 4)
 
 
 # 5. tensor lr -----------------------------------------------------------------------------------------

@@ -711,6 +711,7 @@ class PagedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._forget_reset_state()
         work = self._gradients()
         if not work:
             return loss
@@ -745,6 +746,15 @@ class PagedOptimizer(Optimizer):
         self._record_stepped()
         self._free_dropped_tensors()
         return loss
+
+    def _forget_reset_state(self) -> None:
+        """Free the pages of each tensor whose entry of :attr:`state` is gone or has no step: its state was reset (the
+        entry deleted or emptied, or :attr:`state` replaced), so its next step is a first step from zero moments, as in
+        ``torch.optim``."""
+        reset = [tensor for tensor in self._layout if "step" not in self.state.get(tensor, ())]
+        if reset:
+            self._plan = None
+            self._layout.free([self._layout.detach(tensor) for tensor in reset])
 
     def _follow_group_formats(self, params: Iterable[tuple[torch.Tensor, dict[str, Any]]]) -> None:
         """Give each tensor whose state is in another format than its group's (a tensor moved with its state into a
@@ -799,6 +809,7 @@ class PagedOptimizer(Optimizer):
 
     def _state_dict(self) -> dict[str, Any]:
         """:meth:`state_dict` without its hooks."""
+        self._forget_reset_state()
         groups, index_of = pack_param_groups(self.param_groups)
         with_pages = [
             key for key in self.state if isinstance(key, torch.Tensor) and id(key) in index_of and key in self._layout
@@ -1114,7 +1125,7 @@ class PagedOptimizer(Optimizer):
     def _check_state_tensor(self, param: torch.Tensor, name: str) -> None:
         if name not in self.state_names:
             raise KeyError(f"{type(self).__name__} has no state {name!r}; its states are {list(self.state_names)}")
-        if param not in self._layout:
+        if param not in self._layout or "step" not in self.state.get(param, ()):
             raise KeyError(f"the tensor has no {name!r} state: {type(self).__name__} gives it state at its first step")
 
 
