@@ -335,6 +335,25 @@ def test_tensors_with_state_swapped_for_tensors_of_the_same_shape_start_afresh_a
         assert torch.equal(param, expected)
 
 
+@pytest.mark.parametrize("name", ["torch AdamW", *sorted(OPTIMIZERS)])
+def test_a_tensor_added_ahead_of_tensors_with_state_gets_state_of_its_own_as_in_torch(name):
+    """A tensor put into a group ahead of tensors with state is a new tensor with state of its own, as in
+    ``torch.optim``: the tensors it moves along keep theirs, as where it is put at the end."""
+    results = []
+    for position in ("ahead", "at the end"):
+        model = make_mlp()
+        first, *weights = [param for key, param in model.named_parameters() if key.endswith("weight")]
+        biases = [param for key, param in model.named_parameters() if key.endswith("bias")]
+        optimizer = make_optimizer(name, [{"params": weights}, {"params": biases, "weight_decay": 0.0}])
+        train(model, optimizer, regression_batches(2))
+        listed = optimizer.param_groups[0]["params"]
+        listed.insert(0 if position == "ahead" else len(listed), first)
+        train(model, optimizer, regression_batches(2, seed=3))
+        results.append([param.detach().clone() for param in model.parameters()])
+    for param, expected in zip(*results, strict=True):
+        assert torch.equal(param, expected)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("stage", [2, 3])

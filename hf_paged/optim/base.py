@@ -569,8 +569,9 @@ class PagedOptimizer(Optimizer):
         """The parameters of the param groups now that have gradients, with their local gradients and their
         groups; checks them all before any update."""
         work = []
+        listed = {id(param) for group in self.param_groups for param in group["params"]}
         for group_index, group in enumerate(self.param_groups):
-            self._check_replacements(group_index, group)
+            self._check_replacements(group_index, group, listed)
             for position, param in enumerate(group["params"]):
                 if param.grad is None:
                     continue
@@ -616,26 +617,27 @@ class PagedOptimizer(Optimizer):
         finally:
             self._tensors_take_turns = previous
 
-    def _check_replacements(self, group_index: int, group: dict[str, Any]) -> None:
+    def _check_replacements(self, group_index: int, group: dict[str, Any], listed: set[int]) -> None:
         """Raise if, since ``group``'s last step, a tensor with state was replaced at its position by a new tensor
         of another shape: its state cannot follow it, and a fresh start would be a silent loss (unless tensors take
-        turns: :meth:`tensors_in_turn`). A group dict the optimizer was never given (``param_groups`` assigned a new
-        list) is checked against the groups that stood at its position and are gone from ``param_groups``."""
+        turns: :meth:`tensors_in_turn`). A tensor still in a param group (the ids of ``listed``) was not replaced,
+        only moved. A group dict the optimizer was never given (``param_groups`` assigned a new list) is checked
+        against the groups that stood at its position and are gone from ``param_groups``."""
         if self._tensors_take_turns:
             return
         stepped = self._stepped_params.get(id(group))
         if stepped is not None and stepped[0] is group:
             replaced = [stepped[1]]
         else:
-            listed = {id(listed_group) for listed_group in self.param_groups}
+            listed_groups = {id(listed_group) for listed_group in self.param_groups}
             replaced = [
                 tensors
                 for old_group, tensors, position in self._stepped_params.values()
-                if position == group_index and id(old_group) not in listed
+                if position == group_index and id(old_group) not in listed_groups
             ]
         for tensors in replaced:
             for position, (old, new) in enumerate(zip(tensors, group["params"])):
-                if old is new or old not in self._layout or new in self._layout:
+                if old is new or id(old) in listed or old not in self._layout or new in self._layout:
                     continue
                 laid_out = self._layout[old].shape
                 if local_tensor(new).shape != laid_out:
