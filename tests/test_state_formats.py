@@ -380,3 +380,21 @@ def test_fp32_state_modules_survive_copies_and_follow_a_tensor_swapped_in():
         copied.step()
         assert kinds(copied, params) == ["32bit", "8bit", "8bit"]
         assert all(STATE_FORMAT not in group for group in copied.state_dict()["param_groups"])
+
+
+def test_tensors_listed_in_another_order_keep_their_formats_and_a_copy_changes_nothing():
+    """Tensors of a group put in another order after a step were not swapped: each keeps its own format, in the
+    optimizer and in a copy taken then, and taking the copy changes nothing in the optimizer copied."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    optimizer = hf_paged.PagedAdamW8bit(model.parameters(), fp32_state_modules=[model[0]], min_8bit_size=0)
+    params = list(model.parameters())
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    assert kinds(optimizer, params) == ["32bit", "32bit", "8bit", "8bit"]
+    listed = optimizer.param_groups[0]["params"]
+    listed[0], listed[2] = listed[2], listed[0]
+    for copied in (copy.deepcopy(optimizer), pickle.loads(pickle.dumps(optimizer)), optimizer):
+        copied_params = [param for group in copied.param_groups for param in group["params"]]
+        copied.step()
+        assert kinds(copied, copied_params) == ["8bit", "32bit", "32bit", "8bit"]

@@ -450,17 +450,28 @@ class PagedOptimizer(Optimizer):
         kept = self._fp32_tensors.get(id(param))
         return kept is not None and kept() is param
 
-    def _follow_fp32_swaps(self, groups: Iterable[dict[str, Any]]) -> None:
-        """Keep fp32 state for each tensor of ``groups`` swapped in, one for one, at the position of a tensor that keeps
-        it (accelerate's FSDP2 shards replace a group's parameters before the first step; DeepSpeed's flat partitions,
-        one for a whole group, do not follow)."""
+    def _fp32_swaps(self, groups: Iterable[dict[str, Any]]) -> list[torch.Tensor]:
+        """The tensors of ``groups`` without state swapped in, one for one, at the position of a tensor that keeps fp32
+        state and is gone from the param groups (accelerate's FSDP2 shards replace a group's parameters before the
+        first step; DeepSpeed's flat partitions, one for a whole group, do not follow; tensors listed in another order
+        were not swapped)."""
+        listed = {id(param) for group in self.param_groups for param in group["params"]}
+        swapped = []
         for group in groups:
             recorded = self._stepped_params.get(id(group))
             if recorded is None or recorded[0] is not group or len(recorded[1]) != len(group["params"]):
                 continue
-            self._keep_fp32(
-                new for old, new in zip(recorded[1], group["params"]) if new is not old and self._keeps_fp32(old)
-            )
+            swapped += [
+                new
+                for old, new in zip(recorded[1], group["params"])
+                if new is not old and id(old) not in listed and new not in self._layout and self._keeps_fp32(old)
+            ]
+        return swapped
+
+    def _follow_fp32_swaps(self, groups: Iterable[dict[str, Any]]) -> None:
+        """Keep fp32 state for each tensor of ``groups`` swapped in at the position of one that keeps it
+        (:meth:`_fp32_swaps`)."""
+        self._keep_fp32(self._fp32_swaps(groups))
 
     def _state_format(self, param: torch.Tensor, group: dict[str, Any]) -> str:
         """The name of the page format of ``param``'s state: fp32 for a tensor kept so (``fp32_state_modules``), else
@@ -967,9 +978,12 @@ class PagedOptimizer(Optimizer):
         saved["param_groups"] = [dict(group) for group in self.param_groups]
         saved["_saved_state"] = self._state_dict()
         saved["_saved_auto_budgets"] = dict(self._auto_budgets)  # settings and measured peaks, not the probe
-        self._follow_fp32_swaps(self.param_groups)
+        swapped = {id(param) for param in self._fp32_swaps(self.param_groups)}
         saved["_saved_fp32_tensors"] = [
-            param for group in self.param_groups for param in group["params"] if self._keeps_fp32(param)
+            param
+            for group in self.param_groups
+            for param in group["params"]
+            if self._keeps_fp32(param) or id(param) in swapped
         ]
         return saved
 
