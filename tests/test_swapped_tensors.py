@@ -14,6 +14,8 @@ tests/test_deepspeed.py run the engines themselves):
 from __future__ import annotations
 
 import contextlib
+import copy
+import pickle
 import weakref
 
 import pytest
@@ -495,6 +497,30 @@ def test_a_tensor_swapped_out_and_held_keeps_its_state_until_it_comes_back(name)
             assert torch.equal(saved[index][key], value), (index, key)
     assert stand_in() is None and len(optimizer.state) == 6
     assert optimizer.paging_stats()["pages_total"] == reference.paging_stats()["pages_total"]
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("name", ["torch AdamW", *sorted(OPTIMIZERS)])
+def test_a_copy_keeps_the_state_of_a_tensor_away_from_the_groups(name, how):
+    """A copy taken while a tensor with state is away from the param groups (a layer taken out of its group, ZeRO-3's
+    partitions between steps) has its state, as a copy of a ``torch.optim`` optimizer does: back in the copy's group,
+    the tensor trains on as it does in the optimizer copied."""
+    model = make_mlp()
+    optimizer = make_optimizer(name, decay_groups(model))
+    batches = regression_batches(4)
+    train(model, optimizer, batches[:2])
+    listed = optimizer.param_groups[0]["params"]
+    position = next(index for index, param in enumerate(listed) if param is model[2].weight)
+    del listed[position]
+    copied_model, copied = copy.deepcopy((model, optimizer)) if how == "deepcopy" else pickle.loads(
+        pickle.dumps((model, optimizer))
+    )
+    for each_model, each in ((model, optimizer), (copied_model, copied)):
+        each.param_groups[0]["params"].insert(position, each_model[2].weight)
+        train(each_model, each, batches[2:])
+        assert each.state[each_model[2].weight]["step"].item() == 4
+    for param, expected in zip(copied_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(param, expected)
 
 
 def test_tensors_in_turn_each_train_with_their_own_state_bitwise_as_torch():

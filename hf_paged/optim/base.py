@@ -965,7 +965,8 @@ class PagedOptimizer(Optimizer):
     """Attributes that hold the page store and the layout: rebuilt from the param groups, never copied."""
 
     def __getstate__(self) -> dict[str, Any]:
-        """The settings, the param groups and the state as :meth:`state_dict` holds it (CPU tensors).
+        """The settings, the param groups and the state as :meth:`state_dict` holds it (CPU tensors), with that of
+        the tensors away from the param groups.
 
         The page store, its device buffers and the backend's streams are not copied: :meth:`__setstate__`
         lays the state out again in new pages. As with ``torch.optim``, hooks are not copied, nor are
@@ -977,6 +978,7 @@ class PagedOptimizer(Optimizer):
         saved = {key: value for key, value in vars(self).items() if key not in left_out}
         saved["param_groups"] = [dict(group) for group in self.param_groups]
         saved["_saved_state"] = self._state_dict()
+        saved["_saved_away_state"] = self._away_state()
         saved["_saved_auto_budgets"] = dict(self._auto_budgets)  # settings and measured peaks, not the probe
         swapped = {id(param) for param in self._fp32_swaps(self.param_groups)}
         saved["_saved_fp32_tensors"] = [
@@ -994,6 +996,7 @@ class PagedOptimizer(Optimizer):
             return
         state = dict(state)
         saved_state = state.pop("_saved_state")
+        away_state = state.pop("_saved_away_state", [])
         auto_budgets = state.pop("_saved_auto_budgets", {})
         fp32_tensors = state.pop("_saved_fp32_tensors", [])
         param_groups = state.pop("param_groups")
@@ -1012,6 +1015,30 @@ class PagedOptimizer(Optimizer):
         for group in param_groups:
             self.add_param_group(group)
         self._load_state_dict(saved_state, copying=True)
+        self._load_away_state(away_state)
+
+    def _away_state(self) -> list[tuple[torch.Tensor, str, dict[str, Any]]]:
+        """Each tensor with state that is away from the param groups now, with the name of its page format and its
+        entry of :attr:`state` with its states' fields, which :meth:`state_dict` leaves out and a copy keeps."""
+        listed = {id(param) for group in self.param_groups for param in group["params"]}
+        away = [tensor for tensor in self._layout if id(tensor) not in listed]
+        fields = export_state(self._layout, self.state_names, away)
+        return [
+            (tensor, self._layout[tensor].kind, {**self.state[tensor], **entry}) for tensor, entry in zip(away, fields)
+        ]
+
+    def _load_away_state(self, away_state: list[tuple[torch.Tensor, str, dict[str, Any]]]) -> None:
+        """Give each tensor of ``away_state`` (:meth:`_away_state`) pages of its format holding its saved state."""
+        block_size = self.defaults.get("block_size", 256)
+        sources = {}
+        for tensor, kind, entry in away_state:
+            step, states, others = parse_saved_entry(
+                tensor, "away", entry, block_size, self.state_names, self.signed_states, move_others=False
+            )
+            self.state[tensor] = {"step": torch.tensor(step, dtype=torch.float32), **others}
+            self._layout.place([(tensor, kind)])
+            sources[tensor] = states
+        import_state(self._layout, self.state_names, sources)
 
     # Budget ---------------------------------------------------------------------------------------------
 
