@@ -100,7 +100,7 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
 
     Args:
         window: steps of forward/backward peaks the spike baseline (rolling median and MAD) covers.
-        warmup: steps measured before spikes are judged.
+        warmup: steps measured before spikes are judged, at most ``window``.
         spike_margin: fraction above the baseline's median a forward/backward peak must exceed to be a spike
             (it must also exceed the median by 3 robust standard deviations).
         device_capacity: bytes (or a string such as ``"24GiB"``) the device offers; ``None`` reads

@@ -26,7 +26,7 @@ class SpikeDetector:
 
     Args:
         window: recent peaks the baseline is taken over.
-        warmup: peaks observed before any is judged.
+        warmup: peaks observed before any is judged, at most ``window``.
         margin: fraction above the median a peak must exceed.
         sigmas: robust standard deviations above the median a peak must exceed.
     """
@@ -35,6 +35,11 @@ class SpikeDetector:
         for name, value, low in (("window", window, 1), ("warmup", warmup, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if warmup > window:
+            raise ValueError(
+                f"warmup must be at most window ({window}): peaks are judged once warmup of them are in the window, "
+                f"got {warmup}"
+            )
         for name, value in (("margin", margin), ("sigmas", sigmas)):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")

@@ -51,3 +51,32 @@ def test_bad_values_in_a_file_name_the_file(tmp_path, capsys):
 )
 def test_good_values_are_kept_as_written(override, attribute, value):
     assert getattr(load_config(overrides=[override]).memory, attribute) == value
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["training.gradient_accumulation_steps=0"], "training.gradient_accumulation_steps must be an integer >= 1"),
+        (["training.per_device_train_batch_size=0"], "training.per_device_train_batch_size must be an integer >= 1"),
+        (["memory.window=3"], r"memory.warmup must be at most memory.window \(3\)"),
+        (["memory.window=4", "memory.warmup=6"], r"memory.warmup must be at most memory.window \(4\)"),
+        (["model.tiny.hidden_size=12", "model.tiny.num_attention_heads=4"], "model.tiny: hidden_size must be"),
+        (["model.tiny.num_key_value_heads=3"], "model.tiny: hidden_size must be"),
+    ],
+)
+def test_values_the_run_would_reject_together_are_rejected_where_the_config_is_read(overrides, message, capsys):
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        load_config(overrides=overrides)
+    arguments = [argument for override in overrides for argument in ("--set", override)]
+    assert main(["train", "--print-config", *arguments]) == 2
+    assert f"hf-paged: error: {message.replace(chr(92), '')}" in capsys.readouterr().err
+    assert load_config(overrides=["memory.window=3", "memory.warmup=3"]).memory.window == 3
+
+
+def test_a_path_that_starts_at_the_home_directory_is_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = load_config(overrides=["data.path=~/data.jsonl", "model.name=~/model", "tokenizer.name=~/tokenizer"])
+    assert (config.data.path, config.model.name, config.tokenizer.name) == tuple(
+        str(tmp_path / name) for name in ("data.jsonl", "model", "tokenizer")
+    )
+    assert load_config(overrides=["model.name=org/model~1"]).model.name == "org/model~1"

@@ -38,10 +38,22 @@ def test_detector_flags_steps_above_the_robust_baseline():
     assert restored.baseline() == detector.baseline() and restored.spikes == detector.spikes
 
 
-@pytest.mark.parametrize("kwargs", [{"window": 0}, {"warmup": 0}, {"margin": -1.0}, {"sigmas": float("nan")}])
+@pytest.mark.parametrize(
+    "kwargs", [{"window": 0}, {"warmup": 0}, {"margin": -1.0}, {"sigmas": float("nan")}, {"window": 3, "warmup": 4}]
+)
 def test_detector_rejects_bad_arguments(kwargs):
-    with pytest.raises(ValueError, match=next(iter(kwargs))):
+    with pytest.raises(ValueError, match=f"^{next(reversed(kwargs))} must be"):
         SpikeDetector(**kwargs)
+
+
+def test_a_window_as_long_as_the_warmup_judges_peaks():
+    """A warm-up that fills the window judges the peaks after it (a longer one, which no window of peaks could
+    reach, is refused above)."""
+    detector = SpikeDetector(window=3, warmup=3)
+    flagged = [detector.observe(step, peak) for step, peak in enumerate([100, 100, 100, 10_000], start=1)]
+    assert [spike.step for spike in flagged if spike] == [4]
+    with pytest.raises(ValueError, match=r"^warmup must be at most window \(3\)"):
+        MemorySpikeCallback(window=3)
 
 
 class _Args:

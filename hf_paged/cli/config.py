@@ -15,6 +15,7 @@ import difflib
 import enum
 import functools
 import math
+import os
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -206,7 +207,49 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         update(config, mapping, source=str(path))
     for override in overrides:
         apply_override(config, override)
+    check_config(config)
     return config
+
+
+LOCAL_PATH_KEYS = ("model.name", "tokenizer.name", "data.path")
+"""Keys that may name a local path, where a leading ``~`` is the user's home directory."""
+
+POSITIVE_TRAINING_COUNTS = ("per_device_train_batch_size", "gradient_accumulation_steps")
+"""``training`` keys that must be integers >= 1 (the Trainer fails on 0 only once the model and data are built)."""
+
+
+def check_config(config: Config) -> None:
+    """Raise ConfigError for values that are allowed one by one but not together, or that the run would reject only
+    after building the model and data."""
+    check_training_counts(config.training)
+    check_tiny_model(config.model.tiny)
+    memory = config.memory
+    if memory.warmup > memory.window:
+        raise ConfigError(
+            f"memory.warmup must be at most memory.window ({memory.window}): spikes are judged once warmup steps are "
+            f"in the window, got {memory.warmup}"
+        )
+
+
+def check_training_counts(training: Mapping[str, Any]) -> None:
+    """Raise ConfigError for a batch size or an accumulation that is not an integer >= 1."""
+    for key in POSITIVE_TRAINING_COUNTS:
+        value = training.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"training.{key} must be an integer >= 1, got {value!r}")
+
+
+def check_tiny_model(tiny: TinyModelConfig) -> None:
+    """Raise ConfigError for a tiny model whose attention cannot be built: ``hidden_size`` a multiple of
+    ``num_attention_heads``, that a multiple of ``num_key_value_heads``, and an even size per head (rotary
+    embeddings rotate pairs of elements)."""
+    heads, kv_heads = tiny.num_attention_heads, tiny.num_key_value_heads
+    if tiny.hidden_size % heads or heads % kv_heads or tiny.hidden_size // heads % 2:
+        raise ConfigError(
+            "model.tiny: hidden_size must be a multiple of num_attention_heads with an even quotient (the size of a "
+            "head), and num_attention_heads a multiple of num_key_value_heads, got "
+            f"{tiny.hidden_size}, {heads}, {kv_heads}"
+        )
 
 
 def apply_override(config: Config, override: str) -> None:
@@ -250,6 +293,8 @@ def _update_dataclass(instance: Any, mapping: Mapping[str, Any], prefix: str, so
             _update_training(current, value, source)
         else:
             value = _convert(value, hints[key], name, source)
+            if name in LOCAL_PATH_KEYS and isinstance(value, str) and value.startswith("~"):
+                value = os.path.expanduser(value)
             _check_bounds(value, fields[key], name, source)
             _check_size(value, fields[key], name, source)
             if name == "prompt.template":

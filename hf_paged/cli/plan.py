@@ -26,7 +26,7 @@ from torch import nn
 
 from ..planner import MemoryPlan, PlanningError, plan
 from ..sharding import Strategy
-from .config import Config, ConfigError
+from .config import Config, ConfigError, check_training_counts
 from .train import IGNORE_INDEX, add_lora_adapters, setup_error
 
 METHODS = ("full", "lora", "qlora")
@@ -74,10 +74,7 @@ class TrainingSetup:
                 raise ConfigError(f"--{error}") from None
         if self.world_size > 1 and self.strategy is None:
             raise ConfigError(f"--gpus {self.world_size} needs a --strategy (one of {', '.join(STRATEGIES)})")
-        for key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
-            value = self.config.training.get(key, 1)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"training.{key} must be an integer >= 1, got {value!r}")
+        check_training_counts(self.config.training)
 
     @property
     def batch_size(self) -> int:

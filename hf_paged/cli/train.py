@@ -20,7 +20,7 @@ import yaml
 from .. import register
 from ..sizes import format_size
 from . import quiet
-from .config import Config, ConfigError, DataConfig, default_config, to_dict
+from .config import Config, ConfigError, DataConfig, check_tiny_model, default_config, to_dict
 from .config import LoraConfig as LoraSettings
 from .tokenizer import byte_tokenizer
 
@@ -289,11 +289,7 @@ def tiny_model(config: Config, tokenizer: Any) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tiny = config.model.tiny
-    if tiny.hidden_size % tiny.num_attention_heads or tiny.num_attention_heads % tiny.num_key_value_heads:
-        raise ConfigError(
-            "model.tiny: hidden_size must be a multiple of num_attention_heads and num_attention_heads a multiple "
-            f"of num_key_value_heads, got {tiny.hidden_size}, {tiny.num_attention_heads}, {tiny.num_key_value_heads}"
-        )
+    check_tiny_model(tiny)
     architecture = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=tiny.hidden_size,
