@@ -364,6 +364,10 @@ class PlanningError(RuntimeError):
     """A training step the planner cannot trace under fake tensors; the message names the operator and what to do."""
 
 
+class OptimizerPlanningError(PlanningError):
+    """An optimizer step the planner cannot trace: the optimizer reads the values of tensors."""
+
+
 def _data_dependent_message(error: DynamicOutputShapeException | DataDependentOutputException) -> str:
     what = "shape" if isinstance(error, DynamicOutputShapeException) else "value"
     return (
@@ -374,6 +378,24 @@ def _data_dependent_message(error: DynamicOutputShapeException | DataDependentOu
         "(their default) or 'batched_mm', which run every token's chosen experts in one call, so their memory does "
         "not depend on the routing"
     )
+
+
+@contextlib.contextmanager
+def _optimizer_reads_values(what: str) -> Iterator[None]:
+    """Within the block (the optimizer's construction or step, ``what``), what cannot be traced is an
+    :class:`OptimizerPlanningError`."""
+    try:
+        yield
+    except PlanningError:
+        raise OptimizerPlanningError(
+            f"cannot plan the optimizer: {what} reads the values of tensors, which fake tensors do not have "
+            "(bitsandbytes' 8-bit optimizers do). Plan with an optimizer that follows from shapes alone: hf-paged's "
+            "(hf_paged_adamw_8bit keeps 8-bit state too) or torch.optim's"
+        ) from None
+
+
+def _qualified_name(kind: type) -> str:
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 def _grouped_mm_output(
@@ -1085,7 +1107,8 @@ def plan(
             if not isinstance(built, nn.Module):
                 raise TypeError(f"model must build an nn.Module, got {type(built).__name__}")
             built.train()
-            built_optimizer = optimizer(built)
+            with _optimizer_reads_values("building it"):
+                built_optimizer = optimizer(built)
             if not isinstance(built_optimizer, torch.optim.Optimizer):
                 raise TypeError(f"optimizer must build a torch.optim.Optimizer, got {type(built_optimizer).__name__}")
             trained = built if wrap is None else _wrapped(built, wrap, built_optimizer, ledger, target.type != "cpu")
@@ -1135,6 +1158,7 @@ def plan(
                         with (
                             kernel_calls.installed() if step_temporaries else _idle_kernels(),
                             ledger.in_host_memory() if offloads_step else contextlib.nullcontext(),
+                            _optimizer_reads_values(f"the step of {_qualified_name(type(built_optimizer))}"),
                         ):
                             if zero is not None:
                                 zero.step()

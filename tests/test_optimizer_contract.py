@@ -421,7 +421,7 @@ def test_a_tensor_whose_state_entry_was_reset_starts_afresh_as_in_torch(name, re
     batch = regression_batches(1, seed=7)
     for each_model, each in ((model, optimizer), (kept_model, kept), (fresh_model, fresh)):
         train(each_model, each, batch)
-    resets_all = reset.startswith("state ") or reset.startswith("state.")
+    resets_all = reset.startswith(("state ", "state."))
     for param, kept_param, fresh_param in zip(model.parameters(), kept_model.parameters(), fresh_model.parameters()):
         started_afresh = resets_all or param is reset_param
         assert torch.equal(param, fresh_param if started_afresh else kept_param)

@@ -221,7 +221,9 @@ def test_bad_arguments_are_named() -> None:
     for name in ("step_temporaries", "host_memory_apart"):
         with pytest.raises(TypeError, match=f"{name} must be True or False, got 'yes'"):
             plan(build, lambda: torch.zeros(2), lambda m: torch.optim.SGD(m.parameters()), **{name: "yes"})
-    planned = plan(build, lambda: torch.zeros(2), lambda m: torch.optim.SGD(m.parameters()), loss=lambda m, b: m(b).sum())
+    planned = plan(
+        build, lambda: torch.zeros(2), lambda m: torch.optim.SGD(m.parameters()), loss=lambda m, b: m(b).sum()
+    )
     assert planned.fits("1GiB") and not planned.fits(1)
     with pytest.raises(ValueError, match="capacity must be a finite, non-negative size, got -1"):
         planned.fits(-1)
@@ -357,6 +359,19 @@ def test_cli_reports_an_alternative_that_cannot_be_planned(tmp_path, capsys: pyt
     line = next(line for line in output.splitlines() if line.strip().startswith("QLoRA"))
     assert "cannot plan" in line and "lora_dropout != 0" in line, output
     assert "all of these that can be planned together (4-bit state)" in output
+
+
+def test_cli_names_the_optimizer_whose_step_cannot_be_planned(capsys: pytest.CaptureFixture[str]) -> None:
+    """bitsandbytes' 8-bit optimizers read values in their step, which fake tensors do not have: the error names
+    ``training.optim`` and the optimizer, not the model."""
+    arguments = ["--set", "training.optim=paged_adamw_8bit", "--set", "training.optim_args=null"]
+    assert main(["plan", *arguments, "--device", "cpu", "--device-memory", "24GiB"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(
+        "hf-paged: error: training.optim: 'paged_adamw_8bit': cannot plan the optimizer: building it reads the values "
+        "of tensors"
+    ), error
+    assert "model.name" not in error and "mixture-of-experts" not in error
 
 
 @pytest.mark.gpu

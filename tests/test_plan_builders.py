@@ -142,7 +142,12 @@ def test_data_dependent_routing_is_refused_with_the_operator_and_what_to_do() ->
     with pytest.raises(PlanningError, match=r"aten\.nonzero\.default.*experts_implementation='grouped_mm'"):
         plan(lambda: _tiny_mixtral("eager"), _token_batch, optimizer)
     for implementation in ("grouped_mm", "batched_mm"):
-        assert plan(lambda implementation=implementation: _tiny_mixtral(implementation), _token_batch, optimizer, steps=1).forward_backward_peak > 0
+        assert (
+            plan(
+                lambda implementation=implementation: _tiny_mixtral(implementation), _token_batch, optimizer, steps=1
+            ).forward_backward_peak
+            > 0
+        )
 
 
 def test_a_value_read_in_forward_is_refused_with_the_operator() -> None:
@@ -159,6 +164,28 @@ def test_a_value_read_in_forward_is_refused_with_the_operator() -> None:
 
     with pytest.raises(PlanningError, match=r"the value that aten\._local_scalar_dense\.default returns"):
         plan(ReadsAValue, lambda: torch.randn(4, 8), lambda model: torch.optim.SGD(model.parameters()))
+
+
+def test_an_optimizer_that_reads_a_value_is_refused_as_the_optimizer() -> None:
+    """What an optimizer reads of values, in its construction or in its step, is the optimizer's: the refusal says so
+    and names the class whose step it is, not a model's routing."""
+    from hf_paged.planner import OptimizerPlanningError
+
+    class ReadsAValueInItsStep(torch.optim.SGD):
+        def step(self, closure: Any = None) -> None:
+            if self.param_groups[0]["params"][0].grad.sum().item() > 0:
+                super().step()
+
+    def reads_a_value_when_built(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(model.parameters(), lr=torch.ones(1).sum().item())
+
+    batch = lambda: torch.randn(4, 8)
+    with pytest.raises(OptimizerPlanningError, match="^cannot plan the optimizer: building it reads the values"):
+        plan(lambda: nn.Linear(8, 8), batch, reads_a_value_when_built, loss=lambda model, inputs: model(inputs).sum())
+    stepping = f"the step of {__name__}.{ReadsAValueInItsStep.__qualname__}"
+    with pytest.raises(OptimizerPlanningError, match=f"^cannot plan the optimizer: {stepping} reads the values"):
+        optimizer = lambda model: ReadsAValueInItsStep(model.parameters())
+        plan(lambda: nn.Linear(8, 8), batch, optimizer, loss=lambda model, inputs: model(inputs).sum())
 
 
 def test_cli_refuses_a_model_it_cannot_plan(tmp_path, monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:

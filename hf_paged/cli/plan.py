@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..planner import MemoryPlan, PlanningError, plan
+from ..planner import MemoryPlan, OptimizerPlanningError, PlanningError, plan
 from ..sharding import Strategy
 from .config import Config, ConfigError, check_training_counts
 from .train import IGNORE_INDEX, add_lora_adapters, setup_error
@@ -521,6 +521,8 @@ def plan_setup(setup: TrainingSetup, device: str = "cpu", host_memory_apart: boo
             wrap=wrap,
             host_memory_apart=host_memory_apart,
         )
+    except OptimizerPlanningError as error:
+        raise ConfigError(f"training.optim: {setup.optimizer_name!r}: {error}") from None
     except PlanningError as error:
         raise ConfigError(f"model.name: {setup.config.model.name!r}: {error}") from None
 
