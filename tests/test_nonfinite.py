@@ -290,12 +290,14 @@ def test_a_block_with_non_finite_values_keeps_its_finite_ones(codec):
     assert decoded[1, torch.arange(64) != 9].isfinite().all()
 
 
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic rounding"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_a_nan_bf16_parameter_has_the_same_bits_in_every_family(kernels, compiled):
+def test_a_nan_bf16_parameter_has_the_same_bits_in_every_family(kernels, compiled, stochastic):
     """A bf16 parameter element that becomes NaN (0 / 0 with eps = 0) is written as 0x7FC0 by every kernel family, as
-    by the host and Triton kernels (the PyTorch kernels once wrote ATen's conversion of it, 0xFFFF)."""
+    by the host and Triton kernels, rounded to nearest or stochastically (the PyTorch kernels once wrote ATen's
+    conversion of it, 0xFFFF)."""
     param = torch.nn.Parameter(torch.randn(4, 256, generator=torch.Generator().manual_seed(0)).bfloat16())
-    optimizer = hf_paged.PagedAdamW([param], lr=1e-2, eps=0.0, compiled=compiled)
+    optimizer = hf_paged.PagedAdamW([param], lr=1e-2, eps=0.0, compiled=compiled, bf16_stochastic_round=stochastic)
     for _ in range(2):
         param.grad = torch.zeros_like(param)
         optimizer.step()

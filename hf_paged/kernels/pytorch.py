@@ -51,8 +51,8 @@ def update_segment(
         round_into_bf16_(param, param32, rounding)
     elif param32 is not param:
         param.copy_(param32)
-        if param.dtype == torch.bfloat16:  # NaN as 0x7FC0, as the host and Triton kernels write it (ATen: 0xFFFF)
-            param.view(torch.int16).masked_fill_(param32.isnan(), 0x7FC0)
+    if param.dtype == torch.bfloat16:  # NaN as 0x7FC0, as the host and Triton kernels write it (ATen: 0xFFFF)
+        param.view(torch.int16).masked_fill_(param32.isnan(), 0x7FC0)
 
 
 def update_in_buffers(
