@@ -149,6 +149,23 @@ def test_another_version_of_the_source_builds_under_another_name(tmp_path, monke
     assert native.build_name().rsplit("_", 1)[0] == name.rsplit("_", 1)[0]
 
 
+@pytest.mark.parametrize("where", ["source", "torch"])
+def test_another_path_of_the_source_or_of_torch_builds_under_another_name(tmp_path, monkeypatch, where):
+    """The build's commands name the source's path and PyTorch's headers: a second checkout or a second virtual
+    environment sharing the extension cache builds a folder of its own, instead of rebuilding the other's in turn."""
+    name = native.build_name()
+    if where == "source":
+        other = tmp_path / "host_kernels.cpp"
+        other.write_bytes(native.SOURCE.read_bytes())
+        monkeypatch.setattr(native, "SOURCE", other)
+    else:
+        monkeypatch.setattr(torch, "__file__", str(tmp_path / "venv" / "torch" / "__init__.py"))
+    assert native.build_name() != name
+    assert native.build_name().rsplit("_", 1)[0] == name.rsplit("_", 1)[0]
+    monkeypatch.undo()
+    assert native.build_name() == name
+
+
 def test_a_build_killed_on_the_way_does_not_make_later_processes_wait(built, tmp_path):
     """A process killed while it built the extension leaves PyTorch's ``lock`` file in the build folder; every
     later process waited for it forever (a CI run hung at its first optimizer step until its 90 minutes ran out).

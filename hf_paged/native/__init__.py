@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import sys
+import sysconfig
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,12 +88,16 @@ def host_kernels_enabled() -> bool:
 def build_name(capability: str | None = None) -> str:
     """The extension's name for ``capability`` (``default``, ``avx2`` or ``avx512``; by default the one PyTorch runs
     now, which ``ATEN_CPU_CAPABILITY`` can lower) and this source: one build per capability
-    (``hf_paged_host_kernels_default_...``, ``..._avx2_...`` or ``..._avx512_...``) and version of ``host_kernels.cpp``
-    (the first 12 hex digits of its SHA-256), so that installs or checkouts of other versions sharing the extension
-    cache never load each other's build."""
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    (``hf_paged_host_kernels_default_...``, ``..._avx2_...`` or ``..._avx512_...``) and per version of
+    ``host_kernels.cpp``, its path and the PyTorch and Python headers that the build's commands name (the first 12 hex
+    digits of a SHA-256 of them all). Installs or checkouts sharing the extension cache then never load each other's
+    build, nor rebuild it for their own in turn (two virtual environments, or two checkouts, took turns rebuilding one
+    folder: 25 s of compiling at each switch)."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    for path in (SOURCE.resolve(), Path(torch.__file__).parent, sysconfig.get_paths()["include"]):
+        digest.update(os.fsencode(path) + b"\0")
     capability = capability or torch.backends.cpu.get_cpu_capability()
-    return f"hf_paged_host_kernels_{capability.lower()}_{digest}"
+    return f"hf_paged_host_kernels_{capability.lower()}_{digest.hexdigest()[:12]}"
 
 
 def extension_directory(name: str) -> Path:
