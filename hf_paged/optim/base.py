@@ -440,6 +440,10 @@ class PagedOptimizer(Optimizer):
             self._bind_auto_budget(device)
         return store
 
+    def _listed_ids(self) -> set[int]:
+        """The ids of the tensors that the param groups list now."""
+        return {id(param) for group in self.param_groups for param in group["params"]}
+
     def _keep_fp32(self, tensors: Iterable[torch.Tensor]) -> None:
         """Keep the state of ``tensors`` in fp32 whatever their groups name."""
         for tensor in tensors:
@@ -455,7 +459,7 @@ class PagedOptimizer(Optimizer):
         state and is gone from the param groups (accelerate's FSDP2 shards replace a group's parameters before the
         first step; DeepSpeed's flat partitions, one for a whole group, do not follow; tensors listed in another order
         were not swapped)."""
-        listed = {id(param) for group in self.param_groups for param in group["params"]}
+        listed = self._listed_ids()
         swapped = []
         for group in groups:
             recorded = self._stepped_params.get(id(group))
@@ -580,7 +584,7 @@ class PagedOptimizer(Optimizer):
         """The parameters of the param groups now that have gradients, with their local gradients and their
         groups; checks them all before any update."""
         work = []
-        listed = {id(param) for group in self.param_groups for param in group["params"]}
+        listed = self._listed_ids()
         for group_index, group in enumerate(self.param_groups):
             self._check_replacements(group_index, group, listed)
             for position, param in enumerate(group["params"]):
@@ -685,7 +689,7 @@ class PagedOptimizer(Optimizer):
         step). The optimizer holds the tensors away only weakly for a moment: those that die then were held by
         nothing else, and their state and pages go (a page shared with a tensor kept keeps its buffers).
         """
-        listed = {id(param) for group in self.param_groups for param in group["params"]}
+        listed = self._listed_ids()
         away = [tensor for tensor in self._layout if id(tensor) not in listed]
         if not away:
             return
@@ -1020,7 +1024,7 @@ class PagedOptimizer(Optimizer):
     def _away_state(self) -> list[tuple[torch.Tensor, str, dict[str, Any]]]:
         """Each tensor with state that is away from the param groups now, with the name of its page format and its
         entry of :attr:`state` with its states' fields, which :meth:`state_dict` leaves out and a copy keeps."""
-        listed = {id(param) for group in self.param_groups for param in group["params"]}
+        listed = self._listed_ids()
         away = [tensor for tensor in self._layout if id(tensor) not in listed]
         fields = export_state(self._layout, self.state_names, away)
         return [
