@@ -361,9 +361,9 @@ def test_cli_reports_an_alternative_that_cannot_be_planned(tmp_path, capsys: pyt
     assert "all of these that can be planned together (4-bit state)" in output
 
 
-def test_cli_names_the_optimizer_whose_step_cannot_be_planned(capsys: pytest.CaptureFixture[str]) -> None:
-    """bitsandbytes' 8-bit optimizers read values in their step, which fake tensors do not have: the error names
-    ``training.optim`` and the optimizer, not the model."""
+def test_cli_names_the_optimizer_that_cannot_be_planned(capsys: pytest.CaptureFixture[str]) -> None:
+    """bitsandbytes' 8-bit optimizers read values when they are built, which fake tensors do not have: the error
+    names ``training.optim``, not the model."""
     arguments = ["--set", "training.optim=paged_adamw_8bit", "--set", "training.optim_args=null"]
     assert main(["plan", *arguments, "--device", "cpu", "--device-memory", "24GiB"]) == 2
     error = capsys.readouterr().err
