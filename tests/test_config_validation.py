@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+
 import pytest
 
+from hf_paged.callbacks import MemorySpikeCallback
 from hf_paged.cli import main
-from hf_paged.cli.config import ConfigError, load_config
+from hf_paged.cli.config import ConfigError, MemoryConfig, load_config
+from hf_paged.cli.train import memory_callback
 
 BAD_VALUES = [
     ("memory.device_capacity=-5", "memory.device_capacity", "must be a size of at least 1 byte"),
@@ -80,3 +85,35 @@ def test_a_path_that_starts_at_the_home_directory_is_expanded(tmp_path, monkeypa
         str(tmp_path / name) for name in ("data.jsonl", "model", "tokenizer")
     )
     assert load_config(overrides=["model.name=org/model~1"]).model.name == "org/model~1"
+
+
+def _values_around_bounds() -> list[tuple[str, float]]:
+    """Each bounded field of ``memory`` that the callback takes, with values at, just inside and just outside its
+    bounds."""
+    taken = inspect.signature(MemorySpikeCallback).parameters
+    cases = []
+    for item in dataclasses.fields(MemoryConfig):
+        bounds = item.metadata.get("bounds")
+        if bounds is None or item.name not in taken:
+            continue
+        low, high = bounds[:2]
+        edges = [low] if high is None else [low, (low + high) / 2, high]
+        for value in (edge + offset for edge in edges for offset in (-0.5, 0, 0.5)):
+            cases.append((item.name, int(value) if item.type == "int" and value % 1 == 0 else value))
+    return cases
+
+
+@pytest.mark.parametrize("name, value", _values_around_bounds())
+def test_the_config_takes_a_memory_value_exactly_when_the_callback_does(name, value):
+    # warmup 1 is within every window the callback takes
+    arguments = {name: value, **({"warmup": 1} if name == "window" else {})}
+    try:
+        config = load_config(overrides=[f"memory.{key}={setting}" for key, setting in arguments.items()])
+    except ConfigError:
+        config = None
+    try:
+        MemorySpikeCallback(**arguments)
+    except (TypeError, ValueError):
+        assert config is None
+    else:
+        assert config is not None and memory_callback(config) is not None

@@ -35,9 +35,12 @@ class ConfigError(ValueError):
     """A configuration key that does not exist, or a value it does not accept."""
 
 
-def _bounded(default: Any, low: float, high: float | None = None, *, closed: bool = False) -> Any:
-    """A field whose number must lie in ``[low, high)`` (``[low, high]`` if ``closed``; ``high=None``: no bound)."""
-    return field(default=default, metadata={"bounds": (low, high, closed)})
+def _bounded(
+    default: Any, low: float, high: float | None = None, *, closed: bool = False, above_low: bool = False
+) -> Any:
+    """A field whose number must lie in ``[low, high)`` (``[low, high]`` if ``closed``, ``(low, ...`` if
+    ``above_low``; ``high=None``: no bound)."""
+    return field(default=default, metadata={"bounds": (low, high, closed, above_low)})
 
 
 def _size(default: int | str | None) -> Any:
@@ -137,7 +140,7 @@ class MemoryConfig:
     """Memory the device offers, in bytes or as ``"24GiB"``; ``None``: the device's total memory."""
     safety_margin: float | None = _bounded(None, 0, 1)
     """Fraction of the capacity an automatic device budget keeps free; ``None``: the optimizer's (0.1)."""
-    warn_fraction: float = _bounded(0.9, 0, 1, closed=True)
+    warn_fraction: float = _bounded(0.9, 0, 1, closed=True, above_low=True)
     """Warn once when the forward/backward peak reaches this fraction of the capacity."""
     plot: bool = True
     """Also draw ``memory_timeline.png`` (needs matplotlib)."""
@@ -353,10 +356,14 @@ def _check_bounds(value: Any, item: dataclasses.Field, name: str, source: str) -
     bounds = item.metadata.get("bounds")
     if bounds is None or value is None:
         return
-    low, high, closed = bounds
+    low, high, closed, above_low = bounds
+    below = value <= low if above_low else value < low
     above = high is not None and (value > high if closed else value >= high)
-    if value < low or above:
-        allowed = f">= {low}" if high is None else f"in [{low}, {high}{']' if closed else ')'}"
+    if below or above:
+        if high is None:
+            allowed = f"{'>' if above_low else '>='} {low}"
+        else:
+            allowed = f"in {'(' if above_low else '['}{low}, {high}{']' if closed else ')'}"
         raise ConfigError(f"{name} in {source} must be {allowed}, got {value!r}")
 
 
