@@ -47,6 +47,7 @@ from hf_paged.memory import MemoryProbe, probe_for
 from hf_paged.planner import FORWARD_BACKWARD, OPTIMIZER_STEP, PHASES, MemoryPlan
 from hf_paged.recovery import Recovery
 from hf_paged.sizes import format_size, parse_size
+from hf_paged.stores import device_key
 
 from .spikes import SpikeDetector
 from .timeline import GIB, plot_rows, read_rows, write_rows
@@ -103,10 +104,11 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
         warmup: steps measured before spikes are judged, at most ``window``.
         spike_margin: fraction above the baseline's median a forward/backward peak must exceed to be a spike
             (it must also exceed the median by 3 robust standard deviations).
-        device_capacity: bytes (or a string such as ``"24GiB"``) the device offers; ``None`` reads
-            ``HF_PAGED_DEVICE_CAPACITY``, else the device's total memory. An automatic budget uses it too.
-        safety_margin: fraction of the capacity an automatic budget keeps free; ``None`` leaves the
-            optimizer's (0.1 by default).
+        device_capacity: bytes (or a string such as ``"24GiB"``) the device offers (the Trainer's, ``args.device``,
+            which the callback measures); ``None`` reads ``HF_PAGED_DEVICE_CAPACITY``, else the device's total
+            memory. That device's automatic budget uses it too.
+        safety_margin: fraction of the capacity an automatic budget keeps free, on every device; ``None`` leaves
+            the optimizer's (0.1 by default).
         warn_fraction: warn, once, when the predicted peak reaches this fraction of the capacity.
         plot: draw ``memory_timeline.png`` (needs matplotlib) besides writing ``memory_timeline.jsonl``.
         oom_retries: times a training step may recover from an out-of-memory error in forward or backward
@@ -240,15 +242,17 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
         self._probe = probe_for(args.device)
         self._probe.reset_peaks = True
         keep_trainer_memory_metrics(args)
-        auto_budget = getattr(paged_optimizer(kwargs.get("optimizer")), "auto_budget", None)
-        if auto_budget is not None:
-            if self.device_capacity is not None:
-                auto_budget.capacity = self.device_capacity
+        auto_budgets = getattr(paged_optimizer(kwargs.get("optimizer")), "auto_budgets", {})
+        for auto_budget in auto_budgets.values():
             if self.safety_margin is not None:
                 auto_budget.safety_margin = self.safety_margin
+        measured_budget = auto_budgets.get(device_key(self._probe.device))
+        if measured_budget is not None:  # the capacity and the plan are those of the device the probe measures
+            if self.device_capacity is not None:
+                measured_budget.capacity = self.device_capacity
             if self.plan is not None:
-                auto_budget.expect(self.plan)
-        self._automatic_budget, self._state_left_device = auto_budget is not None, False
+                measured_budget.expect(self.plan)
+        self._automatic_budget, self._state_left_device = bool(auto_budgets), False
         self._compare_plan = self.planned_peaks is not None and state.global_step < self.planned_steps
         if self._compare_plan and self._reads_resident_memory():
             self._compare_plan = False
@@ -276,13 +280,14 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
     def on_step_begin(self, args, state, control, **kwargs) -> None:
         self._run_before_integrations()
         optimizer = paged_optimizer(kwargs.get("optimizer"))
-        evicted = optimizer.prepare_forward() if optimizer is not None else 0
+        # the step's moves count from before the state its forward makes room for leaves the device
         self._stats_at_begin = optimizer.paging_stats() if optimizer is not None else None
+        evicted = optimizer.prepare_forward() if optimizer is not None else 0
         self._row = {
             "step": state.global_step + 1,
             "micro_batches": 1,
             "evicted_at_step_begin": evicted,
-            "state_bytes_forward": self._stats_at_begin["device_bytes"] if optimizer is not None else None,
+            "state_bytes_forward": self._state_bytes_on_probed_device(optimizer),
             "device_budget": optimizer.device_budget if optimizer is not None else None,
             "oom_recoveries": 0,
         }
@@ -483,6 +488,14 @@ class MemorySpikeCallback(TrainerCallback, ExportableState):
             _PAGING_METRICS,
         )
 
+    def _state_bytes_on_probed_device(self, optimizer: Any) -> int | None:
+        """Bytes of ``optimizer``'s state resident on the device the probe measures (``None`` without a paged
+        optimizer): other devices' pages are in other devices' peaks."""
+        if optimizer is None:
+            return None
+        device = optimizer.paging_stats()["devices"].get(device_key(self._probe.device))
+        return device["device_bytes"] if device is not None else 0
+
     def _state_in_peak(self, row: dict[str, Any]) -> int:
         """Bytes of optimizer state in ``row``'s forward/backward peak, which the spike detector leaves out: a peak
         that rises only by the state an automatic budget lets back onto the device is no spike. None where the probe
@@ -667,7 +680,7 @@ def combine_metrics(processes: Sequence[tuple[tuple[str, str], dict[str, float |
     }
     if len(per_node) > 1:
         for index, node in enumerate(per_node):
-            combined.update({f"memory/node_{index}/{name[len('memory/'):]}": node[name] for name in NODE_METRICS})
+            combined.update({f"memory/node_{index}/{name[len('memory/') :]}": node[name] for name in NODE_METRICS})
     return combined
 
 

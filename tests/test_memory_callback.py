@@ -471,3 +471,48 @@ def test_the_readme_names_the_metrics_as_tensorboard_and_mlflow_show_them():
     (shown,) = rewrite_logs({"memory/forward_backward_peak_gib": 1.0})
     assert shown == "train/memory/forward_backward_peak_gib" and f"`{shown}`" in tensorboard
     assert "`memory/...` as logged" in mlflow
+
+
+class _SharedDevice(ScriptedMemory):
+    """A device another process shares: what it takes (``other``) is not free."""
+
+    other = 0
+
+    def free(self) -> int:
+        return self._total - self.level - self.other
+
+
+def test_state_moved_at_a_step_s_start_counts_in_its_row_and_the_logged_totals(tmp_path, monkeypatch):
+    """Another process takes memory between steps 2 and 3: the automatic budget falls to zero and the callback's
+    own page-out before step 3's forward moves all of the state to the host. The rows, and the logged metrics,
+    add up to what the optimizer moved (before, that page-out fell between two rows)."""
+    memory = _SharedDevice(total=1 * GIB, level=100 * MIB)
+    monkeypatch.setitem(hf_paged.memory._probes, "cpu", MemoryProbe("cpu", memory=memory))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    optimizer = hf_paged.PagedAdamW(model.parameters(), page_size="16KiB", device_budget=AutoBudget(safety_margin=0))
+    callback = MemorySpikeCallback(plot=False, oom_retries=0)
+    args, state, control = _Args(tmp_path), TrainerState(), TrainerControl()
+    callback.on_train_begin(args, state, control, optimizer=optimizer)
+    logged = {"memory/moved_to_host_gib": 0.0, "memory/moved_to_device_gib": 0.0}
+    for step in range(1, 5):
+        memory.other = 724 * MIB + 256 * KIB if step == 3 else 0
+        callback.on_step_begin(args, state, control, optimizer=optimizer)
+        model(torch.randn(2, 256)).sum().backward()
+        memory.spike(300 * MIB, after=110 * MIB)
+        callback.on_pre_optimizer_step(args, state, control, optimizer=optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        callback.on_optimizer_step(args, state, control, optimizer=optimizer)
+        state.global_step += 1
+        callback.on_step_end(args, state, control, optimizer=optimizer)
+        logs = {"loss": 1.0}
+        callback.on_log(args, state, control, logs=logs)
+        for key in logged:
+            logged[key] += logs[key]
+    stats = optimizer.paging_stats()
+    assert callback.rows[2]["evicted_at_step_begin"] > 0
+    for key in ("bytes_to_host", "bytes_to_device", "page_outs", "page_ins"):
+        assert sum(row[key] for row in callback.rows) == stats[key]
+    assert logged["memory/moved_to_host_gib"] * GIB == pytest.approx(stats["bytes_to_host"])
+    assert logged["memory/moved_to_device_gib"] * GIB == pytest.approx(stats["bytes_to_device"])

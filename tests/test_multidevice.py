@@ -11,9 +11,11 @@ import pytest
 import torch
 from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
 from test_paging import assert_same_result
+from transformers import TrainerControl, TrainerState
 
 from hf_paged import PagedAdamW, PagedAdamW8bit
 from hf_paged.budget import AutoBudget
+from hf_paged.callbacks import MemorySpikeCallback
 from hf_paged.optim.base import PagedOptimizer
 
 PAGE_SIZE = 4096
@@ -148,3 +150,34 @@ def test_bad_device_budgets_name_the_key_and_change_nothing(split_model):
         with pytest.raises(ValueError):
             optimizer.set_device_budget(bad)
         assert optimizer.auto_budgets == autos
+
+
+class _Args:
+    device = torch.device("cpu")
+    skip_memory_metrics = True
+
+    def __init__(self, output_dir):
+        self.output_dir = str(output_dir)
+
+
+def test_the_memory_callback_sets_each_automatic_budget_s_margin_and_its_own_device_s_capacity(split_model, tmp_path):
+    optimizer = PagedAdamW8bit(decay_groups(split_model), **optimizer_kwargs("PagedAdamW8bit", device_budget="auto"))
+    second_capacity = optimizer.auto_budgets[SECOND].capacity
+    callback = MemorySpikeCallback(safety_margin=0.5, device_capacity="8GiB", plot=False, oom_retries=0)
+    args, state, control = _Args(tmp_path), TrainerState(), TrainerControl()
+    callback.on_train_begin(args, state, control, optimizer=optimizer)
+    autos = optimizer.auto_budgets
+    assert autos["cpu"].safety_margin == autos[SECOND].safety_margin == 0.5
+    assert autos["cpu"].capacity == 8 * 2**30 and autos[SECOND].capacity == second_capacity
+    inputs, targets = regression_batches(1)[0]
+    callback.on_step_begin(args, state, control, optimizer=optimizer)
+    torch.nn.functional.mse_loss(split_model(inputs), targets).backward()
+    callback.on_pre_optimizer_step(args, state, control, optimizer=optimizer)
+    optimizer.step()
+    callback.on_optimizer_step(args, state, control, optimizer=optimizer)
+    state.global_step += 1
+    callback.on_step_end(args, state, control, optimizer=optimizer)
+    callback.on_step_begin(args, state, control, optimizer=optimizer)
+    devices = optimizer.paging_stats()["devices"]
+    assert devices[SECOND]["device_bytes"] > 0  # the second device's pages are in its own peaks, not the probe's
+    assert callback._row["state_bytes_forward"] == devices["cpu"]["device_bytes"] > 0
