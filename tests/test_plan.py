@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -436,3 +437,43 @@ def test_train_hands_the_plan_to_the_automatic_budget_and_the_callback(tmp_path,
     assert budget.planned_peak == planned.peak_without_state("forward_backward") > 0
     assert callback.planned_peaks["optimizer_step"] == planned.optimizer_step_peak
     assert callback.plan_differences is None  # on the CPU the probe reads resident memory: not compared
+
+
+@pytest.mark.parametrize(
+    "training",
+    [
+        {"activation_checkpointing": True},
+        {"gradient_checkpointing": True},
+        {"activation_checkpointing": False, "gradient_checkpointing": True},
+        {"activation_checkpointing": True, "activation_checkpointing_kwargs": {"use_reentrant": True}},
+        {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}},
+        {"gradient_checkpointing": True, "activation_checkpointing_kwargs": {"use_reentrant": True}},
+    ],
+)
+def test_the_plan_checkpoints_as_the_training_arguments_resolve_the_two_names(tmp_path, training) -> None:
+    from transformers import TrainingArguments
+
+    config = load_config(None, [*SMALL_LLAMA, "lora.gradient_checkpointing=false"])
+    config.training.update(training)
+    setup = setup_from_config(config, "lora")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the deprecated name
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, **training)
+    assert setup.gradient_checkpointing == args.activation_checkpointing
+    reentrant = bool((args.activation_checkpointing_kwargs or {}).get("use_reentrant"))
+    assert setup.reentrant == (args.activation_checkpointing and reentrant)
+
+
+def test_the_shipped_bf16_recipe_plans_for_a_gpu_on_a_machine_without_one(tmp_path, capsys) -> None:
+    """``configs/qlora_7b_24gb.yaml`` trains in bf16, which TrainingArguments refuse to set up without a GPU that
+    runs it: the plan, of that GPU, must not ask this machine for it (it exited with status 2)."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
+    ).save_pretrained(tmp_path)
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "qlora_7b_24gb.yaml"
+    assert load_config(recipe).training["bf16"] is True
+    arguments = ["--set", f"model.name={tmp_path}", "--set", "tokenizer.max_length=64", "--device-memory", "24GiB"]
+    assert main(["plan", str(recipe), *arguments]) == 0
+    assert "verdict: fits in 24.0 GiB" in capsys.readouterr().out

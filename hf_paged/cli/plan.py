@@ -130,17 +130,24 @@ class TrainingSetup:
 
 def setup_from_config(config: Config, method: str | None = None) -> TrainingSetup:
     """The setup ``hf-paged train`` runs from ``config``: QLoRA if ``lora.quantize`` else LoRA (``method``
-    overrides), checkpointing from ``lora.gradient_checkpointing`` or ``training.gradient_checkpointing``."""
+    overrides), checkpointing from ``lora.gradient_checkpointing`` or ``training.activation_checkpointing`` (or its
+    deprecated name ``gradient_checkpointing``)."""
     if method is None:
         method = "qlora" if config.lora.quantize else "lora"
-    training = config.training
     reentrant = False
     checkpointing = config.lora.gradient_checkpointing
-    if training.get("gradient_checkpointing"):
+    if _checkpointing_setting(config.training):
         checkpointing = True
-        kwargs = training.get("gradient_checkpointing_kwargs") or {}
+        kwargs = _checkpointing_setting(config.training, "_kwargs") or {}
         reentrant = bool(kwargs.get("use_reentrant", False)) and method != "qlora"
     return TrainingSetup(config=config, method=method, gradient_checkpointing=checkpointing, reentrant=reentrant)
+
+
+def _checkpointing_setting(training: dict[str, Any], suffix: str = "") -> Any:
+    """``training.activation_checkpointing`` (with ``suffix``: ``activation_checkpointing_kwargs``), or where it is
+    unset its deprecated name ``gradient_checkpointing``, as ``TrainingArguments`` resolves the two."""
+    value = training.get(f"activation_checkpointing{suffix}")
+    return value if value is not None else training.get(f"gradient_checkpointing{suffix}")
 
 
 def weight_dtype(setup: TrainingSetup) -> torch.dtype:
@@ -442,6 +449,18 @@ def trainer_batches(make: Callable[[], Any], fetched: int, used: int, ahead: int
     return next_batch
 
 
+def planning_arguments(setup: TrainingSetup) -> Any:
+    """The config's ``TrainingArguments`` as a plan reads them (the optimizer, weight decay, DDP's options): without
+    DeepSpeed, which would start a process group, and on a machine without an accelerator with ``use_cpu``, without
+    which ``TrainingArguments`` refuse ``bf16`` and ``fp16`` there, though the plan is for the config's machine."""
+    from .train import _accelerator_available, training_arguments
+
+    changes: dict[str, Any] = {"deepspeed": None}
+    if not _accelerator_available():
+        changes["use_cpu"] = True
+    return training_arguments(setup.with_changes(training=changes).config)
+
+
 def build_optimizer(
     setup: TrainingSetup, model: nn.Module, device: str = "cpu", training_args: Any = None
 ) -> torch.optim.Optimizer:
@@ -454,9 +473,8 @@ def build_optimizer(
 
     from ..budget import AutoBudget
     from ..optim import PagedOptimizer
-    from .train import training_arguments
 
-    args = training_args if training_args is not None else training_arguments(setup.config)
+    args = training_args if training_args is not None else planning_arguments(setup)
     try:
         optimizer_class, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     except (ValueError, TypeError) as error:
@@ -487,10 +505,7 @@ def plan_setup(setup: TrainingSetup, device: str = "cpu", host_memory_apart: boo
         setup = dataclasses.replace(setup, strategy=setup.wrapping_strategy)
     vocab_size = architecture(setup.config).vocab_size
     extra = quantization_state if setup.method == "qlora" else None
-    from .train import training_arguments
-
-    # before a fake world, whose process group it would see; without DeepSpeed, which would start one
-    training_args = training_arguments(setup.with_changes(training={"deepspeed": None}).config)
+    training_args = planning_arguments(setup)  # before a fake world, whose process group it would see
     wrap = None
     strategy = None
     if setup.strategy is not None:
