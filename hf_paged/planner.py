@@ -119,7 +119,8 @@ class MemoryPlan:
     seconds: float
     """Wall time the plan took."""
     trainable_shapes: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)
-    """Shape and dtype of each trainable parameter (what optimizer state is kept for)."""
+    """Shape and dtype of each tensor the optimizer keeps state for: the trainable parameters (local shards under
+    FSDP2), or under ZeRO the rank's flat fp32 partitions of them."""
     paged_state_bytes: int | None = None
     """Bytes of all pages of a paged optimizer's state (on the device or not), as ``device_budget`` counts them;
     ``None`` for other optimizers."""
@@ -1033,7 +1034,8 @@ def plan(
         world_size: ranks the step is spread over (with a ``strategy``).
         strategy: one of :data:`hf_paged.sharding.STRATEGIES` (``ddp``, ``fsdp2``, ``fsdp2_offload``...): the step
             is traced as rank 0 of ``world_size`` would run it, in a fake process group of that many ranks in this
-            process (see :mod:`hf_paged.sharded_trace`), and the peaks are rank 0's (no rank holds more). DeepSpeed
+            process (see :mod:`hf_paged.sharded_trace`), and the peaks are rank 0's (no rank holds more; under ZeRO-2,
+            whose gradient partition differs between ranks, with the largest rank's). DeepSpeed
             ZeRO (``zero2``, ``zero3``...) cannot be traced: the model's forward and backward and the optimizer's step
             on rank 0's flat fp32 partitions are, and ZeRO's partitions, buckets and gathers are modelled in the same
             trace (see :mod:`hf_paged.zero_model`).
@@ -1188,7 +1190,8 @@ def plan(
         total = sum(p.numel() for p in params)
         paged_state = _paged_state_bytes(built_optimizer)
         state = optimizer_state_bytes(built_optimizer, ledger.rounding)
-        shapes = [(tuple(local_tensor(p).shape), p.dtype) for p in params if p.requires_grad]
+        held = [p for group in built_optimizer.param_groups for p in group["params"]]
+        shapes = [(tuple(local_tensor(p).shape), p.dtype) for p in held]
     notes = [f"includes {format_size(CUDA_WORKSPACE_BYTES)} of cuBLAS workspace"] if on_cuda else []
     if family == "triton":
         notes.append("paged optimizer steps traced with the Triton kernels, one launch per page batch")

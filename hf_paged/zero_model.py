@@ -29,8 +29,9 @@ each phase's peak holds them:
   parameter), each fp32 partition with an fp32 gradient of its own for the whole run (ZeRO-3's
   ``initialize_optimizer_states``), which its step takes in place of flattening one; parameter offload (ZeRO-3): the partitions too, copied to the device while gathered.
 
-Collectives move nothing; the figures are rank 0's (the partitions are padded to the same size; ZeRO-2's gradient
-partition differs between ranks by the parameters across its ends). Planned for the CPU, ZeRO-2's all-gather of the
+Collectives move nothing; the figures are rank 0's (the partitions are padded to the same size), but for ZeRO-2's
+gradient partition, which differs between ranks by the parameters across its ends: the largest rank's is planned, so
+that the plan holds on every rank. Planned for the CPU, ZeRO-2's all-gather of the
 weights at the end of a step holds a copy of them, as gloo's does; ZeRO-3's gathers of many parameters at once (the
 persistent ones at the end of a step, a prefetch) are not given gloo's copies, which depend on how far its threads got
 (see the README). LoRA's frozen weights are partitioned and gathered as the trainable ones, and so are QLoRA's 4-bit
@@ -169,6 +170,24 @@ class Ledger(Protocol):
     def resized(self, storage: torch.UntypedStorage) -> None: ...
 
 
+def zero2_gradient_partitions(numels: list[int], partition: int, world_size: int) -> list[int]:
+    """Elements of each rank's ZeRO-2 gradient partition of one param group whose parameters have ``numels`` elements
+    (in their order in the group's flat buffer), ``partition`` elements of the buffer a rank: the whole gradient of
+    every parameter with an element in the rank's part, as DeepSpeed's ``get_partition_info`` takes them (a parameter
+    across either end of a part counts in full on both ranks)."""
+    totals = [0] * world_size
+    if partition == 0:
+        return totals
+    offset = 0
+    for numel in numels:
+        first = offset // partition
+        last = (offset + numel - 1) // partition if numel else first
+        for rank in range(first, min(last, world_size - 1) + 1):
+            totals[rank] += numel
+        offset += numel
+    return totals
+
+
 class ZeroModel:
     """Rank 0's ZeRO buffers for ``model`` and ``optimizer`` (built on the model's parameters, as the Trainer builds its
     client optimizer) over ``world_size`` ranks; see the module's docstring.
@@ -301,17 +320,16 @@ class ZeroModel:
         param.grad = None
 
     def _gradients_in_partition(self) -> int:
-        """Elements of ZeRO-2's gradient partition on rank 0: every gradient of a parameter that begins in the rank's
-        partition of its group's flat buffer, whole (DeepSpeed's ``grads_in_partition``: a parameter across the
-        partition's end counts in full)."""
-        elements = 0
+        """Elements of ZeRO-2's gradient partition on the rank where it is largest (DeepSpeed's
+        ``grads_in_partition``), so that the plan holds on every rank: see :func:`zero2_gradient_partitions`."""
+        per_rank = [0] * self.world_size
         for group in self.groups:
-            end, offset = self.partition_elements(group), 0
-            for param in group:
-                if offset < end:
-                    elements += param.numel()
-                offset += param.numel()
-        return elements
+            numels = [param.numel() for param in group]
+            for rank, elements in enumerate(
+                zero2_gradient_partitions(numels, self.partition_elements(group), self.world_size)
+            ):
+                per_rank[rank] += elements
+        return max(per_rank)
 
     def _reduce(self, dtype: torch.dtype) -> None:
         """The bucket is reduced: this rank's gradients go to its gradient partition, allocated at the first (with

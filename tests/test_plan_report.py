@@ -165,3 +165,16 @@ def test_the_planned_optimizer_has_the_trainers_param_groups(optim: str, tmp_pat
     assert [(g["weight_decay"], [names[id(p)] for p in g["params"]]) for g in planned] == [
         (g["weight_decay"], [names[id(p)] for p in g["params"]]) for g in expected
     ]
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3", "fsdp2"])
+def test_under_sharding_every_row_of_the_comparison_is_one_rank_s_state(strategy: str) -> None:
+    """A full fine-tune with fp32 AdamW on 2 GPUs: hf-paged's 32-bit AdamW keeps the state torch's does (the chosen
+    row, the plan's own), one rank's half of it. Under ZeRO the other rows counted the whole model's (2x)."""
+    overrides = ["model.tiny.num_hidden_layers=1", "training.optim=adamw_torch", "training.optim_args=null"]
+    setup = setup_from_config(load_config(None, overrides), "full").with_changes(world_size=2, strategy=strategy)
+    outcome = report(setup, "cpu")
+    states = outcome.optimizer_states
+    assert states["adamw_torch"] == outcome.plan.optimizer_state_bytes
+    assert states["hf_paged_adamw_32bit"] == pytest.approx(states["adamw_torch"], rel=1e-3)
+    assert states["adamw_torch"] < 0.6 * 8 * outcome.plan.trainable_params

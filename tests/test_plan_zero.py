@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from hf_paged.cli.config import ConfigError, load_config
-from hf_paged.cli.plan import TrainingSetup, setup_from_config, zero_settings
+from hf_paged.cli.plan import TrainingSetup, build_model, build_optimizer, plan_setup, setup_from_config, zero_settings
 from hf_paged.planner import OPTIMIZER_STEP, plan
 from hf_paged.sharding import Strategy
-from hf_paged.zero_model import REDUCE_BUCKET_SIZE, ZeroSettings
+from hf_paged.zero_model import ALIGNMENT, REDUCE_BUCKET_SIZE, ZeroSettings, zero2_gradient_partitions
 
 WIDTH, LAYERS, GPUS = 512, 4, 4
 """An MLP whose weights (262,144 elements each) are above DeepSpeed's persistence threshold, on 4 GPUs."""
@@ -309,3 +309,65 @@ def test_zero3_on_one_rank_gathers_each_parameter_as_a_view_of_its_partition() -
     assert one.peak("forward_backward").by_kind["trainable_weights"] == 6 * PARAMS
     sharded = _plan("zero3").peak("forward_backward").by_kind["trainable_weights"]
     assert 6 * PARAMS // GPUS + 2 * LARGEST <= sharded
+
+
+def _deepspeed_gradient_partitions(numels: list[int], partition: int, world_size: int) -> list[int]:
+    """Each rank's ZeRO-2 gradient partition of one group, by DeepSpeed's own ``get_partition_info``."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    tensors = [torch.empty(numel, device="meta") for numel in numels]
+    return [
+        sum(t.numel() for t in DeepSpeedZeroOptimizer.get_partition_info(None, tensors, partition, rank)[0])
+        for rank in range(world_size)
+    ]
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("world_size", [2, 3, 5])
+def test_zero2_gradient_partitions_are_deepspeeds_on_every_rank(world_size: int) -> None:
+    generator = torch.Generator().manual_seed(world_size)
+    for _ in range(20):
+        numels = torch.randint(0, 5000, (int(torch.randint(1, 12, (1,), generator=generator)),), generator=generator)
+        numels = numels.tolist()
+        alignment = ALIGNMENT * world_size
+        partition = -(-sum(numels) // alignment) * alignment // world_size
+        expected = _deepspeed_gradient_partitions(numels, partition, world_size)
+        assert zero2_gradient_partitions(numels, partition, world_size) == expected
+
+
+@needs_deepspeed
+def test_zero2_plans_the_largest_rank_s_gradient_partition(tmp_path) -> None:
+    """A tied embedding of 2.0M elements first in the decay group, on 2 GPUs: it crosses into rank 1's part, whose
+    gradient partition (every parameter with an element in its part, whole) is 1.8x rank 0's. The step holds the
+    largest rank's partition beside the fp32 gradient flattened for the group it steps (before: rank 0's)."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        vocab_size=32000,
+        hidden_size=64,
+        intermediate_size=2048,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        tie_word_embeddings=True,
+        dtype="float32",
+    ).save_pretrained(tmp_path)
+    overrides = [
+        f"model.name={tmp_path}",
+        "tokenizer.name=byte",
+        "tokenizer.max_length=32",
+        "training.per_device_train_batch_size=1",
+        "training.optim=adamw_torch",
+        "training.optim_args=null",
+    ]
+    setup = setup_from_config(load_config(None, overrides), "full").with_changes(world_size=2, strategy="zero2")
+    groups = [group["params"] for group in build_optimizer(setup, build_model(setup)).param_groups]
+    per_rank, partitions = [0, 0], []
+    for group in groups:
+        numels = [param.numel() for param in group]
+        alignment = ALIGNMENT * 2
+        partitions.append(-(-sum(numels) // alignment) * alignment // 2)
+        for rank, elements in enumerate(_deepspeed_gradient_partitions(numels, partitions[-1], 2)):
+            per_rank[rank] += elements
+    assert per_rank[1] > 1.5 * per_rank[0]
+    planned = plan_setup(setup, "cpu").peak(OPTIMIZER_STEP).by_kind["gradients"]
+    assert planned == 4 * (per_rank[1] + max(partitions))
