@@ -6,6 +6,7 @@ import glob
 import json
 import logging
 import os
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,26 @@ class _Args:
         self.output_dir = str(output_dir)
 
 
+def run_step(callback, args, state, optimizer, forward_backward) -> None:
+    """One training step through the callback's events as the Trainer sends them; ``forward_backward()`` runs
+    between the step's start and the optimizer's."""
+    control = TrainerControl()
+    callback.on_step_begin(args, state, control, optimizer=optimizer)
+    forward_backward()
+    callback.on_pre_optimizer_step(args, state, control, optimizer=optimizer)
+    optimizer.step()
+    optimizer.zero_grad()
+    callback.on_optimizer_step(args, state, control, optimizer=optimizer)
+    state.global_step += 1
+    callback.on_step_end(args, state, control, optimizer=optimizer)
+
+
+def _forward_backward(model, memory, peak: float, after: float) -> None:
+    """The model's forward and backward, the scripted memory peaking at ``peak`` bytes and left at ``after``."""
+    model(torch.randn(2, 256)).sum().backward()
+    memory.spike(int(peak), after=int(after))
+
+
 def test_scripted_sequence_drives_spikes_budget_and_warning(tmp_path, monkeypatch, caplog):
     """Forward/backward peaks with two spikes: the callback flags them and the budget makes room."""
     memory = ScriptedMemory(total=4 * GIB, level=1 * GIB)
@@ -79,15 +100,7 @@ def test_scripted_sequence_drives_spikes_budget_and_warning(tmp_path, monkeypatc
     budgets = []
     with caplog.at_level(logging.WARNING):
         for peak in peaks:
-            callback.on_step_begin(args, state, control, optimizer=optimizer)
-            model(torch.randn(2, 256)).sum().backward()
-            memory.spike(peak, after=int(1.2 * GIB))
-            callback.on_pre_optimizer_step(args, state, control, optimizer=optimizer)
-            optimizer.step()
-            optimizer.zero_grad()
-            callback.on_optimizer_step(args, state, control, optimizer=optimizer)
-            state.global_step += 1
-            callback.on_step_end(args, state, control, optimizer=optimizer)
+            run_step(callback, args, state, optimizer, partial(_forward_backward, model, memory, peak, 1.2 * GIB))
             budgets.append(optimizer.device_budget)
     rows = callback.rows
     assert [row["step"] for row in rows if row["spike"]] == [5, 10]
@@ -497,15 +510,7 @@ def test_state_moved_at_a_step_s_start_counts_in_its_row_and_the_logged_totals(t
     logged = {"memory/moved_to_host_gib": 0.0, "memory/moved_to_device_gib": 0.0}
     for step in range(1, 5):
         memory.other = 724 * MIB + 256 * KIB if step == 3 else 0
-        callback.on_step_begin(args, state, control, optimizer=optimizer)
-        model(torch.randn(2, 256)).sum().backward()
-        memory.spike(300 * MIB, after=110 * MIB)
-        callback.on_pre_optimizer_step(args, state, control, optimizer=optimizer)
-        optimizer.step()
-        optimizer.zero_grad()
-        callback.on_optimizer_step(args, state, control, optimizer=optimizer)
-        state.global_step += 1
-        callback.on_step_end(args, state, control, optimizer=optimizer)
+        run_step(callback, args, state, optimizer, partial(_forward_backward, model, memory, 300 * MIB, 110 * MIB))
         logs = {"loss": 1.0}
         callback.on_log(args, state, control, logs=logs)
         for key in logged:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import OPTIMIZERS, decay_groups, make_mlp, optimizer_kwargs, regression_batches, train
+from test_memory_callback import run_step
 from test_paging import assert_same_result
+from torch.nn.functional import mse_loss
 from transformers import TrainerControl, TrainerState
 
 from hf_paged import PagedAdamW, PagedAdamW8bit
@@ -170,13 +172,7 @@ def test_the_memory_callback_sets_each_automatic_budget_s_margin_and_its_own_dev
     assert autos["cpu"].safety_margin == autos[SECOND].safety_margin == 0.5
     assert autos["cpu"].capacity == 8 * 2**30 and autos[SECOND].capacity == second_capacity
     inputs, targets = regression_batches(1)[0]
-    callback.on_step_begin(args, state, control, optimizer=optimizer)
-    torch.nn.functional.mse_loss(split_model(inputs), targets).backward()
-    callback.on_pre_optimizer_step(args, state, control, optimizer=optimizer)
-    optimizer.step()
-    callback.on_optimizer_step(args, state, control, optimizer=optimizer)
-    state.global_step += 1
-    callback.on_step_end(args, state, control, optimizer=optimizer)
+    run_step(callback, args, state, optimizer, lambda: mse_loss(split_model(inputs), targets).backward())
     callback.on_step_begin(args, state, control, optimizer=optimizer)
     devices = optimizer.paging_stats()["devices"]
     assert devices[SECOND]["device_bytes"] > 0  # the second device's pages are in its own peaks, not the probe's
