@@ -38,6 +38,9 @@ def _grads(params: list[torch.nn.Parameter], steps: int) -> list[list[torch.Tens
         (hf_paged.PagedAdamW8bit, "eps", -1.0),
         (hf_paged.PagedAdamW8bit, "lr", -1.0),
         (hf_paged.PagedLion8bit, "weight_decay", -1.0),
+        (hf_paged.PagedAdamW, "capturable", True),
+        (hf_paged.PagedAdamW8bit, "differentiable", True),
+        (hf_paged.PagedLion8bit, "capturable", True),
     ],
 )
 def test_an_option_set_in_place_is_refused_at_the_step_as_at_construction(build, key, value) -> None:

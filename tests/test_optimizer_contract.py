@@ -64,7 +64,10 @@ def test_deepcopy_is_an_independent_optimizer_with_the_same_state(name):
     assert type(duplicate) is type(optimizer)
     assert_same_state(optimizer.state_dict(), duplicate.state_dict())
     # as torch does, a copy of the optimizer alone holds copies of the parameters
-    assert all(a is not b and torch.equal(a, b) for a, b in zip(duplicate.param_groups[0]["params"], decay_groups(model)[0]["params"]))
+    assert all(
+        a is not b and torch.equal(a, b)
+        for a, b in zip(duplicate.param_groups[0]["params"], decay_groups(model)[0]["params"])
+    )
     if name is not None:
         for setting in ("page_size", "prefetch", "device_budget", "compiled"):
             assert getattr(duplicate, setting) == getattr(optimizer, setting), setting
@@ -167,11 +170,16 @@ def test_copies_keep_no_hooks_and_get_step_hooks_anew(name):
 
 def test_deepcopy_keeps_an_automatic_budget_of_its_own():
     model = make_mlp()
-    optimizer = hf_paged.PagedAdamW(model.parameters(), page_size=4096, device_budget=hf_paged.budget.AutoBudget(0.25, window=3))
+    optimizer = hf_paged.PagedAdamW(
+        model.parameters(), page_size=4096, device_budget=hf_paged.budget.AutoBudget(0.25, window=3)
+    )
     train(model, optimizer, regression_batches(2))
     duplicate = copy.deepcopy(optimizer)
     assert duplicate.auto_budget is not optimizer.auto_budget
-    assert duplicate.auto_budget.safety_margin == 0.25 and duplicate.auto_budget.predicted_peak == optimizer.auto_budget.predicted_peak
+    assert (
+        duplicate.auto_budget.safety_margin == 0.25
+        and duplicate.auto_budget.predicted_peak == optimizer.auto_budget.predicted_peak
+    )
     assert duplicate.auto_budget.probe is optimizer.auto_budget.probe  # the shared probe of the CPU, bound anew
     for param in itertools.chain.from_iterable(group["params"] for group in duplicate.param_groups):
         param.grad = torch.ones_like(param)
@@ -188,11 +196,15 @@ def record_load_hooks(optimizer, calls: list) -> None:
         replaced["param_groups"][0]["lr"] = 0.125
         return replaced
 
-    optimizer.register_load_state_dict_pre_hook(lambda opt, sd: calls.append(("pre", "in place")) or sd.update(marker=1))
+    optimizer.register_load_state_dict_pre_hook(
+        lambda opt, sd: calls.append(("pre", "in place")) or sd.update(marker=1)
+    )
     optimizer.register_load_state_dict_pre_hook(replace)
     optimizer.register_load_state_dict_pre_hook(lambda opt, sd: calls.append(("first", "marker" in sd)), prepend=True)
     optimizer.register_load_state_dict_post_hook(lambda opt: calls.append(("post", opt.param_groups[0]["lr"])))
-    optimizer.register_load_state_dict_post_hook(lambda opt: calls.append(("post first", opt.param_groups[0]["lr"])), prepend=True)
+    optimizer.register_load_state_dict_post_hook(
+        lambda opt: calls.append(("post first", opt.param_groups[0]["lr"])), prepend=True
+    )
 
 
 @pytest.mark.parametrize("name", TWO_KINDS)
@@ -273,7 +285,11 @@ def named_groups(model):
 def test_named_parameters_as_in_torch(name):
     model = make_mlp()
     ours, theirs = paged(name, model.named_parameters()), reference(model.named_parameters())
-    assert ours.param_groups[0]["param_names"] == theirs.param_groups[0]["param_names"] == [n for n, _ in model.named_parameters()]
+    assert (
+        ours.param_groups[0]["param_names"]
+        == theirs.param_groups[0]["param_names"]
+        == [n for n, _ in model.named_parameters()]
+    )
     assert ours.param_groups[0]["params"] == theirs.param_groups[0]["params"]
     ours, theirs = paged(name, named_groups(model)), reference(named_groups(model))
     train(model, ours, regression_batches(1))
@@ -300,9 +316,7 @@ def test_named_and_unnamed_state_dicts_load_both_ways_as_in_torch(name, directio
         target.load_state_dict(source.state_dict())
         results[key] = [group.get("param_names") for group in target.param_groups]
         if key is not None:
-            assert_same_state(
-                {**source.state_dict(), "param_groups": []}, {**target.state_dict(), "param_groups": []}
-            )
+            assert_same_state({**source.state_dict(), "param_groups": []}, {**target.state_dict(), "param_groups": []})
     assert results[name] == results[None]
     assert all(names is not None for names in results[name])
 
@@ -319,7 +333,11 @@ def test_state_keys_that_are_not_parameters_pass_through_as_in_torch(name):
         state_dict = optimizer.state_dict()
         fresh = reference(decay_groups(make_mlp())) if key is None else paged(name, decay_groups(make_mlp()))
         fresh.load_state_dict(state_dict)
-        results[key] = (state_dict["state"]["something"], fresh.state["something"], "something" in fresh.state_dict()["state"])
+        results[key] = (
+            state_dict["state"]["something"],
+            fresh.state["something"],
+            "something" in fresh.state_dict()["state"],
+        )
     assert results[name] == results[None] == ({"count": 3}, {"count": 3}, True)
 
 
@@ -491,7 +509,12 @@ def step_with(params, optimizer, steps: int = 3) -> None:
 
 @pytest.mark.parametrize(
     "device",
-    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])],
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+        ),
+    ],
 )
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_non_contiguous_parameters_update_exactly_like_contiguous_ones(name, device):
@@ -542,7 +565,13 @@ def test_strided_ranges_read_and_write_row_major_elements():
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_complex_parameters_get_a_clear_error(name):
     with pytest.raises(TypeError, match=r"parameter 1 \('w'\) of param group 0 is complex.*does not support complex"):
-        paged(name, [("v", torch.nn.Parameter(torch.zeros(3))), ("w", torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64)))])
+        paged(
+            name,
+            [
+                ("v", torch.nn.Parameter(torch.zeros(3))),
+                ("w", torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))),
+            ],
+        )
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -663,12 +692,22 @@ def bad_groups(model):
     fresh = torch.nn.Parameter(torch.zeros(3))
     return [
         ({"params": [fresh, "weight"]}, TypeError, r"parameter 1 of param group 2 must be a tensor, got str"),
-        ({"params": [fresh, torch.zeros(2, dtype=torch.int64)]}, TypeError, r"parameter 1 of param group 2 has dtype torch.int64"),
-        ({"params": [fresh, torch.zeros(2, dtype=torch.float64, requires_grad=True)]}, TypeError,
-         r"parameter 1 of param group 2 has dtype torch.float64; .*allowed: torch.float32, torch.bfloat16, torch.float16"),
+        (
+            {"params": [fresh, torch.zeros(2, dtype=torch.int64)]},
+            TypeError,
+            r"parameter 1 of param group 2 has dtype torch.int64",
+        ),
+        (
+            {"params": [fresh, torch.zeros(2, dtype=torch.float64, requires_grad=True)]},
+            TypeError,
+            r"parameter 1 of param group 2 has dtype torch.float64; .*allowed: torch.float32, torch.bfloat16, torch.float16",
+        ),
         ({"params": [fresh, first]}, ValueError, r"parameter 1 of param group 2 is already in param group 0"),
-        ({"params": [fresh, torch.nn.Parameter(first.data[:1])]}, ValueError,
-         r"parameter 1 of param group 2 shares memory with parameter 0 of param group 0"),
+        (
+            {"params": [fresh, torch.nn.Parameter(first.data[:1])]},
+            ValueError,
+            r"parameter 1 of param group 2 shares memory with parameter 0 of param group 0",
+        ),
         ({"params": [fresh, fresh]}, ValueError, r"parameter 1 of param group 2 is the same tensor as parameter 0"),
         ({"params": [fresh, fresh * 2]}, ValueError, r"parameter 1 of param group 2 is not a leaf"),
         ({"params": [fresh], "lr": -1.0}, ValueError, r"param group 2: lr must be"),
@@ -677,8 +716,11 @@ def bad_groups(model):
         ({"params": [("a", fresh), first]}, ValueError, r"param group 2 mixes \(name, tensor\) pairs \(parameter 0\)"),
         ({"params": {fresh}}, TypeError, r"param group 2: params must be an ordered collection"),
         ({"lr": 1.0}, ValueError, r"param group 2 has no 'params'"),
-        ({"params": [fresh, torch.zeros(3, device="meta", requires_grad=True)]}, ValueError,
-         r"parameter 1 of param group 2 is on the meta device"),
+        (
+            {"params": [fresh, torch.zeros(3, device="meta", requires_grad=True)]},
+            ValueError,
+            r"parameter 1 of param group 2 is on the meta device",
+        ),
     ]
 
 
@@ -743,3 +785,22 @@ def test_a_failing_load_pre_hook_changes_nothing(optimizer_name):
     with pytest.raises(RuntimeError, match="refused by a hook"):
         optimizer.load_state_dict(state_dict)
     assert_unchanged(before, snapshot(model, optimizer))
+
+
+@pytest.mark.parametrize("optimizer_class", [torch.optim.AdamW, *OPTIMIZERS.values()], ids=lambda cls: cls.__name__)
+def test_the_param_group_dicts_given_are_the_optimizer_s_as_in_torch(optimizer_class) -> None:
+    """torch.optim keeps the dicts it is given (with its defaults filled in), so an edit to one, later, takes effect;
+    the paged optimizers kept copies, and ignored such edits."""
+    first, second = torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(64))
+    given, added = {"params": [first], "lr": 1e-2}, {"params": (second,), "lr": 1e-2}
+    optimizer = optimizer_class([given])
+    optimizer.add_param_group(added)
+    assert optimizer.param_groups[0] is given and optimizer.param_groups[1] is added
+    assert added["params"] == [second] and added["weight_decay"] == optimizer.defaults["weight_decay"]
+    for param in (first, second):
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    given["lr"] = 0.0
+    before = first.detach().clone()
+    optimizer.step()
+    assert torch.equal(first, before)  # a learning rate of 0 moves nothing

@@ -4,6 +4,7 @@ has it, and refused by name where they would change it."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,3 +56,26 @@ def test_torch_adamws_arguments_at_their_defaults_step_as_without_them(optimizer
 def test_torch_adamws_arguments_that_change_the_step_are_refused(optimizer_class, options, error, message) -> None:
     with pytest.raises(error, match=message):
         optimizer_class(_params(), **options)
+
+
+@pytest.mark.parametrize("optimizer_class", CLASSES, ids=lambda cls: cls.__name__)
+@pytest.mark.parametrize("option", ["capturable", "differentiable"])
+def test_a_torch_state_dict_whose_groups_set_them_is_refused_by_name(optimizer_class, option) -> None:
+    saved = torch.optim.AdamW(_params()).state_dict()
+    saved["param_groups"][0][option] = True
+    optimizer = optimizer_class(_params())
+    with pytest.raises(ValueError, match=f"param group 0 of state_dict: {option}=True is not supported"):
+        optimizer.load_state_dict(saved)
+    assert not optimizer.param_groups[0].get(option, False)
+
+
+@pytest.mark.parametrize("optimizer_class", [*CLASSES, hf_paged.PagedLion8bit], ids=lambda cls: cls.__name__)
+@pytest.mark.parametrize("as_array", [torch.tensor, np.array], ids=["tensor", "array"])
+def test_betas_as_a_tensor_or_array_of_two_step_as_the_pair(optimizer_class, as_array) -> None:
+    """torch.optim.AdamW reads betas as a sequence, so a 1-D tensor or array of two is a pair too."""
+    betas = (0.9, 0.99)
+    given = as_array(betas) if as_array is np.array else as_array(betas, dtype=torch.float64)
+    assert torch.equal(
+        _stepped(optimizer_class(_params(), betas=given)), _stepped(optimizer_class(_params(), betas=betas))
+    )
+    torch.optim.AdamW(_params(), betas=given)  # the reference takes it too

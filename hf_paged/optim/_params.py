@@ -26,7 +26,8 @@ def describe_parameter(group_index: int, position: int, names: Sequence[Any] | N
 def normalize_param_group(
     param_group: Any, existing_groups: Sequence[dict[str, Any]], optimizer_name: str
 ) -> dict[str, Any]:
-    """A new param group dict with ``params`` a list of tensors and, for ``(name, tensor)`` pairs, ``param_names``.
+    """``param_group`` itself, as ``torch.optim`` keeps it (a caller's later edits to it take effect), with ``params``
+    made a list of tensors and, for ``(name, tensor)`` pairs, ``param_names`` added, once it is checked.
 
     Raises TypeError or ValueError naming the group and parameter at fault, as ``torch.optim`` would
     reject them and more: non-tensors, non-leaf tensors, tensors that are not fp32, bf16 or fp16 (complex and
@@ -91,10 +92,10 @@ def normalize_param_group(
             raise ValueError(f"{where} is already in param group {elsewhere[id(param)]}")
         seen[id(param)] = position
     check_disjoint_parameters(params, group_index, names, existing_groups)
-    normalized = {**param_group, "params": params}
+    param_group["params"] = params
     if names is not None:
-        normalized["param_names"] = names
-    return normalized
+        param_group["param_names"] = names
+    return param_group
 
 
 def check_parameter_dtype(param: torch.Tensor, where: str, optimizer_name: str) -> None:
@@ -332,9 +333,10 @@ def _filtered(offsets: torch.Tensor, low: int, high: int):
 
 
 def check_update_rule_options(group: dict[str, Any], optimizer_name: str) -> None:
-    """Raise ValueError for a ``torch.optim`` option of ``group`` that changes the update rule, which the paged
-    optimizers do not have: ``maximize=True``, ``amsgrad=True``, or ``decoupled_weight_decay=False`` with weight
-    decay (``torch.optim.Adam``'s decay, added to the gradient). Such groups come in torch state dicts."""
+    """Raise ValueError for a ``torch.optim`` option of ``group`` that changes the step, which the paged optimizers
+    do not have: ``maximize=True``, ``amsgrad=True``, ``decoupled_weight_decay=False`` with weight decay
+    (``torch.optim.Adam``'s decay, added to the gradient), ``capturable=True`` (a CUDA graph of the step) or
+    ``differentiable=True`` (a step autograd follows). Such groups come in torch state dicts."""
     if group.get("maximize", False):
         raise ValueError(
             f"maximize={group['maximize']!r} is not supported: {optimizer_name} minimizes the loss (allowed: "
@@ -350,6 +352,16 @@ def check_update_rule_options(group: dict[str, Any], optimizer_name: str) -> Non
             f"decoupled_weight_decay={group['decoupled_weight_decay']!r} with weight_decay={group['weight_decay']!r} "
             f"is not supported: {optimizer_name}'s weight decay is decoupled, as torch.optim.AdamW's, not added to "
             "the gradient as torch.optim.Adam's (allowed: decoupled_weight_decay=True, or weight_decay=0)"
+        )
+    if group.get("capturable", False):
+        raise ValueError(
+            f"capturable={group['capturable']!r} is not supported: {optimizer_name}'s step moves pages between host "
+            "and device, which a CUDA graph cannot capture (allowed: capturable=False)"
+        )
+    if group.get("differentiable", False):
+        raise ValueError(
+            f"differentiable={group['differentiable']!r} is not supported: {optimizer_name}'s step is not followed "
+            "by autograd (allowed: differentiable=False)"
         )
 
 

@@ -44,17 +44,8 @@ def check_torch_options(
     """Raise for ``torch.optim.AdamW``'s arguments that a paged AdamW does not have: ``amsgrad`` and ``maximize``
     (another update rule), ``capturable`` (a CUDA graph of the step) and ``differentiable`` (a step autograd follows)
     must be off; ``foreach`` and ``fused`` choose among torch's implementations and may be anything it takes."""
-    check_update_rule_options({"amsgrad": amsgrad, "maximize": maximize}, name)
-    if capturable is not False:
-        raise ValueError(
-            f"capturable={capturable!r} is not supported: {name}'s step moves pages between host and device, which "
-            "a CUDA graph cannot capture (allowed: capturable=False)"
-        )
-    if differentiable is not False:
-        raise ValueError(
-            f"differentiable={differentiable!r} is not supported: {name}'s step is not followed by autograd "
-            "(allowed: differentiable=False)"
-        )
+    options = {"amsgrad": amsgrad, "maximize": maximize, "capturable": capturable, "differentiable": differentiable}
+    check_update_rule_options(options, name)
     for option, value in (("foreach", foreach), ("fused", fused)):
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"{option} must be None, True or False, got {value!r}")

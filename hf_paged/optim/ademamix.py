@@ -35,12 +35,22 @@ import torch
 
 from ..kernels.rules import ademamix_scalars, ademamix_update_
 from ..stochastic_rounding import check_stochastic_rounding, rounding_defaults
-from .base import DEFAULT_PAGE_SIZE, PagedOptimizer, check_eps, check_lr, check_weight_decay, real_number
+from .base import (
+    DEFAULT_PAGE_SIZE,
+    PagedOptimizer,
+    betas_sequence,
+    check_eps,
+    check_lr,
+    check_weight_decay,
+    real_number,
+)
 
 
 def check_ademamix_betas(betas: Any, scheduled: bool) -> None:
     """``betas`` must be a triple ``(beta1, beta2, beta3)`` of numbers in [0, 1); with the beta3 scheduler
-    (``scheduled``), ``beta1`` and ``beta3`` must be above 0 (it takes their logarithms)."""
+    (``scheduled``), ``beta1`` and ``beta3`` must be above 0 (it takes their logarithms). A 1-D tensor or array of
+    three is taken too, as bitsandbytes' AdEMAMix takes it."""
+    betas = betas_sequence(betas)
     sequence = isinstance(betas, (tuple, list))
     for i, beta in enumerate(betas if sequence else ()):
         value = real_number(beta)

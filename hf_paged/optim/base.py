@@ -113,7 +113,17 @@ def check_lr(lr: Any) -> None:
         raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
 
 
+def betas_sequence(betas: Any) -> Any:
+    """``betas`` as a list where ``torch.optim.AdamW`` takes it as a sequence of numbers: a 1-D tensor or array, whose
+    elements it reads as 0-d tensors or scalars; else ``betas`` as it is."""
+    if not isinstance(betas, (tuple, list)) and getattr(betas, "ndim", None) == 1:
+        return list(betas)
+    return betas
+
+
 def check_betas(betas: Any) -> None:
+    """What ``torch.optim.AdamW`` accepts: two numbers in [0, 1), as a tuple or list or a 1-D tensor or array."""
+    betas = betas_sequence(betas)
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
     for i, beta in enumerate(betas):
