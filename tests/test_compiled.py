@@ -156,7 +156,10 @@ def test_a_compilation_that_fails_falls_back_to_eager_logs_once_and_sizes_chunks
         return model, optimizer
 
     eager_model, eager = run(compiled=False)
-    with torch._dynamo.config.patch(recompile_limit=0), caplog.at_level(logging.WARNING, logger="hf_paged.kernels.pytorch"):
+    with (
+        torch._dynamo.config.patch(recompile_limit=0),
+        caplog.at_level(logging.WARNING, logger="hf_paged.kernels.pytorch"),
+    ):
         model, optimizer = run(compiled=True)
     fallbacks = [record for record in caplog.records if record.name == "hf_paged.kernels.pytorch"]
     assert len(fallbacks) == 1 and "update eagerly from now on" in fallbacks[0].getMessage()
@@ -249,3 +252,37 @@ def test_every_optimizer_and_dtype_in_one_process_compiles_each_function_once():
     assert report["fallbacks"] == []
     counts = collections.Counter(report["recompiled"])
     assert counts and max(counts.values()) == 1, counts
+
+
+def _train_around(name: str, compiled_part: str | None):
+    """Three steps of a training step calling ``optimizer.step()``, with ``compiled_part`` (``"training step"`` or
+    ``"optimizer step"``) through ``torch.compile``, or none."""
+    model = make_mlp()
+    optimizer = OPTIMIZERS[name](decay_groups(model), compiled=False, **optimizer_kwargs(name))
+    step = torch.compile(optimizer.step) if compiled_part == "optimizer step" else optimizer.step
+
+    def train_step(inputs, targets):
+        loss = torch.nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        step()
+        optimizer.zero_grad()
+        return loss
+
+    run = torch.compile(train_step) if compiled_part == "training step" else train_step
+    for inputs, targets in regression_batches(3):
+        run(inputs, targets)
+    return model, optimizer
+
+
+@pytest.mark.parametrize("name", ["PagedAdamW", "PagedAdamW8bit"])
+@pytest.mark.parametrize("compiled_part", ["training step", "optimizer step"])
+def test_a_compiled_training_step_around_the_optimizer_runs_its_step_as_eager(name, compiled_part):
+    """``torch.compile`` of a training step that calls ``optimizer.step()`` (or of ``optimizer.step`` alone, torch's
+    recipe for compiled optimizers): the step runs between graphs, as outside them. Before, Dynamo traced into it and
+    failed on fp32 state's fused AdamW (every model has fp32 state: tensors below ``min_8bit_size``)."""
+    torch._dynamo.reset()
+    eager_model, eager = _train_around(name, None)
+    compiled_model, compiled = _train_around(name, compiled_part)
+    assert compiled.paging_stats()["pages_total"] == eager.paging_stats()["pages_total"] > 0
+    for param, expected in zip(compiled_model.parameters(), eager_model.parameters()):
+        assert ((param - expected).norm() / expected.norm()).item() < 1e-5

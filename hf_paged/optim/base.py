@@ -724,6 +724,7 @@ class PagedOptimizer(Optimizer):
                 self._layout.attach(tensor, pages)
         self._layout.free(dead)
 
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform one optimization step over the pages of the parameters that have gradients.
@@ -732,7 +733,10 @@ class PagedOptimizer(Optimizer):
         of a segment is updated whole or not at all, and a parameter's step count advances once all of it is
         updated. An out-of-memory error part way is recovered (:attr:`oom_retries` times): the state goes back to
         the host, cached memory is freed and the pages left are updated under a smaller budget, down to one page
-        at a time, with bitwise the result of a step without the error.
+        at a time, with bitwise the result of a step without the error. In a function that ``torch.compile``
+        compiles (a training step around the optimizer) the step runs as it does outside, between two graphs: it
+        moves pages and keeps its plan on the host, which a graph cannot hold (``compiled=True`` compiles its
+        kernels).
         """
         loss = None
         if closure is not None:
