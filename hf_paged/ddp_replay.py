@@ -91,6 +91,16 @@ def collectives_obstacle(model: torch.nn.Module) -> str | None:
     return None
 
 
+def graph_reference(tensor: torch.Tensor) -> weakref.ref:
+    """A weak reference that lives while the graph behind ``tensor`` does: to its ``grad_fn`` where that node is a
+    Python object (DDP's ``_DDPSink``, which wraps a forward's outputs under ``find_unused_parameters``), which anything
+    computed from ``tensor`` keeps (a loss derived from the output, the output itself gone); else to ``tensor``."""
+    try:
+        return weakref.ref(tensor.grad_fn)
+    except TypeError:  # a node of ATen's, or none
+        return weakref.ref(tensor)
+
+
 def tensors_in(output: object) -> list[torch.Tensor]:
     """The tensors in a forward's ``output``: itself, or inside tuples, lists and dictionaries (a ``ModelOutput``)."""
     if isinstance(output, torch.Tensor):
@@ -104,11 +114,11 @@ def tensors_in(output: object) -> list[torch.Tensor]:
     return found
 
 
-def accumulated_parameters(roots: Iterable[torch.Tensor]) -> set[int]:
-    """The ids of the leaf tensors whose gradient accumulator the autograd graph behind ``roots`` reaches (its
+def accumulated_parameters(roots: Iterable[Any]) -> set[int]:
+    """The ids of the leaf tensors whose gradient accumulator the autograd graph from the nodes ``roots`` reaches (its
     structure outlives a backward that failed part way)."""
     seen: set[object] = set()
-    queue = [tensor.grad_fn for tensor in roots if tensor.grad_fn is not None]
+    queue = list(roots)
     reached: set[int] = set()
     while queue:
         node = queue.pop()
@@ -142,8 +152,9 @@ class DDPReplay:
     instance, are wrapped on the instance to note when each ends (a module hook would cost the model's forward the
     slow path of ``nn.Module.__call__``, about 12 us on this CPU). With ``find_unused_parameters=True`` (the Trainer's
     default without gradient checkpointing) DDP also counts the parameters its forward's graph does not reach as handed
-    over at the first gradient; the forward's outputs are followed by weak references, and after an error the
-    parameters their graph reaches tell which ones those are.
+    over at the first gradient; the forward's outputs' graph is followed by weak references (:func:`graph_reference`:
+    it lives while the loss computed from them does), and after an error the parameters it reaches tell which ones
+    those are.
 
     Args:
         model: the DDP model the micro-batches run.
@@ -177,7 +188,7 @@ class DDPReplay:
             output = post_forward(output)
             self._forward_ended = True
             if model.find_unused_parameters:  # the loss, say, which backward's caller holds until an error is handled
-                self._outputs = [weakref.ref(tensor) for tensor in tensors_in(output) if tensor.requires_grad]
+                self._outputs = [graph_reference(tensor) for tensor in tensors_in(output) if tensor.requires_grad]
             return output
 
         model._pre_forward = pre_forward_then_note
@@ -237,7 +248,9 @@ class DDPReplay:
         ]
         if not self.model.find_unused_parameters:
             return pending
-        roots = [tensor for tensor in (reference() for reference in self._outputs) if tensor is not None]
+        found = (reference() for reference in self._outputs)
+        roots = [item.grad_fn if isinstance(item, torch.Tensor) else item for item in found if item is not None]
+        roots = [node for node in roots if node is not None]
         if not roots:
             return None
         reached = accumulated_parameters(roots)
@@ -263,7 +276,7 @@ class DDPReplay:
             return self.obstacle
         if self._owed is None:
             return (
-                "DDP runs with find_unused_parameters=True and the forward's outputs were gone at the error, so this "
+                "DDP runs with find_unused_parameters=True and nothing held the forward's graph at the error, so this "
                 "rank could not tell which gradients it still owes the all-reduces."
             )
         if self._forward_ended and not self._owed:

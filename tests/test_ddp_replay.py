@@ -89,3 +89,49 @@ def test_a_module_flagged_with_replay_obstacle_is_not_replayed(synchronized):
         "the tensor-parallel group), which the other ranks may wait in and which a rank that failed cannot complete: "
         "it completes DDP's gradient all-reduces only."
     )
+
+
+def _train_with_find_unused(fail: bool) -> tuple[DistributedDataParallel, int]:
+    """Two steps of a DDP model finding unused parameters whose loss is computed from its output (``model(x)``'s
+    tensor itself is dropped, as a label-smoothed loss or ``model(x) / n`` drop it); with ``fail``, the backward of the
+    first step runs out of memory once."""
+    torch.manual_seed(0)
+    middle = torch.nn.Linear(8, 8)
+    model = DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(8, 8), middle, torch.nn.Linear(8, 1)), find_unused_parameters=True
+    )
+    optimizer = hf_paged.PagedAdamW(model.parameters(), lr=1e-2)
+    recovery = hf_paged.OOMRecovery(optimizer, model=model)
+    errors_left = [int(fail)]
+
+    def out_of_memory_once(module: torch.nn.Module, grad_output: tuple) -> None:
+        if errors_left[0]:
+            errors_left[0] -= 1
+            raise torch.OutOfMemoryError("injected in backward")
+
+    middle.register_full_backward_pre_hook(out_of_memory_once)
+
+    def forward_backward(batch: torch.Tensor) -> torch.Tensor:
+        loss = model(batch).pow(2).mean()
+        loss.backward()
+        return loss.detach()
+
+    batches = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1))
+    for batch in batches:
+        with recovery.window():
+            recovery.run(forward_backward, batch)
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, recovery.recoveries
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_backward_error_finding_unused_parameters_is_replayed_when_only_the_loss_holds_the_graph():
+    """The gradients a rank still owes are found from the forward's graph, which the loss keeps; the recovery followed
+    the output tensors themselves, gone once a loss is computed from them, and refused the replay ("the forward's
+    outputs were gone"): the Trainer with ``label_smoothing_factor`` ended the job at its first error."""
+    clean, clean_recoveries = _train_with_find_unused(fail=False)
+    replayed, recoveries = _train_with_find_unused(fail=True)
+    assert (clean_recoveries, recoveries) == (0, 1)
+    for param, expected in zip(replayed.parameters(), clean.parameters()):
+        assert torch.equal(param, expected)
