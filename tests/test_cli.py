@@ -589,6 +589,42 @@ def test_bad_data_paths_are_named(tmp_path):
         load_records(load_config(overrides=[f"data.path={table}"]).data)
 
 
+@pytest.mark.parametrize(
+    ("name", "content", "override", "message"),
+    [
+        ("empty.jsonl", "", None, r"data.path: cannot load '.*empty.jsonl': StopIteration: it holds no records"),
+        ("empty.csv", "", None, r"data.path: cannot load '.*empty.csv': .*"),
+        ("header.csv", "instruction,response\n", None, r"data.path: cannot load '.*header.csv' \(split 'train'\)"),
+        ("nothing", None, None, r"data.path: cannot load '.*nothing': FileNotFoundError"),
+        ("records.jsonl", '{"instruction": "a", "response": "b"}\n', "data.split=validation", r"data.split: .*validation"),
+    ],
+)
+def test_data_that_cannot_be_loaded_is_named_with_its_key(tmp_path, name, content, override, message):
+    """Before, each raised the datasets library's own error, with a traceback and exit status 1."""
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    overrides = [f"data.path={path}", *([override] if override else [])]
+    with pytest.raises(ConfigError, match=message):
+        load_records(load_config(overrides=overrides).data)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "key", "column"),
+    [
+        ("some.jsonl", '{"instruction": "a", "response": "b"}\n{"instruction": "c"}\n', "response_field", "response"),
+        ("some.csv", "instruction,response\nhi,there\n,bar\n", "instruction_field", "instruction"),
+    ],
+)
+def test_a_record_without_a_field_is_named_not_trained_on_as_none(tmp_path, name, content, key, column):
+    """datasets gives a missing key or an empty CSV cell as None, which was trained on as the text "None"."""
+    path = tmp_path / name
+    path.write_text(content)
+    config = load_config(overrides=[f"data.path={path}"])
+    with pytest.raises(ConfigError, match=rf"data.{key}: example 1 of the data has no '{column}' \(missing or null\)"):
+        tokenize(load_records(config.data), config, byte_tokenizer())
+
+
 def test_missing_data_column_is_named():
     from datasets import Dataset
 

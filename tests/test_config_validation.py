@@ -67,6 +67,15 @@ def test_good_values_are_kept_as_written(override, attribute, value):
         (["memory.window=4", "memory.warmup=6"], r"memory.warmup must be at most memory.window \(4\)"),
         (["model.tiny.hidden_size=12", "model.tiny.num_attention_heads=4"], "model.tiny: hidden_size must be"),
         (["model.tiny.num_key_value_heads=3"], "model.tiny: hidden_size must be"),
+        (["training.eval_strategy=steps"], "training.eval_strategy must be 'no', got 'steps'"),
+        (
+            ["memory.simulate_spike_at=2", "memory.enabled=false"],
+            "memory.simulate_spike_at needs the memory callback's",
+        ),
+        (
+            ["memory.simulate_spike_at=2", "memory.oom_retries=0"],
+            "memory.simulate_spike_at needs the memory callback's",
+        ),
     ],
 )
 def test_values_the_run_would_reject_together_are_rejected_where_the_config_is_read(overrides, message, capsys):
@@ -117,3 +126,14 @@ def test_the_config_takes_a_memory_value_exactly_when_the_callback_does(name, va
         assert config is None
     else:
         assert config is not None and memory_callback(config) is not None
+
+
+@pytest.mark.parametrize("key", ["save_strategy", "logging_strategy", "eval_strategy"])
+def test_a_strategy_written_no_is_the_word_no_though_yaml_reads_a_boolean(tmp_path, key):
+    """YAML 1.1 reads an unquoted ``no`` as False, which a strategy refused ("must be one of 'no', ..., got False")."""
+    assert load_config(overrides=[f"training.{key}=no"]).training[key] == "no"
+    path = tmp_path / "run.yaml"
+    path.write_text(f"training:\n  {key}: no\n")
+    assert load_config(path).training[key] == "no"
+    with pytest.raises(ConfigError, match=f"training.{key} in --set training.{key}=yes must be one of"):
+        load_config(overrides=[f"training.{key}=yes"])

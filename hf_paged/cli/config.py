@@ -232,6 +232,18 @@ def check_config(config: Config) -> None:
             f"memory.warmup must be at most memory.window ({memory.window}): spikes are judged once warmup steps are "
             f"in the window, got {memory.warmup}"
         )
+    if memory.simulate_spike_at is not None and (not memory.enabled or memory.oom_retries < 1):
+        raise ConfigError(
+            "memory.simulate_spike_at needs the memory callback's recovery, which it is there to show "
+            f"(memory.enabled=true and memory.oom_retries >= 1), got memory.enabled={memory.enabled}, "
+            f"memory.oom_retries={memory.oom_retries}"
+        )
+    eval_strategy = config.training.get("eval_strategy", "no")
+    if getattr(eval_strategy, "value", eval_strategy) not in (None, "no"):
+        raise ConfigError(
+            f"training.eval_strategy must be 'no', got {eval_strategy!r}: hf-paged train has no evaluation data (the "
+            "Trainer would refuse it once the model is built)"
+        )
 
 
 def check_training_counts(training: Mapping[str, Any]) -> None:
@@ -398,6 +410,22 @@ def _convert(value: Any, annotation: Any, name: str, source: str) -> Any:
     return converted
 
 
+_YAML_BOOLEAN_WORDS = {False: ("no", "off", "false"), True: ("yes", "on", "true")}
+"""Words that YAML 1.1 (``yaml.safe_load``) reads as booleans, which a choice among words may mean."""
+
+
+def _choice(value: Any, allowed: Sequence[Any]) -> tuple[bool, Any]:
+    """Whether ``value`` is one of ``allowed``, and the value to store: a boolean that YAML read from a word
+    ``allowed`` has (``save_strategy: no``) is that word."""
+    if value in allowed and not isinstance(value, bool) or any(value is choice for choice in allowed):
+        return True, value
+    if isinstance(value, bool):
+        for word in _YAML_BOOLEAN_WORDS[value]:
+            if word in allowed:
+                return True, word
+    return False, value
+
+
 def _accept(value: Any, annotation: Any) -> tuple[bool, Any]:
     """Whether ``value`` fits ``annotation``, and the value to store (numbers written as strings are parsed)."""
     origin = typing.get_origin(annotation)
@@ -412,7 +440,7 @@ def _accept(value: Any, annotation: Any) -> tuple[bool, Any]:
     if annotation is type(None):
         return value is None, value
     if origin is Literal:
-        return value in typing.get_args(annotation), value
+        return _choice(value, typing.get_args(annotation))
     if annotation is bool:
         return isinstance(value, bool), value
     if annotation is int:
@@ -437,7 +465,9 @@ def _accept(value: Any, annotation: Any) -> tuple[bool, Any]:
     if origin is dict or annotation is dict:
         return isinstance(value, dict), value
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        return value in {member.value for member in annotation} or isinstance(value, annotation), value
+        return (
+            (True, value) if isinstance(value, annotation) else _choice(value, [member.value for member in annotation])
+        )
     if isinstance(annotation, type):
         return isinstance(value, annotation), value
     return True, value

@@ -92,6 +92,8 @@ def build_tokenizer(config: Config) -> Any:
 def load_records(data: DataConfig) -> Any:
     """The configured examples as a ``datasets.Dataset`` (a local file, a local dataset or a ``datasets`` name)."""
     from datasets import load_dataset
+    from datasets.data_files import EmptyDatasetError
+    from datasets.exceptions import DatasetGenerationError
 
     path = Path(data.path) if data.path is not None else SHIPPED_DATA
     if path.is_file():
@@ -101,11 +103,20 @@ def load_records(data: DataConfig) -> Any:
                 f"data.path: {str(path)!r} has suffix {path.suffix!r}; local files must be one of "
                 f"{', '.join(sorted(_LOCAL_BUILDERS))}"
             )
-        records = load_dataset(builder, data_files={"train": str(path)}, split=data.split)
+        arguments: tuple[Any, ...] = (builder,)
+        options: dict[str, Any] = {"data_files": {"train": str(path)}}
     elif path.suffix.lower() in _LOCAL_BUILDERS:
         raise ConfigError(f"data.path: no such file: {str(path)!r}")
     else:
-        records = load_dataset(str(data.path), data.name, split=data.split)
+        arguments, options = (str(data.path), data.name), {}
+    try:
+        records = load_dataset(*arguments, split=data.split, **options)
+    except ValueError as error:
+        key = "data.split" if "split" in str(error).lower() else "data.path"
+        raise ConfigError(f"{key}: cannot load {str(path)!r} (split {data.split!r}): {error}") from None
+    except (OSError, StopIteration, DatasetGenerationError, EmptyDatasetError) as error:
+        reason = str(error) or "it holds no records"
+        raise ConfigError(f"data.path: cannot load {str(path)!r}: {type(error).__name__}: {reason}") from None
     if data.max_samples is not None:
         records = records.select(range(min(data.max_samples, len(records))))
     return records
@@ -139,19 +150,29 @@ def tokenize(records: Any, config: Config, tokenizer: Any) -> Any:
     before, after = prompt.template.split("{response}", 1)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
-    def encode(example: dict[str, Any]) -> dict[str, list[int]]:
+    def field(example: dict[str, Any], index: int, key: str, column: str) -> str:
+        value = example[column]
+        if value is None:  # a record without the column, an empty CSV cell: datasets gives None
+            raise ConfigError(
+                f"{key}: example {index} of the data has no {column!r} (missing or null); fill it in or drop the "
+                "example"
+            )
+        return str(value)
+
+    def encode(example: dict[str, Any], index: int) -> dict[str, list[int]]:
         if text_field is not None:
-            ids = tokenizer(str(example[text_field]))["input_ids"] + eos
+            ids = tokenizer(field(example, index, "data.text_field", text_field))["input_ids"] + eos
             labels = list(ids)
         else:
-            instruction = str(example[data.instruction_field])
+            instruction = field(example, index, "data.instruction_field", data.instruction_field)
+            response = field(example, index, "data.response_field", data.response_field)
             head = tokenizer(before.replace("{instruction}", instruction))["input_ids"]
-            tail = tokenizer(str(example[data.response_field]) + after, add_special_tokens=False)["input_ids"] + eos
+            tail = tokenizer(response + after, add_special_tokens=False)["input_ids"] + eos
             ids = head + tail
             labels = (list(head) if prompt.train_on_prompt else [IGNORE_INDEX] * len(head)) + tail
         return {"input_ids": ids[:max_length], "labels": labels[:max_length]}
 
-    tokenized = records.map(encode, remove_columns=records.column_names, desc="tokenizing")
+    tokenized = records.map(encode, with_indices=True, remove_columns=records.column_names, desc="tokenizing")
     kept = tokenized.filter(
         lambda example: any(label != IGNORE_INDEX for label in example["labels"]),
         desc="keeping examples with a labelled token",
