@@ -724,7 +724,7 @@ class PagedOptimizer(Optimizer):
                 self._layout.attach(tensor, pages)
         self._layout.free(dead)
 
-    @torch.compiler.disable
+    @torch._disable_dynamo
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform one optimization step over the pages of the parameters that have gradients.
