@@ -39,30 +39,45 @@ def one_rank_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def _recovering(
+    middle: torch.nn.Module, **ddp_options: bool
+) -> tuple[DistributedDataParallel, hf_paged.PagedAdamW, hf_paged.OOMRecovery]:
+    """A seeded DDP model ``Linear, middle, Linear``, its optimizer and the recovery of its micro-batches."""
+    torch.manual_seed(0)
+    model = DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(8, 8), middle, torch.nn.Linear(8, 1)), **ddp_options
+    )
+    optimizer = hf_paged.PagedAdamW(model.parameters(), lr=1e-2)
+    return model, optimizer, hf_paged.OOMRecovery(optimizer, model=model)
+
+
+def _out_of_memory_once(times: int, where: str):
+    """A module hook that raises an out-of-memory error the first ``times`` times it runs (in ``where``)."""
+    errors_left = [times]
+
+    def out_of_memory(module: torch.nn.Module, arguments: tuple) -> None:
+        if errors_left[0]:
+            errors_left[0] -= 1
+            raise torch.OutOfMemoryError(f"injected in {where}")
+
+    return out_of_memory
+
+
+def _forward_backward(model: DistributedDataParallel, batch: torch.Tensor) -> torch.Tensor:
+    """A micro-batch whose loss is computed from the output (which is dropped: the loss holds the graph)."""
+    loss = model(batch).pow(2).mean()
+    loss.backward()
+    return loss.detach()
+
+
 def fail_in_forward(middle: torch.nn.Module, synchronized: bool) -> BaseException:
     """Run a step of ``Linear, middle, Linear`` under DDP whose micro-batch (``synchronized`` or inside ``no_sync``)
     runs out of memory once, in ``middle``'s forward, and return the error ``OOMRecovery`` raised."""
-    torch.manual_seed(0)
-    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 8), middle, torch.nn.Linear(8, 1)))
-    optimizer = hf_paged.PagedAdamW(model.parameters(), lr=1e-2)
-    recovery = hf_paged.OOMRecovery(optimizer, model=model)
-    errors_left = [1]
-
-    def out_of_memory_once(module: torch.nn.Module, args: tuple) -> None:
-        if errors_left[0]:
-            errors_left[0] -= 1
-            raise torch.OutOfMemoryError("injected in forward")
-
-    middle.register_forward_pre_hook(out_of_memory_once)
-
-    def forward_backward(batch: torch.Tensor) -> torch.Tensor:
-        loss = model(batch).pow(2).mean()
-        loss.backward()
-        return loss.detach()
-
+    model, _, recovery = _recovering(middle)
+    middle.register_forward_pre_hook(_out_of_memory_once(1, "forward"))
     gradient_sync = contextlib.nullcontext() if synchronized else model.no_sync()
     with pytest.raises(torch.OutOfMemoryError) as raised, recovery.window(1), gradient_sync:
-        recovery.run(forward_backward, torch.randn(4, 8))
+        recovery.run(_forward_backward, model, torch.randn(4, 8))
     assert recovery.recoveries == 0
     return raised.value
 
@@ -95,31 +110,14 @@ def _train_with_find_unused(fail: bool) -> tuple[DistributedDataParallel, int]:
     """Two steps of a DDP model finding unused parameters whose loss is computed from its output (``model(x)``'s
     tensor itself is dropped, as a label-smoothed loss or ``model(x) / n`` drop it); with ``fail``, the backward of the
     first step runs out of memory once."""
-    torch.manual_seed(0)
+    torch.manual_seed(1)
     middle = torch.nn.Linear(8, 8)
-    model = DistributedDataParallel(
-        torch.nn.Sequential(torch.nn.Linear(8, 8), middle, torch.nn.Linear(8, 1)), find_unused_parameters=True
-    )
-    optimizer = hf_paged.PagedAdamW(model.parameters(), lr=1e-2)
-    recovery = hf_paged.OOMRecovery(optimizer, model=model)
-    errors_left = [int(fail)]
-
-    def out_of_memory_once(module: torch.nn.Module, grad_output: tuple) -> None:
-        if errors_left[0]:
-            errors_left[0] -= 1
-            raise torch.OutOfMemoryError("injected in backward")
-
-    middle.register_full_backward_pre_hook(out_of_memory_once)
-
-    def forward_backward(batch: torch.Tensor) -> torch.Tensor:
-        loss = model(batch).pow(2).mean()
-        loss.backward()
-        return loss.detach()
-
+    model, optimizer, recovery = _recovering(middle, find_unused_parameters=True)
+    middle.register_full_backward_pre_hook(_out_of_memory_once(int(fail), "backward"))
     batches = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1))
     for batch in batches:
         with recovery.window():
-            recovery.run(forward_backward, batch)
+            recovery.run(_forward_backward, model, batch)
         optimizer.step()
         optimizer.zero_grad()
     return model, recovery.recoveries

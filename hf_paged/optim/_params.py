@@ -332,36 +332,29 @@ def _filtered(offsets: torch.Tensor, low: int, high: int):
         yield offsets
 
 
+_REFUSED_OPTIONS = {
+    "maximize": "{} minimizes the loss (allowed: maximize=False; negate the loss to maximize it)",
+    "amsgrad": "{} has no AMSGrad variant (allowed: amsgrad=False)",
+    "capturable": "{}'s step moves pages between host and device, which a CUDA graph cannot capture (allowed: "
+    "capturable=False)",
+    "differentiable": "{}'s step is not followed by autograd (allowed: differentiable=False)",
+}
+"""``torch.optim`` options the paged optimizers refuse when true, and why (of the optimizer named in ``{}``)."""
+
+
 def check_update_rule_options(group: dict[str, Any], optimizer_name: str) -> None:
     """Raise ValueError for a ``torch.optim`` option of ``group`` that changes the step, which the paged optimizers
     do not have: ``maximize=True``, ``amsgrad=True``, ``decoupled_weight_decay=False`` with weight decay
     (``torch.optim.Adam``'s decay, added to the gradient), ``capturable=True`` (a CUDA graph of the step) or
     ``differentiable=True`` (a step autograd follows). Such groups come in torch state dicts."""
-    if group.get("maximize", False):
-        raise ValueError(
-            f"maximize={group['maximize']!r} is not supported: {optimizer_name} minimizes the loss (allowed: "
-            "maximize=False; negate the loss to maximize it)"
-        )
-    if group.get("amsgrad", False):
-        raise ValueError(
-            f"amsgrad={group['amsgrad']!r} is not supported: {optimizer_name} has no AMSGrad variant (allowed: "
-            "amsgrad=False)"
-        )
+    for key, reason in _REFUSED_OPTIONS.items():
+        if group.get(key, False):
+            raise ValueError(f"{key}={group[key]!r} is not supported: {reason.format(optimizer_name)}")
     if not group.get("decoupled_weight_decay", True) and group.get("weight_decay", 0.0):
         raise ValueError(
             f"decoupled_weight_decay={group['decoupled_weight_decay']!r} with weight_decay={group['weight_decay']!r} "
             f"is not supported: {optimizer_name}'s weight decay is decoupled, as torch.optim.AdamW's, not added to "
             "the gradient as torch.optim.Adam's (allowed: decoupled_weight_decay=True, or weight_decay=0)"
-        )
-    if group.get("capturable", False):
-        raise ValueError(
-            f"capturable={group['capturable']!r} is not supported: {optimizer_name}'s step moves pages between host "
-            "and device, which a CUDA graph cannot capture (allowed: capturable=False)"
-        )
-    if group.get("differentiable", False):
-        raise ValueError(
-            f"differentiable={group['differentiable']!r} is not supported: {optimizer_name}'s step is not followed "
-            "by autograd (allowed: differentiable=False)"
         )
 
 
