@@ -417,13 +417,12 @@ _YAML_BOOLEAN_WORDS = {False: ("no", "off", "false"), True: ("yes", "on", "true"
 def _choice(value: Any, allowed: Sequence[Any]) -> tuple[bool, Any]:
     """Whether ``value`` is one of ``allowed``, and the value to store: a boolean that YAML read from a word
     ``allowed`` has (``save_strategy: no``) is that word."""
-    if value in allowed and not isinstance(value, bool) or any(value is choice for choice in allowed):
+    if not isinstance(value, bool):
+        return value in allowed, value
+    if any(value is choice for choice in allowed):
         return True, value
-    if isinstance(value, bool):
-        for word in _YAML_BOOLEAN_WORDS[value]:
-            if word in allowed:
-                return True, word
-    return False, value
+    word = next((word for word in _YAML_BOOLEAN_WORDS[value] if word in allowed), None)
+    return (False, value) if word is None else (True, word)
 
 
 def _accept(value: Any, annotation: Any) -> tuple[bool, Any]:
