@@ -311,6 +311,13 @@ def test_zero3_on_one_rank_gathers_each_parameter_as_a_view_of_its_partition() -
     assert 6 * PARAMS // GPUS + 2 * LARGEST <= sharded
 
 
+def _partition(numels: list[int], world_size: int) -> int:
+    """Elements of a rank's part of a ZeRO-2 flat buffer of parameters of ``numels`` elements, padded to a multiple of
+    ``ALIGNMENT * world_size`` as DeepSpeed pads it."""
+    alignment = ALIGNMENT * world_size
+    return -(-sum(numels) // alignment) * alignment // world_size
+
+
 def _deepspeed_gradient_partitions(numels: list[int], partition: int, world_size: int) -> list[int]:
     """Each rank's ZeRO-2 gradient partition of one group, by DeepSpeed's own ``get_partition_info``."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -329,8 +336,7 @@ def test_zero2_gradient_partitions_are_deepspeeds_on_every_rank(world_size: int)
     for _ in range(20):
         numels = torch.randint(0, 5000, (int(torch.randint(1, 12, (1,), generator=generator)),), generator=generator)
         numels = numels.tolist()
-        alignment = ALIGNMENT * world_size
-        partition = -(-sum(numels) // alignment) * alignment // world_size
+        partition = _partition(numels, world_size)
         expected = _deepspeed_gradient_partitions(numels, partition, world_size)
         assert zero2_gradient_partitions(numels, partition, world_size) == expected
 
@@ -364,8 +370,7 @@ def test_zero2_plans_the_largest_rank_s_gradient_partition(tmp_path) -> None:
     per_rank, partitions = [0, 0], []
     for group in groups:
         numels = [param.numel() for param in group]
-        alignment = ALIGNMENT * 2
-        partitions.append(-(-sum(numels) // alignment) * alignment // 2)
+        partitions.append(_partition(numels, 2))
         for rank, elements in enumerate(_deepspeed_gradient_partitions(numels, partitions[-1], 2)):
             per_rank[rank] += elements
     assert per_rank[1] > 1.5 * per_rank[0]
